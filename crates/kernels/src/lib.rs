@@ -2,3 +2,4 @@
 //! It knows nothing about models or file formats.
 
 pub mod quant;
+pub mod ops;

@@ -1,0 +1,1 @@
+//! CPU quantized matmul (being written).
