@@ -1,3 +1,12 @@
 //! One module per op: its WGSL kernel(s), the Rust that dispatches them, its CPU twin and its tests.
+//! Every op takes the backend first, then views of its tensors, then explicit sizes.
 
+pub(crate) mod common;
+
+pub mod add;
+pub mod fill;
+pub mod matmul;
 pub mod quant_matmul;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,333 @@
+//! The two backends behind one type, and the tensors they hold.
+//!
+//! Model code is written once against [`Backend`] and [`Tensor`]; each op module matches on the backend
+//! and runs either its CPU twin or its WGSL kernel. Tensors are flat arrays of 4-byte elements (f32, or
+//! u32 for token ids and packed data); ops take explicit dimensions, BLAS style, and views
+//! ([`TRef`], [`TMut`]) that start at an element offset, so one tensor can hold many parameters.
+//! Outputs are `&mut`, so Rust's borrow rules rule out an op reading the tensor it writes.
+
+use crate::cpu::CpuBackend;
+use crate::error::{Error, Result};
+use crate::gpu::{GpuBackend, GpuTensor};
+
+/// Element type of a tensor. Both are 4 bytes wide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    U32,
+}
+
+/// Where the ops run.
+pub enum Backend {
+    Cpu(CpuBackend),
+    Gpu(GpuBackend),
+}
+
+pub(crate) enum Store {
+    Cpu(Vec<f32>),
+    Gpu(GpuTensor),
+}
+
+/// A flat array of `len` elements on one backend.
+pub struct Tensor {
+    len: usize,
+    dtype: DType,
+    pub(crate) store: Store,
+}
+
+/// A read-only view of a tensor from element `offset`.
+#[derive(Clone, Copy)]
+pub struct TRef<'a> {
+    pub(crate) t: &'a Tensor,
+    pub(crate) offset: usize,
+}
+
+/// A writable view of a tensor from element `offset`.
+pub struct TMut<'a> {
+    pub(crate) t: &'a mut Tensor,
+    pub(crate) offset: usize,
+}
+
+impl<'a> From<&'a Tensor> for TRef<'a> {
+    fn from(t: &'a Tensor) -> Self {
+        TRef { t, offset: 0 }
+    }
+}
+
+impl<'a> From<&'a mut Tensor> for TRef<'a> {
+    fn from(t: &'a mut Tensor) -> Self {
+        TRef { t, offset: 0 }
+    }
+}
+
+impl<'a> From<&'a mut Tensor> for TMut<'a> {
+    fn from(t: &'a mut Tensor) -> Self {
+        TMut { t, offset: 0 }
+    }
+}
+
+impl Tensor {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// A view from element `offset`.
+    pub fn at(&self, offset: usize) -> TRef<'_> {
+        TRef { t: self, offset }
+    }
+    /// A writable view from element `offset`.
+    pub fn at_mut(&mut self, offset: usize) -> TMut<'_> {
+        TMut { t: self, offset }
+    }
+    /// The GPU storage, if the tensor lives there.
+    pub fn gpu(&self) -> Option<&GpuTensor> {
+        match &self.store {
+            Store::Gpu(g) => Some(g),
+            Store::Cpu(_) => None,
+        }
+    }
+    /// The host data, if the tensor lives on the CPU backend.
+    pub fn cpu(&self) -> Option<&[f32]> {
+        match &self.store {
+            Store::Cpu(v) => Some(v),
+            Store::Gpu(_) => None,
+        }
+    }
+    /// Bytes held on the device (GPU) or in host memory (CPU).
+    pub fn bytes(&self) -> u64 {
+        match &self.store {
+            Store::Cpu(v) => (v.len() * 4) as u64,
+            Store::Gpu(g) => g.bytes(),
+        }
+    }
+}
+
+fn check_range(op: &'static str, what: &str, t: &Tensor, offset: usize, len: usize) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= t.len => Ok(()),
+        _ => Err(Error::Shape {
+            op,
+            msg: format!(
+                "{what}: elements {offset}..{offset}+{len} are out of range of a tensor of {}",
+                t.len
+            ),
+        }),
+    }
+}
+
+impl<'a> TRef<'a> {
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+    pub fn tensor(&self) -> &'a Tensor {
+        self.t
+    }
+    /// The `len` host elements of the view (CPU backend).
+    pub(crate) fn cpu(&self, op: &'static str, what: &str, len: usize) -> Result<&'a [f32]> {
+        check_range(op, what, self.t, self.offset, len)?;
+        match &self.t.store {
+            Store::Cpu(v) => Ok(&v[self.offset..self.offset + len]),
+            Store::Gpu(_) => Err(Error::BackendMismatch {
+                op,
+                expected: "cpu",
+                found: "gpu",
+            }),
+        }
+    }
+    pub(crate) fn cpu_u32(&self, op: &'static str, what: &str, len: usize) -> Result<&'a [u32]> {
+        Ok(bytemuck::cast_slice(self.cpu(op, what, len)?))
+    }
+    /// The GPU storage, after checking that `len` elements from the offset are in range.
+    pub(crate) fn gpu(&self, op: &'static str, what: &str, len: usize) -> Result<&'a GpuTensor> {
+        check_range(op, what, self.t, self.offset, len)?;
+        match &self.t.store {
+            Store::Gpu(g) => Ok(g),
+            Store::Cpu(_) => Err(Error::BackendMismatch {
+                op,
+                expected: "gpu",
+                found: "cpu",
+            }),
+        }
+    }
+}
+
+impl<'a> TMut<'a> {
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+    /// A shorter-lived writable view of the same elements.
+    pub fn reborrow(&mut self) -> TMut<'_> {
+        TMut {
+            t: self.t,
+            offset: self.offset,
+        }
+    }
+    pub(crate) fn cpu(&mut self, op: &'static str, what: &str, len: usize) -> Result<&mut [f32]> {
+        check_range(op, what, self.t, self.offset, len)?;
+        let off = self.offset;
+        match &mut self.t.store {
+            Store::Cpu(v) => Ok(&mut v[off..off + len]),
+            Store::Gpu(_) => Err(Error::BackendMismatch {
+                op,
+                expected: "cpu",
+                found: "gpu",
+            }),
+        }
+    }
+    pub(crate) fn cpu_u32(&mut self, op: &'static str, what: &str, len: usize) -> Result<&mut [u32]> {
+        Ok(bytemuck::cast_slice_mut(self.cpu(op, what, len)?))
+    }
+    pub(crate) fn gpu(&self, op: &'static str, what: &str, len: usize) -> Result<&GpuTensor> {
+        check_range(op, what, self.t, self.offset, len)?;
+        match &self.t.store {
+            Store::Gpu(g) => Ok(g),
+            Store::Cpu(_) => Err(Error::BackendMismatch {
+                op,
+                expected: "gpu",
+                found: "cpu",
+            }),
+        }
+    }
+}
+
+impl Backend {
+    /// "cpu" or "gpu".
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Backend::Cpu(_) => "cpu",
+            Backend::Gpu(_) => "gpu",
+        }
+    }
+
+    /// One line naming the device, for status lines.
+    pub fn describe(&self) -> String {
+        match self {
+            Backend::Cpu(c) => format!("CPU backend, {} threads", c.threads()),
+            Backend::Gpu(g) => {
+                let i = g.info();
+                format!(
+                    "{} ({}, {}){}",
+                    i.name,
+                    i.backend,
+                    if i.driver_info.is_empty() { &i.driver } else { &i.driver_info },
+                    if i.low_end { ", low-end profile" } else { "" }
+                )
+            }
+        }
+    }
+
+    pub fn as_gpu(&self) -> Option<&GpuBackend> {
+        match self {
+            Backend::Gpu(g) => Some(g),
+            Backend::Cpu(_) => None,
+        }
+    }
+
+    /// `len` zeroed f32 elements, split (on the GPU, when larger than a binding) at multiples of `unit`.
+    pub fn zeros(&self, len: usize, unit: usize) -> Result<Tensor> {
+        self.zeros_typed(len, unit, DType::F32)
+    }
+
+    /// `len` zeroed elements of `dtype`.
+    pub fn zeros_typed(&self, len: usize, unit: usize, dtype: DType) -> Result<Tensor> {
+        let store = match self {
+            Backend::Cpu(_) => Store::Cpu(vec![0.0; len]),
+            Backend::Gpu(g) => Store::Gpu(g.alloc(len, unit)?),
+        };
+        Ok(Tensor { len, dtype, store })
+    }
+
+    /// A tensor holding `data`, split at multiples of `unit` elements.
+    pub fn from_f32(&self, data: &[f32], unit: usize) -> Result<Tensor> {
+        match self {
+            Backend::Cpu(_) => Ok(Tensor {
+                len: data.len(),
+                dtype: DType::F32,
+                store: Store::Cpu(data.to_vec()),
+            }),
+            Backend::Gpu(g) => {
+                let t = g.alloc(data.len(), unit)?;
+                g.write(&t, 0, bytemuck::cast_slice(data))?;
+                Ok(Tensor {
+                    len: data.len(),
+                    dtype: DType::F32,
+                    store: Store::Gpu(t),
+                })
+            }
+        }
+    }
+
+    /// A tensor holding `data` (token ids, packed quants).
+    pub fn from_u32(&self, data: &[u32], unit: usize) -> Result<Tensor> {
+        let mut t = self.from_f32(bytemuck::cast_slice(data), unit)?;
+        t.dtype = DType::U32;
+        Ok(t)
+    }
+
+    /// Overwrites elements of `dst` from its view's offset with `data`.
+    pub fn write_f32(&self, dst: TMut<'_>, data: &[f32]) -> Result<()> {
+        self.write_words(dst, bytemuck::cast_slice(data))
+    }
+
+    /// Overwrites elements of `dst` with raw 4-byte words.
+    pub fn write_u32(&self, dst: TMut<'_>, data: &[u32]) -> Result<()> {
+        self.write_words(dst, data)
+    }
+
+    fn write_words(&self, mut dst: TMut<'_>, data: &[u32]) -> Result<()> {
+        match self {
+            Backend::Cpu(_) => {
+                dst.cpu_u32("write", "dst", data.len())?
+                    .copy_from_slice(data);
+                Ok(())
+            }
+            Backend::Gpu(g) => {
+                let t = dst.gpu("write", "dst", data.len())?;
+                g.write(t, dst.offset, data)
+            }
+        }
+    }
+
+    /// Reads `len` elements of a view back to the host as f32.
+    pub async fn read_f32(&self, src: TRef<'_>, len: usize) -> Result<Vec<f32>> {
+        Ok(bytemuck::cast_vec(self.read_u32(src, len).await?))
+    }
+
+    /// Reads `len` elements of a view back to the host as raw words.
+    pub async fn read_u32(&self, src: TRef<'_>, len: usize) -> Result<Vec<u32>> {
+        match self {
+            Backend::Cpu(_) => Ok(src.cpu_u32("read", "src", len)?.to_vec()),
+            Backend::Gpu(g) => {
+                let t = src.gpu("read", "src", len)?;
+                g.read(t, src.offset, len).await
+            }
+        }
+    }
+
+    /// Reads a whole tensor as f32, blocking (native only; the web awaits [`Backend::read_f32`]).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn to_vec(&self, t: &Tensor) -> Result<Vec<f32>> {
+        pollster::block_on(self.read_f32(t.into(), t.len()))
+    }
+
+    /// Submits recorded GPU work (no-op on the CPU).
+    pub fn flush(&self) -> Result<()> {
+        match self {
+            Backend::Cpu(_) => Ok(()),
+            Backend::Gpu(g) => g.flush(),
+        }
+    }
+
+    /// Submits recorded GPU work and waits for it (no-op on the CPU).
+    pub fn sync(&self) -> Result<()> {
+        match self {
+            Backend::Cpu(_) => Ok(()),
+            Backend::Gpu(g) => g.sync(),
+        }
+    }
+}

@@ -1,0 +1,39 @@
+//! The CPU backend: every op's twin, run directly on host memory, multi-threaded with rayon.
+
+/// The CPU backend. Ops run immediately on the calling thread and rayon's pool.
+pub struct CpuBackend {
+    pool: Option<rayon::ThreadPool>,
+    threads: usize,
+}
+
+impl CpuBackend {
+    /// A CPU backend using `threads` threads (None: all cores).
+    pub fn new(threads: Option<usize>) -> Self {
+        match threads {
+            Some(n) if n > 0 => {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(n).build().ok();
+                let threads = pool
+                    .as_ref()
+                    .map_or_else(rayon::current_num_threads, |p| p.current_num_threads());
+                Self { pool, threads }
+            }
+            _ => Self {
+                pool: None,
+                threads: rayon::current_num_threads(),
+            },
+        }
+    }
+
+    /// Threads the ops use.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Runs `f` inside this backend's thread pool.
+    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match &self.pool {
+            Some(p) => p.install(f),
+            None => f(),
+        }
+    }
+}

@@ -1,0 +1,523 @@
+//! The wgpu backend: device, pipeline cache, and the recorder that puts a whole step's dispatches into
+//! one compute pass and one submit.
+
+mod pipeline;
+pub(crate) mod split;
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::{Arc, Mutex};
+
+pub use pipeline::Access;
+pub(crate) use pipeline::{Pipeline, PipelineOptions};
+pub use split::GpuTensor;
+pub(crate) use split::{Operand, Segment, segments};
+
+use crate::device::DeviceOptions;
+use crate::error::{Error, Result};
+use split::Chunk;
+
+/// Capacity of the per-submit parameter buffer. Each dispatch takes one aligned slot (256 bytes on most
+/// adapters), so this holds about 16k dispatches before a recording must be submitted early.
+const PARAM_CAPACITY: u64 = 4 << 20;
+
+/// Bind groups kept for reuse; beyond this the cache is dropped and rebuilt, so that bind groups of
+/// freed temporaries do not keep their buffers alive for long.
+const BIND_GROUP_CACHE: usize = 8192;
+
+/// What the device reported and what we asked of it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct GpuInfo {
+    pub name: String,
+    pub backend: String,
+    pub device_type: String,
+    pub driver: String,
+    pub driver_info: String,
+    pub vendor: u32,
+    pub device: u32,
+    pub features: Vec<String>,
+    pub low_end: bool,
+    pub max_storage_binding: u64,
+    pub max_buffer: u64,
+    pub max_storage_buffers_per_stage: u32,
+    pub max_workgroup_storage: u32,
+    pub max_invocations_per_workgroup: u32,
+    pub subgroup_min_size: u32,
+    pub subgroup_max_size: u32,
+    /// Cooperative-matrix shapes the adapter offers, as "MxNxK ab->cr".
+    pub cooperative_matrix: Vec<String>,
+}
+
+/// Counters for the benchmark output: how many submits and dispatches a piece of work took.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GpuCounters {
+    pub submits: u64,
+    pub dispatches: u64,
+    pub readbacks: u64,
+}
+
+struct Recorder {
+    encoder: Option<wgpu::CommandEncoder>,
+    pass: Option<wgpu::ComputePass<'static>>,
+    params: Vec<u8>,
+    pending: u64,
+}
+
+/// A wgpu device ready to run TinyGPT's kernels.
+pub struct GpuBackend {
+    pub(crate) device: wgpu::Device,
+    pub(crate) queue: wgpu::Queue,
+    info: GpuInfo,
+    pub(crate) features: wgpu::Features,
+    pub(crate) limits: wgpu::Limits,
+    /// Largest chunk in bytes (binding limit, or the test override below it).
+    max_chunk_bytes: u64,
+    param_align: u64,
+    params_buffer: wgpu::Buffer,
+    pipelines: RefCell<HashMap<String, Rc<Pipeline>>>,
+    bind_groups: RefCell<HashMap<BindKey, wgpu::BindGroup>>,
+    rec: RefCell<Recorder>,
+    error: Arc<Mutex<Option<String>>>,
+    lost: Arc<Mutex<Option<String>>>,
+    counters: Cell<GpuCounters>,
+    next_pipeline_id: Cell<u64>,
+}
+
+#[derive(Hash, PartialEq, Eq)]
+struct BindKey {
+    pipeline: u64,
+    param_size: u64,
+    buffers: Vec<wgpu::Buffer>,
+}
+
+fn feature_names(f: wgpu::Features) -> Vec<String> {
+    let mut v = Vec::new();
+    for (flag, name) in [
+        (wgpu::Features::SHADER_F16, "shader-f16"),
+        (wgpu::Features::SUBGROUP, "subgroup"),
+        (wgpu::Features::TIMESTAMP_QUERY, "timestamp-query"),
+        (
+            wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX,
+            "cooperative-matrix",
+        ),
+    ] {
+        if f.contains(flag) {
+            v.push(name.to_string());
+        }
+    }
+    v
+}
+
+impl GpuBackend {
+    pub(crate) fn new(
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        ai: wgpu::AdapterInfo,
+        limits: wgpu::Limits,
+        opts: &DeviceOptions,
+        coop: Vec<wgpu::CooperativeMatrixProperties>,
+    ) -> Result<Self> {
+        let error = Arc::new(Mutex::new(None::<String>));
+        let lost = Arc::new(Mutex::new(None::<String>));
+        {
+            // wgpu's default handler panics on an uncaptured error; we keep the first one and report it
+            // as an Err at the next flush or read instead.
+            let error = error.clone();
+            device.on_uncaptured_error(Arc::new(move |e| {
+                if let Ok(mut slot) = error.lock() {
+                    slot.get_or_insert_with(|| e.to_string());
+                }
+            }));
+            let lost = lost.clone();
+            device.set_device_lost_callback(move |reason, msg| {
+                if let Ok(mut slot) = lost.lock() {
+                    slot.get_or_insert_with(|| format!("{reason:?}: {msg}"));
+                }
+            });
+        }
+        let features = device.features();
+        let binding = limits.max_storage_buffer_binding_size.min(limits.max_buffer_size);
+        let max_chunk_bytes = opts
+            .max_binding_override
+            .map_or(binding, |o| o.min(binding))
+            .max(256);
+        let params_buffer = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("params"),
+            size: PARAM_CAPACITY,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let info = GpuInfo {
+            name: ai.name.clone(),
+            backend: format!("{:?}", ai.backend),
+            device_type: format!("{:?}", ai.device_type),
+            driver: ai.driver.clone(),
+            driver_info: ai.driver_info.clone(),
+            vendor: ai.vendor,
+            device: ai.device,
+            features: feature_names(features),
+            low_end: opts.low_end,
+            max_storage_binding: limits.max_storage_buffer_binding_size,
+            max_buffer: limits.max_buffer_size,
+            max_storage_buffers_per_stage: limits.max_storage_buffers_per_shader_stage,
+            max_workgroup_storage: limits.max_compute_workgroup_storage_size,
+            max_invocations_per_workgroup: limits.max_compute_invocations_per_workgroup,
+            subgroup_min_size: ai.subgroup_min_size,
+            subgroup_max_size: ai.subgroup_max_size,
+            cooperative_matrix: coop
+                .iter()
+                .map(|p| {
+                    format!(
+                        "{}x{}x{} {:?}->{:?}",
+                        p.m_size, p.n_size, p.k_size, p.ab_type, p.cr_type
+                    )
+                })
+                .collect(),
+        };
+        Ok(Self {
+            param_align: u64::from(limits.min_uniform_buffer_offset_alignment).max(16),
+            device,
+            queue,
+            info,
+            features,
+            limits,
+            max_chunk_bytes,
+            params_buffer,
+            pipelines: RefCell::default(),
+            bind_groups: RefCell::default(),
+            rec: RefCell::new(Recorder {
+                encoder: None,
+                pass: None,
+                params: Vec::new(),
+                pending: 0,
+            }),
+            error,
+            lost,
+            counters: Cell::default(),
+            next_pipeline_id: Cell::new(0),
+        })
+    }
+
+    /// What the adapter is and what we asked of it.
+    pub fn info(&self) -> &GpuInfo {
+        &self.info
+    }
+
+    /// Whether the device was opened with `f`.
+    pub fn has_feature(&self, f: wgpu::Features) -> bool {
+        self.features.contains(f)
+    }
+
+    /// Submits and dispatches so far (benchmarks print the per-step figures).
+    pub fn counters(&self) -> GpuCounters {
+        self.counters.get()
+    }
+
+    /// Largest number of bytes one chunk of a tensor may hold.
+    pub fn max_chunk_bytes(&self) -> u64 {
+        self.max_chunk_bytes
+    }
+
+    /// Returns the first GPU error or device loss seen since the last check.
+    pub fn check(&self) -> Result<()> {
+        if let Some(m) = self.lost.lock().ok().and_then(|s| s.clone()) {
+            return Err(Error::DeviceLost(m));
+        }
+        if let Some(m) = self.error.lock().ok().and_then(|mut s| s.take()) {
+            return Err(Error::Gpu(m));
+        }
+        Ok(())
+    }
+
+    // ---- tensors -------------------------------------------------------------------------------------
+
+    /// Allocates `len` zeroed 4-byte elements, split into chunks at multiples of `unit` elements.
+    pub(crate) fn alloc(&self, len: usize, unit: usize) -> Result<GpuTensor> {
+        let unit = unit.max(1);
+        let max_elems = (self.max_chunk_bytes / 4) as usize;
+        if unit > max_elems && len > max_elems {
+            return Err(Error::Limits(format!(
+                "a row of {unit} elements ({} MiB) is larger than one storage binding ({} MiB) on this \
+                 device; use a smaller batch or block size, or a device without the low-end profile",
+                unit * 4 >> 20,
+                self.max_chunk_bytes >> 20
+            )));
+        }
+        let per_chunk = if len <= max_elems {
+            len.max(1)
+        } else {
+            (max_elems / unit) * unit
+        };
+        let mut chunks = Vec::new();
+        let mut start = 0;
+        loop {
+            let n = per_chunk.min(len - start).max(if len == 0 { 1 } else { 0 });
+            let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: None,
+                size: (n.max(1) * 4) as u64,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_SRC
+                    | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            chunks.push(Chunk {
+                buffer,
+                start,
+                len: if len == 0 { 0 } else { n },
+            });
+            start += n;
+            if start >= len {
+                break;
+            }
+        }
+        Ok(GpuTensor { chunks })
+    }
+
+    /// Writes `data` (4-byte words) into `t` from element `offset`. Pending dispatches are submitted
+    /// first: a queued write lands before the next submit's commands, so it must not overtake work that
+    /// was recorded before it.
+    pub(crate) fn write(&self, t: &GpuTensor, offset: usize, data: &[u32]) -> Result<()> {
+        if self.rec.borrow().pending > 0 {
+            self.flush()?;
+        }
+        let end = offset + data.len();
+        for c in &t.chunks {
+            let (s, e) = (offset.max(c.start), end.min(c.start + c.len));
+            if s < e {
+                self.queue.write_buffer(
+                    &c.buffer,
+                    ((s - c.start) * 4) as u64,
+                    bytemuck::cast_slice(&data[s - offset..e - offset]),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads elements `offset..offset + len` of `t` back to the host.
+    pub(crate) async fn read(&self, t: &GpuTensor, offset: usize, len: usize) -> Result<Vec<u32>> {
+        self.flush()?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size: (len * 4) as u64,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut enc = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor::default());
+        let end = offset + len;
+        for c in &t.chunks {
+            let (s, e) = (offset.max(c.start), end.min(c.start + c.len));
+            if s < e {
+                enc.copy_buffer_to_buffer(
+                    &c.buffer,
+                    ((s - c.start) * 4) as u64,
+                    &staging,
+                    ((s - offset) * 4) as u64,
+                    ((e - s) * 4) as u64,
+                );
+            }
+        }
+        self.queue.submit([enc.finish()]);
+        let (tx, rx) = futures_channel::oneshot::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+            let _ = tx.send(r);
+        });
+        self.wait()?;
+        let mapped = rx
+            .await
+            .map_err(|_| Error::Gpu("readback was cancelled".into()))?;
+        self.check()?;
+        mapped.map_err(|e| Error::Gpu(format!("readback failed: {e}")))?;
+        let out = {
+            let view = staging
+                .get_mapped_range(..)
+                .map_err(|e| Error::Gpu(format!("readback failed: {e}")))?;
+            bytemuck::cast_slice::<u8, u32>(&view).to_vec()
+        };
+        staging.unmap();
+        let mut c = self.counters.get();
+        c.readbacks += 1;
+        c.submits += 1;
+        self.counters.set(c);
+        Ok(out)
+    }
+
+    /// Blocks until the device has finished all submitted work (native); on the web the browser drives
+    /// completion, so this only checks for errors.
+    pub fn wait(&self) -> Result<()> {
+        #[cfg(not(target_arch = "wasm32"))]
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| Error::Gpu(format!("waiting for the device failed: {e}")))?;
+        self.check()
+    }
+
+    /// Submits everything recorded so far and waits for it (benchmarks time with this).
+    pub fn sync(&self) -> Result<()> {
+        self.flush()?;
+        self.wait()
+    }
+
+    // ---- recording ------------------------------------------------------------------------------------
+
+    /// Ends the current compute pass and submits the recording, if anything was recorded.
+    pub fn flush(&self) -> Result<()> {
+        let mut rec = self.rec.borrow_mut();
+        drop(rec.pass.take());
+        if let Some(enc) = rec.encoder.take() {
+            if !rec.params.is_empty() {
+                self.queue.write_buffer(&self.params_buffer, 0, &rec.params);
+            }
+            self.queue.submit([enc.finish()]);
+            rec.params.clear();
+            rec.pending = 0;
+            let mut c = self.counters.get();
+            c.submits += 1;
+            self.counters.set(c);
+        }
+        drop(rec);
+        self.check()
+    }
+
+    /// Records one dispatch of `pipe` with `params` (the kernel's uniform block) and `buffers` (its storage
+    /// bindings 1..) into the current compute pass.
+    pub(crate) fn dispatch(
+        &self,
+        pipe: &Pipeline,
+        params: &[u32],
+        buffers: &[&wgpu::Buffer],
+        groups: [u32; 3],
+    ) -> Result<()> {
+        if groups.contains(&0) {
+            return Ok(());
+        }
+        let max = self.limits.max_compute_workgroups_per_dimension;
+        if groups.iter().any(|&g| g > max) {
+            return Err(Error::Limits(format!(
+                "{}: dispatch of {groups:?} workgroups exceeds the device's {max} per dimension",
+                pipe.name
+            )));
+        }
+        if buffers.len() != pipe.storage {
+            return Err(Error::Shape {
+                op: "dispatch",
+                msg: format!(
+                    "{} takes {} storage buffers, got {}",
+                    pipe.name,
+                    pipe.storage,
+                    buffers.len()
+                ),
+            });
+        }
+        // Uniform blocks are 16-byte multiples.
+        let size = ((params.len() * 4).max(16) as u64).div_ceil(16) * 16;
+        let mut rec = self.rec.borrow_mut();
+        let mut slot = (rec.params.len() as u64).div_ceil(self.param_align) * self.param_align;
+        if slot + size > PARAM_CAPACITY {
+            drop(rec);
+            self.flush()?;
+            rec = self.rec.borrow_mut();
+            slot = 0;
+        }
+        rec.params.resize(slot as usize, 0);
+        rec.params.extend_from_slice(bytemuck::cast_slice(params));
+        rec.params.resize((slot + size) as usize, 0);
+
+        let key = BindKey {
+            pipeline: pipe.id,
+            param_size: size,
+            buffers: buffers.iter().map(|b| (*b).clone()).collect(),
+        };
+        let mut cache = self.bind_groups.borrow_mut();
+        if cache.len() >= BIND_GROUP_CACHE {
+            cache.clear();
+        }
+        let bind_group = cache.entry(key).or_insert_with(|| {
+            let mut entries = Vec::with_capacity(buffers.len() + 1);
+            entries.push(wgpu::BindGroupEntry {
+                binding: 0,
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: &self.params_buffer,
+                    offset: 0,
+                    size: wgpu::BufferSize::new(size),
+                }),
+            });
+            for (i, b) in buffers.iter().enumerate() {
+                entries.push(wgpu::BindGroupEntry {
+                    binding: i as u32 + 1,
+                    resource: b.as_entire_binding(),
+                });
+            }
+            self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: None,
+                layout: &pipe.layout,
+                entries: &entries,
+            })
+        });
+
+        if rec.encoder.is_none() {
+            rec.encoder = Some(
+                self.device
+                    .create_command_encoder(&wgpu::CommandEncoderDescriptor::default()),
+            );
+        }
+        if rec.pass.is_none() {
+            let enc = rec.encoder.as_mut().expect("encoder was just created");
+            let pass = enc
+                .begin_compute_pass(&wgpu::ComputePassDescriptor::default())
+                .forget_lifetime();
+            rec.pass = Some(pass);
+        }
+        let pass = rec.pass.as_mut().expect("pass was just created");
+        pass.set_pipeline(&pipe.pipeline);
+        pass.set_bind_group(0, &*bind_group, &[slot as u32]);
+        pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
+        rec.pending += 1;
+        let mut c = self.counters.get();
+        c.dispatches += 1;
+        self.counters.set(c);
+        Ok(())
+    }
+
+    /// Workgroup grid covering `n` groups in one dimension, folded into y past the per-dimension limit.
+    /// Kernels rebuild the flat index as `wid.x + wid.y * nwg.x`.
+    pub(crate) fn grid(&self, n: usize) -> [u32; 3] {
+        let max = self.limits.max_compute_workgroups_per_dimension as usize;
+        if n <= max {
+            [n as u32, 1, 1]
+        } else {
+            [max as u32, n.div_ceil(max) as u32, 1]
+        }
+    }
+
+    /// The pipeline for `key`, built from `source()` on first use.
+    pub(crate) fn pipeline(
+        &self,
+        key: &str,
+        bindings: &[Access],
+        opts: PipelineOptions,
+        source: impl FnOnce() -> String,
+    ) -> Result<Rc<Pipeline>> {
+        if let Some(p) = self.pipelines.borrow().get(key) {
+            return Ok(p.clone());
+        }
+        let id = self.next_pipeline_id.get();
+        self.next_pipeline_id.set(id + 1);
+        let p = Rc::new(pipeline::build(
+            &self.device,
+            key,
+            id,
+            bindings,
+            opts,
+            &source(),
+        )?);
+        self.pipelines.borrow_mut().insert(key.to_string(), p.clone());
+        Ok(p)
+    }
+}

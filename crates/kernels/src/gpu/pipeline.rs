@@ -1,0 +1,127 @@
+//! Building compute pipelines so that a bad shader is an `Err`, never a crash.
+
+use crate::error::{Error, Result};
+
+/// How a kernel uses one storage binding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    ReadWrite,
+}
+
+/// Options that change how a kernel is compiled.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PipelineOptions {
+    /// Compile without naga's bounds-check code. Only for kernels whose indices are proven in range by
+    /// their own guards (the gate and the tests check them with poisoned guard regions).
+    pub unchecked: bool,
+}
+
+/// A compute pipeline with its bind-group layout: binding 0 is the kernel's uniform parameter block
+/// (dynamic offset into the per-submit parameter buffer), bindings 1.. its storage buffers.
+pub struct Pipeline {
+    pub name: String,
+    pub id: u64,
+    pub storage: usize,
+    pub pipeline: wgpu::ComputePipeline,
+    pub layout: wgpu::BindGroupLayout,
+}
+
+/// Builds a pipeline; validation errors and shader-compiler panics both come back as
+/// [`Error::Pipeline`] (naga can panic on experimental features instead of returning an error).
+pub(crate) fn build(
+    device: &wgpu::Device,
+    name: &str,
+    id: u64,
+    bindings: &[Access],
+    opts: PipelineOptions,
+    source: &str,
+) -> Result<Pipeline> {
+    let fail = |msg: String| Error::Pipeline {
+        name: name.to_string(),
+        msg,
+    };
+    let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let mut entries = vec![wgpu::BindGroupLayoutEntry {
+            binding: 0,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: wgpu::BufferBindingType::Uniform,
+                has_dynamic_offset: true,
+                min_binding_size: None,
+            },
+            count: None,
+        }];
+        for (i, a) in bindings.iter().enumerate() {
+            entries.push(wgpu::BindGroupLayoutEntry {
+                binding: i as u32 + 1,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Storage {
+                        read_only: *a == Access::Read,
+                    },
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            });
+        }
+        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some(name),
+            entries: &entries,
+        });
+        let pl = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some(name),
+            bind_group_layouts: &[Some(&layout)],
+            immediate_size: 0,
+        });
+        let desc = wgpu::ShaderModuleDescriptor {
+            label: Some(name),
+            source: wgpu::ShaderSource::Wgsl(source.into()),
+        };
+        let module = if opts.unchecked {
+            // SAFETY: only kernels whose every index is guarded by their own bounds checks ask for this;
+            // the op tests run them against poisoned guard regions.
+            unsafe {
+                device.create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+            }
+        } else {
+            device.create_shader_module(desc)
+        };
+        let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(name),
+            layout: Some(&pl),
+            module: &module,
+            entry_point: Some("main"),
+            compilation_options: wgpu::PipelineCompilationOptions {
+                constants: &[],
+                // Every kernel writes its workgroup memory before reading it.
+                zero_initialize_workgroup_memory: false,
+            },
+            cache: None,
+        });
+        (scope, layout, pipeline)
+    }));
+    let (scope, layout, pipeline) = built.map_err(|panic| {
+        let msg = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "the shader compiler panicked".into());
+        fail(format!("shader compiler panicked: {msg}"))
+    })?;
+    #[cfg(not(target_arch = "wasm32"))]
+    if let Some(e) = pollster::block_on(scope.pop()) {
+        return Err(fail(e.to_string()));
+    }
+    #[cfg(target_arch = "wasm32")]
+    drop(scope);
+    Ok(Pipeline {
+        name: name.to_string(),
+        id,
+        storage: bindings.len(),
+        pipeline,
+        layout,
+    })
+}

@@ -1,0 +1,12 @@
+// out[i] += scale_b * b[i]: the residual connection, and gradient accumulation.
+struct Params { n: u32, start: u32, o_b: u32, o_out: u32, scale_b: f32 }
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> b: array<f32>;
+@group(0) @binding(2) var<storage, read_write> out: array<f32>;
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+  let i = group_index(wid, nwg) * 256u + lid;
+  if (i < p.n) { out[p.o_out + i] = out[p.o_out + i] + p.scale_b * b[p.o_b + i]; }
+}

@@ -1,0 +1,182 @@
+use super::*;
+use crate::testing::{SeedRng, assert_nmse, cpu_backend, gpu_backend, poisoned};
+
+/// f32 products against an f64 reference: summation order differs, nothing else.
+const BOUND: f64 = 1e-10;
+
+fn run(be: &Backend, g: &Gemm, a: &[f32], b: &[f32], c0: &[f32], unit: [usize; 3]) -> Vec<f32> {
+    let ta = be.from_f32(a, unit[0]).unwrap();
+    let tb = be.from_f32(b, unit[1]).unwrap();
+    let mut tc = if g.beta == 0.0 {
+        poisoned(be, c0.len(), unit[2]).unwrap()
+    } else {
+        be.from_f32(c0, unit[2]).unwrap()
+    };
+    matmul(be, (&ta).into(), (&tb).into(), (&mut tc).into(), g).unwrap();
+    be.to_vec(&tc).unwrap()
+}
+
+fn case(rng: &mut SeedRng, g: &Gemm) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let [ea, eb, ec] = g.extents();
+    let a = rng.vec(ea, -1.0, 1.0);
+    let b = rng.vec(eb, -1.0, 1.0);
+    let c0 = rng.vec(ec, -1.0, 1.0);
+    let mut want = c0.clone();
+    gemm_reference(&a, &b, &mut want, g);
+    (a, b, c0, want)
+}
+
+fn all_layouts(m: usize, n: usize, k: usize) -> [Gemm; 4] {
+    [Gemm::nn(m, n, k), Gemm::nt(m, n, k), Gemm::tn(m, n, k), Gemm::tt(m, n, k)]
+}
+
+#[test]
+fn cpu_twin_matches_reference_at_odd_sizes() {
+    let be = cpu_backend();
+    let mut rng = SeedRng::new(1);
+    for &(m, n, k) in &[(1, 1, 1), (3, 5, 7), (17, 33, 65), (64, 1, 128), (130, 67, 3)] {
+        for g in all_layouts(m, n, k) {
+            let (a, b, c0, want) = case(&mut rng, &g);
+            assert_nmse(&format!("cpu {g:?}"), &want, &run(&be, &g, &a, &b, &c0, [1; 3]), BOUND);
+        }
+    }
+}
+
+#[test]
+fn gpu_matches_reference_at_odd_sizes() {
+    let Some(be) = gpu_backend(None) else { return };
+    let mut rng = SeedRng::new(2);
+    for &(m, n, k) in &[(1, 1, 1), (3, 5, 7), (17, 33, 65), (64, 1, 128), (130, 67, 3), (129, 257, 40)] {
+        for g in all_layouts(m, n, k) {
+            let (a, b, c0, want) = case(&mut rng, &g);
+            assert_nmse(&format!("gpu {g:?}"), &want, &run(&be, &g, &a, &b, &c0, [1; 3]), BOUND);
+        }
+    }
+}
+
+#[test]
+fn gpu_large_tile_with_alpha_accumulate_and_padding() {
+    let Some(be) = gpu_backend(None) else { return };
+    let mut rng = SeedRng::new(3);
+    // Big enough for the 128x128 tile; leading dimensions wider than the matrices; C accumulates.
+    let g = Gemm::nt(300, 260, 70).lda(75).ldb(72).ldc(263).alpha(0.5).accumulate();
+    let (a, b, c0, want) = case(&mut rng, &g);
+    assert_nmse("gpu padded", &want, &run(&be, &g, &a, &b, &c0, [1; 3]), BOUND);
+    let g = Gemm::tn(260, 300, 129).alpha(-2.0);
+    let (a, b, c0, want) = case(&mut rng, &g);
+    assert_nmse("gpu tn large", &want, &run(&be, &g, &a, &b, &c0, [1; 3]), BOUND);
+}
+
+#[test]
+fn batched_attention_shaped_products() {
+    // Scores = Q Kᵀ per (sequence, head), read straight out of a fused QKV tensor [B*T, 3C].
+    let (bsz, t, h, hd) = (3, 9, 2, 4);
+    let c = h * hd;
+    let g = Gemm::nt(t, t, hd)
+        .lda(3 * c)
+        .ldb(3 * c)
+        .alpha(0.5)
+        .batched([bsz, h], [t * 3 * c, hd], [t * 3 * c, hd], [h * t * t, t * t]);
+    let mut rng = SeedRng::new(4);
+    let qkv = rng.vec(bsz * t * 3 * c, -1.0, 1.0);
+    let ec = g.extents()[2];
+    let mut want = vec![0.0; ec];
+    gemm_reference(&qkv, &qkv[c..], &mut want, &g);
+    let mut backends = vec![cpu_backend()];
+    backends.extend(gpu_backend(None));
+    for be in &backends {
+        let tq = be.from_f32(&qkv, t * 3 * c).unwrap();
+        let mut ts = poisoned(be, ec, t * t).unwrap();
+        matmul(be, tq.at(0), tq.at(c), (&mut ts).into(), &g).unwrap();
+        assert_nmse(&format!("{} batched", be.kind()), &want, &be.to_vec(&ts).unwrap(), BOUND);
+    }
+}
+
+#[test]
+fn gpu_splits_tensors_larger_than_a_binding() {
+    // Chunks of 4 KiB (1024 floats) force every operand across several buffers.
+    let Some(be) = gpu_backend(Some(4096)) else { return };
+    let mut rng = SeedRng::new(5);
+    for g in [
+        Gemm::nn(70, 40, 50),
+        Gemm::nt(33, 90, 37),
+        Gemm::tn(41, 29, 100),
+        Gemm::tt(20, 45, 61),
+        Gemm::nt(50, 60, 30).accumulate(),
+    ] {
+        let (a, b, c0, want) = case(&mut rng, &g);
+        let units = [
+            if g.trans_a { g.lda } else { g.lda },
+            g.ldb,
+            g.ldc,
+        ];
+        let got = run(&be, &g, &a, &b, &c0, units);
+        assert_nmse(&format!("split {g:?}"), &want, &got, BOUND);
+    }
+    // A batched product whose outer batch entries sit in different buffers.
+    let g = Gemm::nn(16, 16, 16).batched([6, 2], [512, 256], [512, 256], [512, 256]);
+    let (a, b, c0, want) = case(&mut rng, &g);
+    let got = run(&be, &g, &a, &b, &c0, [512; 3]);
+    assert_nmse("split batched", &want, &got, BOUND);
+}
+
+#[test]
+fn gpu_weight_larger_than_the_real_binding_limit() {
+    // Under the low-end profile one binding holds 128 MiB; this 160 MiB weight (an LM head's size) must
+    // be split, not refused.
+    let Some(be) = gpu_backend(None) else { return };
+    let (m, n, k) = (2, 65536, 640);
+    let mut rng = SeedRng::new(6);
+    let x = rng.vec(m * k, -1.0, 1.0);
+    let w = rng.vec(n * k, -0.1, 0.1);
+    let g = Gemm::nt(m, n, k);
+    let tw = be.from_f32(&w, k).unwrap();
+    assert!(tw.gpu().unwrap().num_chunks() > 1, "the weight should need several buffers");
+    let tx = be.from_f32(&x, k).unwrap();
+    let mut ty = poisoned(&be, m * n, n).unwrap();
+    matmul(&be, (&tx).into(), (&tw).into(), (&mut ty).into(), &g).unwrap();
+    let mut want = vec![0.0; m * n];
+    let cpu = cpu_backend();
+    let (cx, cw) = (cpu.from_f32(&x, k).unwrap(), cpu.from_f32(&w, k).unwrap());
+    let mut cy = cpu.zeros(m * n, n).unwrap();
+    matmul(&cpu, (&cx).into(), (&cw).into(), (&mut cy).into(), &g).unwrap();
+    want.copy_from_slice(&cpu.to_vec(&cy).unwrap());
+    assert_nmse("160 MiB weight", &want, &be.to_vec(&ty).unwrap(), BOUND);
+}
+
+#[test]
+fn bad_shapes_are_errors_not_panics() {
+    let be = cpu_backend();
+    let a = be.zeros(10, 1).unwrap();
+    let b = be.zeros(10, 1).unwrap();
+    let mut c = be.zeros(10, 1).unwrap();
+    // Too few elements for a 4x4x4 product.
+    let e = matmul(&be, (&a).into(), (&b).into(), (&mut c).into(), &Gemm::nn(4, 4, 4));
+    assert!(matches!(e, Err(Error::Shape { .. })), "{e:?}");
+    // Leading dimension smaller than the row.
+    let e = matmul(&be, (&a).into(), (&b).into(), (&mut c).into(), &Gemm::nn(2, 2, 3).lda(2));
+    assert!(matches!(e, Err(Error::Shape { .. })), "{e:?}");
+}
+
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+    use crate::testing::SeedRng;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, .. ProptestConfig::default() })]
+        #[test]
+        fn random_shapes_match_reference(m in 1usize..80, n in 1usize..80, k in 0usize..80,
+                                         ta: bool, tb: bool, acc: bool, seed: u64) {
+            let mut g = Gemm::new(m, n, k, ta, tb);
+            if acc { g = g.accumulate(); }
+            let mut rng = SeedRng::new(seed);
+            let (a, b, c0, want) = case(&mut rng, &g);
+            let cpu = cpu_backend();
+            assert_nmse("cpu fuzz", &want, &run(&cpu, &g, &a, &b, &c0, [1; 3]), BOUND);
+            if let Some(be) = gpu_backend(None) {
+                assert_nmse("gpu fuzz", &want, &run(&be, &g, &a, &b, &c0, [1; 3]), BOUND);
+            }
+        }
+    }
+}

@@ -1,0 +1,237 @@
+//! Generates the tiled GEMM kernel's WGSL for one tile configuration and one pair of layouts.
+//!
+//! The inner loop is written out in full (every k of the tile, every register of the thread's
+//! sub-tile) because WGSL has no unroll directive and a register array indexed by a loop counter can
+//! end up in local memory on some drivers.
+//!
+//! Tile of C: BM x BN per workgroup, each thread TM x TN of it, in TM/4 x TN/4 groups of 4x4 spread
+//! across the tile (group g of a thread starts at g * BM/(TM/4) + 4 * tr), so that the 4-wide reads of
+//! neighbouring threads from workgroup memory fall on neighbouring addresses.
+//!
+//! Workgroup memory holds the A tile k-major (`As[k][m]`) and the B tile k-major (`Bs[k][n]`) as
+//! vec4 rows, so each step of the inner loop is TM/4 + TN/4 vec4 reads for TM x TN fused multiply-adds.
+//! Global loads for the next k-tile are issued before the current tile is consumed (register
+//! double-buffering) so their latency hides behind the arithmetic.
+
+use std::fmt::Write;
+
+/// One tile configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tile {
+    pub bm: u32,
+    pub bn: u32,
+    pub bk: u32,
+    pub tm: u32,
+    pub tn: u32,
+}
+
+impl Tile {
+    pub const fn threads(&self) -> u32 {
+        (self.bm / self.tm) * (self.bn / self.tn)
+    }
+    /// Workgroup memory the tile needs, in bytes.
+    pub const fn shared_bytes(&self) -> u32 {
+        (self.bm + self.bn) * self.bk * 4
+    }
+    pub fn key(&self) -> String {
+        format!("{}x{}x{}_{}x{}", self.bm, self.bn, self.bk, self.tm, self.tn)
+    }
+    fn valid(&self) -> bool {
+        let t = self.threads();
+        self.tm % 4 == 0
+            && self.tn % 4 == 0
+            && (self.bm * self.bk) % t == 0
+            && (self.bn * self.bk) % t == 0
+            && self.bm % self.tm == 0
+            && self.bn % self.tn == 0
+    }
+}
+
+/// The uniform block every GEMM variant reads. Keep in sync with [`super::params`].
+const PARAMS: &str = "struct Params {
+  m: u32, n: u32, k: u32,
+  lda: u32, ldb: u32, ldc: u32,
+  a_off: u32, b_off: u32, c_off: u32,
+  b2: u32,
+  sa1: u32, sa2: u32, sb1: u32, sb2: u32, sc1: u32, sc2: u32,
+  alpha: f32, beta: f32,
+}
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> A: array<f32>;
+@group(0) @binding(2) var<storage, read> B: array<f32>;
+@group(0) @binding(3) var<storage, read_write> C: array<f32>;
+";
+
+/// WGSL for C = alpha * op(A) op(B) + beta * C with the given tile and transposes.
+pub fn gemm_source(t: Tile, trans_a: bool, trans_b: bool) -> String {
+    assert!(t.valid(), "invalid GEMM tile {t:?}");
+    let nt = t.threads();
+    let (gm, gn) = (t.tm / 4, t.tn / 4); // 4-groups per thread in each direction
+    let (sm, sn) = (t.bm / gm, t.bn / gn); // distance between a thread's groups
+    let a_per = t.bm * t.bk / nt; // A elements each thread loads per k-tile
+    let b_per = t.bn * t.bk / nt;
+    let mut s = String::new();
+    let w = &mut s;
+    let _ = writeln!(w, "{PARAMS}");
+    let _ = writeln!(
+        w,
+        "const BM: u32 = {}u; const BN: u32 = {}u; const BK: u32 = {}u; const NT: u32 = {nt}u;",
+        t.bm, t.bn, t.bk
+    );
+    let _ = writeln!(w, "var<workgroup> As: array<vec4<f32>, {}>;", t.bm * t.bk / 4);
+    let _ = writeln!(w, "var<workgroup> Bs: array<vec4<f32>, {}>;", t.bn * t.bk / 4);
+    let _ = writeln!(
+        w,
+        "@compute @workgroup_size({nt})
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+  let z1 = wid.z / p.b2;
+  let z2 = wid.z % p.b2;
+  let a_base = p.a_off + z1 * p.sa1 + z2 * p.sa2;
+  let b_base = p.b_off + z1 * p.sb1 + z2 * p.sb2;
+  let c_base = p.c_off + z1 * p.sc1 + z2 * p.sc2;
+  let row0 = wid.y * BM;
+  let col0 = wid.x * BN;
+  let tr = lid / {tcols}u;
+  let tc = lid % {tcols}u;",
+        tcols = t.bn / t.tn
+    );
+    // Load coordinates (fixed per thread) for the A and B tiles.
+    for i in 0..a_per {
+        if trans_a {
+            // A stored K x M: consecutive threads take consecutive m.
+            let _ = writeln!(
+                w,
+                "  let la_k{i} = ({i}u * NT + lid) / BM; let la_m{i} = ({i}u * NT + lid) % BM;"
+            );
+        } else {
+            let _ = writeln!(
+                w,
+                "  let la_m{i} = ({i}u * NT + lid) / BK; let la_k{i} = ({i}u * NT + lid) % BK;"
+            );
+        }
+    }
+    for i in 0..b_per {
+        if trans_b {
+            let _ = writeln!(
+                w,
+                "  let lb_n{i} = ({i}u * NT + lid) / BK; let lb_k{i} = ({i}u * NT + lid) % BK;"
+            );
+        } else {
+            // B stored K x N: consecutive threads take consecutive n.
+            let _ = writeln!(
+                w,
+                "  let lb_k{i} = ({i}u * NT + lid) / BN; let lb_n{i} = ({i}u * NT + lid) % BN;"
+            );
+        }
+    }
+    // Registers for the next tile's global loads.
+    let load = |w: &mut String, k0: &str| {
+        for i in 0..a_per {
+            let idx = if trans_a {
+                format!("a_base + ({k0} + la_k{i}) * p.lda + row0 + la_m{i}")
+            } else {
+                format!("a_base + (row0 + la_m{i}) * p.lda + {k0} + la_k{i}")
+            };
+            let _ = writeln!(
+                w,
+                "    ra{i} = 0.0; if (row0 + la_m{i} < p.m && {k0} + la_k{i} < p.k) {{ ra{i} = A[{idx}]; }}"
+            );
+        }
+        for i in 0..b_per {
+            let idx = if trans_b {
+                format!("b_base + (col0 + lb_n{i}) * p.ldb + {k0} + lb_k{i}")
+            } else {
+                format!("b_base + ({k0} + lb_k{i}) * p.ldb + col0 + lb_n{i}")
+            };
+            let _ = writeln!(
+                w,
+                "    rb{i} = 0.0; if (col0 + lb_n{i} < p.n && {k0} + lb_k{i} < p.k) {{ rb{i} = B[{idx}]; }}"
+            );
+        }
+    };
+    for i in 0..a_per {
+        let _ = writeln!(w, "  var ra{i}: f32;");
+    }
+    for i in 0..b_per {
+        let _ = writeln!(w, "  var rb{i}: f32;");
+    }
+    for i in 0..t.tm {
+        for g in 0..gn {
+            let _ = writeln!(w, "  var acc{i}_{g} = vec4<f32>(0.0);");
+        }
+    }
+    let _ = writeln!(w, "  {{");
+    load(w, "0u");
+    let _ = writeln!(w, "  }}");
+    let _ = writeln!(w, "  for (var k0 = 0u; k0 < p.k; k0 = k0 + BK) {{");
+    let _ = writeln!(w, "    workgroupBarrier();");
+    for i in 0..a_per {
+        let _ = writeln!(
+            w,
+            "    As[la_k{i} * (BM / 4u) + la_m{i} / 4u][la_m{i} % 4u] = ra{i};"
+        );
+    }
+    for i in 0..b_per {
+        let _ = writeln!(
+            w,
+            "    Bs[lb_k{i} * (BN / 4u) + lb_n{i} / 4u][lb_n{i} % 4u] = rb{i};"
+        );
+    }
+    let _ = writeln!(w, "    workgroupBarrier();");
+    let _ = writeln!(w, "    let kn = k0 + BK;");
+    let _ = writeln!(w, "    if (kn < p.k) {{");
+    load(w, "kn");
+    let _ = writeln!(w, "    }}");
+    for kk in 0..t.bk {
+        for g in 0..gm {
+            let _ = writeln!(
+                w,
+                "    let a{kk}_{g} = As[{} + {}u + tr];",
+                kk * t.bm / 4,
+                g * sm / 4
+            );
+        }
+        for g in 0..gn {
+            let _ = writeln!(
+                w,
+                "    let b{kk}_{g} = Bs[{} + {}u + tc];",
+                kk * t.bn / 4,
+                g * sn / 4
+            );
+        }
+        for gi in 0..gm {
+            for c in 0..4 {
+                let i = gi * 4 + c;
+                let comp = ["x", "y", "z", "w"][c as usize];
+                for g in 0..gn {
+                    let _ = writeln!(
+                        w,
+                        "    acc{i}_{g} = fma(vec4<f32>(a{kk}_{gi}.{comp}), b{kk}_{g}, acc{i}_{g});"
+                    );
+                }
+            }
+        }
+    }
+    let _ = writeln!(w, "  }}");
+    // Store with edge guards.
+    for gi in 0..gm {
+        for c in 0..4u32 {
+            let i = gi * 4 + c;
+            let _ = writeln!(w, "  {{ let r = row0 + {}u + tr * 4u + {c}u;", gi * sm);
+            let _ = writeln!(w, "    if (r < p.m) {{");
+            for g in 0..gn {
+                for j in 0..4u32 {
+                    let comp = ["x", "y", "z", "w"][j as usize];
+                    let _ = writeln!(
+                        w,
+                        "      {{ let cc = col0 + {}u + tc * 4u + {j}u; if (cc < p.n) {{ let ci = c_base + r * p.ldc + cc; var v = p.alpha * acc{i}_{g}.{comp}; if (p.beta != 0.0) {{ v = v + p.beta * C[ci]; }} C[ci] = v; }} }}",
+                        g * sn
+                    );
+                }
+            }
+            let _ = writeln!(w, "    }} }}");
+        }
+    }
+    let _ = writeln!(w, "}}");
+    s
+}

@@ -1,0 +1,220 @@
+//! Helpers for tests across the workspace: seeded inputs, the NMSE metric, poisoned outputs, and the
+//! GPU device the tests run on.
+//!
+//! GPU tests never pass silently without a GPU: when no adapter opens they fail with instructions,
+//! unless `TINYGPT_SKIP_GPU_TESTS=1` says to skip them.
+
+use crate::backend::{Backend, Tensor};
+use crate::device::{BackendChoice, DeviceOptions};
+
+/// Normalised mean squared error Σ(a−b)²/Σa² of `got` against `want` (NaN when either holds a NaN).
+pub fn nmse(want: &[f32], got: &[f32]) -> f64 {
+    assert_eq!(want.len(), got.len(), "nmse: lengths differ");
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&a, &b) in want.iter().zip(got) {
+        if !a.is_finite() || !b.is_finite() {
+            return f64::NAN;
+        }
+        let d = a as f64 - b as f64;
+        num += d * d;
+        den += a as f64 * a as f64;
+    }
+    if den == 0.0 {
+        if num == 0.0 { 0.0 } else { f64::INFINITY }
+    } else {
+        num / den
+    }
+}
+
+/// Panics with a readable report unless NMSE(want, got) <= bound.
+#[track_caller]
+pub fn assert_nmse(what: &str, want: &[f32], got: &[f32], bound: f64) {
+    let e = nmse(want, got);
+    if e <= bound {
+        return;
+    }
+    let first_bad = want
+        .iter()
+        .zip(got)
+        .position(|(a, b)| !b.is_finite() || (a - b).abs() > 1e-3 * (1.0 + a.abs()));
+    let show = |v: &[f32]| {
+        v.iter()
+            .take(6)
+            .map(|x| format!("{x:.6}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    panic!(
+        "{what}: NMSE {e:.3e} exceeds {bound:.1e} (n = {})\n  want: [{}]\n  got:  [{}]\n  first differing index: {:?}",
+        want.len(),
+        show(want),
+        show(got),
+        first_bad.map(|i| (i, want[i], got[i]))
+    );
+}
+
+/// A small seeded generator (SplitMix64) so tests and gates draw the same inputs everywhere.
+pub struct SeedRng(u64);
+
+impl SeedRng {
+    pub fn new(seed: u64) -> Self {
+        SeedRng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    pub fn f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    /// Uniform in [lo, hi).
+    pub fn range(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * self.f32()
+    }
+    /// Uniform integer in 0..n.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n.max(1) as u64) as usize
+    }
+    /// `n` values uniform in [lo, hi).
+    pub fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n).map(|_| self.range(lo, hi)).collect()
+    }
+    /// `n` standard normal values (Box–Muller).
+    pub fn normal_vec(&mut self, n: usize, std: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let u1 = self.f32().max(1e-7);
+                let u2 = self.f32();
+                std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+            })
+            .collect()
+    }
+}
+
+/// Whether the user asked to skip GPU tests.
+pub fn skip_gpu() -> bool {
+    std::env::var("TINYGPT_SKIP_GPU_TESTS").is_ok_and(|v| v == "1")
+}
+
+/// Opens the GPU backend tests run on, under the low-end profile (WebGPU's default limits), optionally
+/// splitting tensors at `max_binding` bytes. Returns None only when `TINYGPT_SKIP_GPU_TESTS=1`; with no
+/// adapter otherwise, panics with instructions.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn gpu_backend(max_binding: Option<u64>) -> Option<Backend> {
+    if skip_gpu() {
+        eprintln!("TINYGPT_SKIP_GPU_TESTS=1: skipping a GPU test");
+        return None;
+    }
+    let opts = DeviceOptions {
+        backend: BackendChoice::Gpu,
+        adapter: std::env::var("TINYGPT_ADAPTER").ok(),
+        low_end: std::env::var("TINYGPT_TEST_FULL_LIMITS").is_err(),
+        max_binding_override: max_binding,
+        cpu_threads: None,
+    };
+    match pollster::block_on(crate::device::open(&opts)) {
+        Ok((b, _)) => Some(b),
+        Err(e) => panic!(
+            "GPU tests need a GPU adapter and none could be opened: {e}\n\
+             Install one (Debian/Ubuntu: `sudo apt-get install mesa-vulkan-drivers` for a software \
+             Vulkan adapter), or set TINYGPT_SKIP_GPU_TESTS=1 to skip GPU tests explicitly."
+        ),
+    }
+}
+
+/// The CPU backend for tests.
+pub fn cpu_backend() -> Backend {
+    Backend::Cpu(crate::cpu::CpuBackend::new(None))
+}
+
+/// A tensor of `len` NaNs: outputs start poisoned so an element an op forgets to write fails the test.
+pub fn poisoned(be: &Backend, len: usize, unit: usize) -> crate::Result<Tensor> {
+    be.from_f32(&vec![f32::NAN; len], unit)
+}
+
+/// One input or output of a twin comparison.
+pub struct Arg {
+    /// Initial contents (raw words for u32 data); `None` for an output that starts poisoned.
+    pub data: Option<Vec<f32>>,
+    pub len: usize,
+    /// Split unit for GPU allocation.
+    pub unit: usize,
+}
+
+impl Arg {
+    /// An input (or an output that accumulates) holding `data`.
+    pub fn data(data: Vec<f32>, unit: usize) -> Self {
+        Arg {
+            len: data.len(),
+            data: Some(data),
+            unit,
+        }
+    }
+    /// Token ids or other u32 words.
+    pub fn words(data: &[u32], unit: usize) -> Self {
+        Self::data(bytemuck::cast_slice(data).to_vec(), unit)
+    }
+    /// An output of `len` elements that starts poisoned with NaN.
+    pub fn out(len: usize, unit: usize) -> Self {
+        Arg {
+            data: None,
+            len,
+            unit,
+        }
+    }
+}
+
+/// Runs `f` on the CPU backend and on the GPU backend — once with tensors below the binding limit and,
+/// when `split_bytes` is given, once with every tensor split into chunks of at most that many bytes —
+/// and asserts every output of the GPU runs is within `bound` NMSE of the CPU twin's.
+/// `f` gets the tensors in the order of `args`. Returns the CPU outputs for further checks.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn check_twin(
+    name: &str,
+    bound: f64,
+    args: &[Arg],
+    split_bytes: Option<u64>,
+    f: impl Fn(&Backend, &mut [Tensor]) -> crate::Result<()>,
+) -> Vec<Vec<f32>> {
+    let run = |be: &Backend| -> Vec<Vec<f32>> {
+        let mut ts: Vec<Tensor> = args
+            .iter()
+            .map(|a| match &a.data {
+                Some(d) => be.from_f32(d, a.unit),
+                None => poisoned(be, a.len, a.unit),
+            })
+            .collect::<crate::Result<_>>()
+            .unwrap_or_else(|e| panic!("{name}: allocating on {}: {e}", be.kind()));
+        f(be, &mut ts).unwrap_or_else(|e| panic!("{name} on {}: {e}", be.kind()));
+        ts.iter()
+            .map(|t| be.to_vec(t).unwrap_or_else(|e| panic!("{name}: reading back: {e}")))
+            .collect()
+    };
+    let want = run(&cpu_backend());
+    let mut gpus = Vec::new();
+    if let Some(g) = gpu_backend(None) {
+        gpus.push(("gpu", g));
+    }
+    if let Some(bytes) = split_bytes
+        && let Some(g) = gpu_backend(Some(bytes))
+    {
+        gpus.push(("gpu split", g));
+    }
+    for (label, be) in &gpus {
+        let got = run(be);
+        for (i, a) in args.iter().enumerate() {
+            assert_nmse(&format!("{name} [{label}] tensor {i}"), &want[i], &got[i], bound);
+            if a.data.is_none() {
+                assert!(
+                    want[i].iter().all(|x| x.is_finite()),
+                    "{name}: CPU twin left tensor {i} unwritten or non-finite"
+                );
+            }
+        }
+    }
+    want
+}
