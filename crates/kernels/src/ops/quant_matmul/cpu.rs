@@ -1,1 +1,1050 @@
-//! CPU quantized matmul (being written).
+//! CPU quantized matmul: y = x · Wᵀ straight from the block-quantized layouts of [`crate::quant`], with
+//! f32 activations.
+//!
+//! There is no activation quantization: every product is an f32 product of the exact quant (an integer,
+//! exact in f32) with the exact activation, so results equal f32 math on the dequantized weights up to
+//! summation order. (llama.cpp quantizes activations to 8 bits and uses integer dot products; that is
+//! faster per instruction but changes the numbers, which the model tests forbid.) Factoring the scale out
+//! of each block — y = Σ_b scale_b · Σ_{i∈b} q_i x_i (+ min_b · Σ_{i∈b} x_i for Q4) — is the same sum
+//! reassociated; the scalar path uses the same factoring.
+//!
+//! Decode (batch 1) is a stream over the weights, so the kernels are built to read each weight byte once
+//! at memory speed: quants are widened from memory and converted to f32 right before the FMA; for m > 1
+//! (prompt processing) up to four activation rows share each unpacked block, and weight tiles are sized
+//! to stay in L2 while all row groups pass over them.
+//!
+//! Paths: x86_64 AVX2 + FMA ([`CpuIsa::Avx2Fma`], detected at run time, once) and a portable scalar path
+//! written so LLVM can auto-vectorize it ([`CpuIsa::Scalar`]; the only path on wasm32 and aarch64).
+//! Threads: rayon, over output rows in a few coarse tiles; small calls stay on the calling thread.
+//!
+//! Panics: the functions assert that the lengths of `x`, `y` and the matrix arrays fit the shapes —
+//! these are programmer errors (the shapes come from the model, not from user input).
+
+use std::cell::Cell;
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use crate::quant::{Q4Matrix, Q8Matrix};
+
+#[cfg(target_arch = "x86_64")]
+use super::cpu_avx2 as avx2;
+
+/// The instruction set a call runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CpuIsa {
+    /// Portable Rust, auto-vectorized where the target allows (every target).
+    Scalar,
+    /// x86_64 with AVX2 and FMA.
+    Avx2Fma,
+}
+
+impl CpuIsa {
+    /// The best instruction set this CPU supports; detected on first use and cached.
+    pub fn detected() -> CpuIsa {
+        static DETECTED: OnceLock<CpuIsa> = OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            if CpuIsa::Avx2Fma.is_available() {
+                CpuIsa::Avx2Fma
+            } else {
+                CpuIsa::Scalar
+            }
+        })
+    }
+
+    /// Whether this CPU can run `self`.
+    pub fn is_available(self) -> bool {
+        match self {
+            CpuIsa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            CpuIsa::Avx2Fma => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            #[cfg(not(target_arch = "x86_64"))]
+            CpuIsa::Avx2Fma => false,
+        }
+    }
+}
+
+/// How a call runs: which instruction set, and whether it may use rayon's pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QmmOptions {
+    /// Instruction set; must be available on this CPU (see [`CpuIsa::is_available`]).
+    pub isa: CpuIsa,
+    /// Split output rows over rayon's current pool (false: the calling thread does all the work, e.g. when
+    /// the caller already runs several matmuls in parallel).
+    pub parallel: bool,
+}
+
+impl Default for QmmOptions {
+    fn default() -> Self {
+        QmmOptions {
+            isa: CpuIsa::detected(),
+            parallel: true,
+        }
+    }
+}
+
+/// y = x · Wᵀ for a Q8 matrix: `x` is m×K row-major, `y` is m×N row-major (N = `w.rows`, K = `w.cols`).
+///
+/// Panics if the lengths do not fit the shapes.
+pub fn q8_matmul_nt(x: &[f32], w: &Q8Matrix, y: &mut [f32], m: usize) {
+    assert_eq!(
+        y.len(),
+        m * w.rows,
+        "q8_matmul_nt: y has {} elements, m×N = {m}×{}",
+        y.len(),
+        w.rows
+    );
+    q8_matmul_nt_rows(x, w, m, 0..w.rows, y, w.rows);
+}
+
+/// y = x · Wᵀ for a Q4 matrix: `x` is m×K row-major, `y` is m×N row-major (N = `w.rows`, K = `w.cols`).
+///
+/// Panics if the lengths do not fit the shapes.
+pub fn q4_matmul_nt(x: &[f32], w: &Q4Matrix, y: &mut [f32], m: usize) {
+    assert_eq!(
+        y.len(),
+        m * w.rows,
+        "q4_matmul_nt: y has {} elements, m×N = {m}×{}",
+        y.len(),
+        w.rows
+    );
+    q4_matmul_nt_rows(x, w, m, 0..w.rows, y, w.rows);
+}
+
+/// Output rows `rows` (a range of N) of y = x · Wᵀ: `y[i * ldy + j] = Σ_k x[i, k] · W[rows.start + j, k]`
+/// for i < m, j < rows.len(). Elements of `y` outside those are not touched, so a caller can fill one
+/// wide output (e.g. the logits of a tied head) in chunks. Panics if the lengths do not fit the shapes.
+pub fn q8_matmul_nt_rows(
+    x: &[f32],
+    w: &Q8Matrix,
+    m: usize,
+    rows: Range<usize>,
+    y: &mut [f32],
+    ldy: usize,
+) {
+    q8_matmul_nt_with(x, w, m, rows, y, ldy, QmmOptions::default());
+}
+
+/// Output rows `rows` of y = x · Wᵀ for a Q4 matrix; see [`q8_matmul_nt_rows`].
+pub fn q4_matmul_nt_rows(
+    x: &[f32],
+    w: &Q4Matrix,
+    m: usize,
+    rows: Range<usize>,
+    y: &mut [f32],
+    ldy: usize,
+) {
+    q4_matmul_nt_with(x, w, m, rows, y, ldy, QmmOptions::default());
+}
+
+/// [`q8_matmul_nt_rows`] with explicit [`QmmOptions`] (tests, benchmarks, callers that parallelize
+/// themselves).
+pub fn q8_matmul_nt_with(
+    x: &[f32],
+    w: &Q8Matrix,
+    m: usize,
+    rows: Range<usize>,
+    y: &mut [f32],
+    ldy: usize,
+    opts: QmmOptions,
+) {
+    let (n, k) = (w.rows, w.cols);
+    assert!(
+        w.block == 16 || w.block == 32,
+        "q8_matmul_nt: block size {} (must be 16 or 32)",
+        w.block
+    );
+    assert!(
+        k % w.block == 0,
+        "q8_matmul_nt: K = {k} is not a multiple of the block size {}",
+        w.block
+    );
+    assert_eq!(
+        w.scales.len(),
+        n * k / w.block,
+        "q8_matmul_nt: scales length for a {n}×{k} matrix"
+    );
+    assert_eq!(
+        w.quants.len(),
+        n * k / 4,
+        "q8_matmul_nt: quants length for a {n}×{k} matrix"
+    );
+    check_xy("q8_matmul_nt", x, m, k, n, &rows, y, ldy);
+    check_isa(opts.isa);
+    let y = OutPtr(y.as_mut_ptr());
+    // Bytes of one weight row: quants plus scales.
+    let row_bytes = k + 4 * (k / w.block);
+    run_tiles(rows, row_bytes, m, opts.parallel, y, |n0, n1, y_tile| {
+        q8_tile(opts.isa, x, m, w, n0, n1, row_bytes, y_tile, ldy)
+    });
+}
+
+/// [`q4_matmul_nt_rows`] with explicit [`QmmOptions`].
+pub fn q4_matmul_nt_with(
+    x: &[f32],
+    w: &Q4Matrix,
+    m: usize,
+    rows: Range<usize>,
+    y: &mut [f32],
+    ldy: usize,
+    opts: QmmOptions,
+) {
+    let (n, k) = (w.rows, w.cols);
+    assert!(k % 32 == 0, "q4_matmul_nt: K = {k} is not a multiple of 32");
+    assert_eq!(
+        w.scales.len(),
+        n * k / 32,
+        "q4_matmul_nt: scales length for a {n}×{k} matrix"
+    );
+    assert_eq!(
+        w.mins.len(),
+        n * k / 32,
+        "q4_matmul_nt: mins length for a {n}×{k} matrix"
+    );
+    assert_eq!(
+        w.quants.len(),
+        n * k / 8,
+        "q4_matmul_nt: quants length for a {n}×{k} matrix"
+    );
+    check_xy("q4_matmul_nt", x, m, k, n, &rows, y, ldy);
+    check_isa(opts.isa);
+    if m == 0 || rows.is_empty() {
+        return;
+    }
+    // The prepared activations live in a per-thread buffer that is *taken* for the call (not borrowed), so a
+    // nested call on this thread (rayon may run another task here while we wait) simply finds it empty.
+    let mut buf = SCRATCH.take();
+    let (xs, sx) = prepare_q4(x, m, k, &mut buf);
+    let y = OutPtr(y.as_mut_ptr());
+    // Bytes of one weight row: quants, scales and mins.
+    let row_bytes = k / 2 + 8 * (k / 32);
+    run_tiles(rows, row_bytes, m, opts.parallel, y, |n0, n1, y_tile| {
+        q4_tile(opts.isa, xs, sx, m, w, n0, n1, row_bytes, y_tile, ldy)
+    });
+    SCRATCH.set(buf);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_xy(
+    op: &str,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    rows: &Range<usize>,
+    y: &[f32],
+    ldy: usize,
+) {
+    assert_eq!(
+        x.len(),
+        m * k,
+        "{op}: x has {} elements, m×K = {m}×{k}",
+        x.len()
+    );
+    assert!(
+        rows.start <= rows.end && rows.end <= n,
+        "{op}: output rows {rows:?} are not inside 0..{n}"
+    );
+    let width = rows.end - rows.start;
+    assert!(
+        ldy >= width,
+        "{op}: ldy = {ldy} is less than the {width} output columns"
+    );
+    if m > 0 && width > 0 {
+        let need = (m - 1) * ldy + width;
+        assert!(
+            y.len() >= need,
+            "{op}: y has {} elements, needs {need}",
+            y.len()
+        );
+    }
+}
+
+fn check_isa(isa: CpuIsa) {
+    assert!(
+        isa.is_available(),
+        "quant matmul: {isa:?} was requested but this CPU does not support it"
+    );
+}
+
+thread_local! {
+    /// Prepared Q4 activations, reused across calls so a decode step allocates nothing.
+    static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+}
+
+/// Prepares activations for the Q4 kernels, into `buf`: returns (xs, sx) where xs is x with the second
+/// half of every block of 32 scaled by 1/16 (see `cpu_avx2::q4_block`: the kernels multiply those by
+/// 16·q) and sx[i * K/32 + b] = Σ of block b of row i (for the min term).
+fn prepare_q4<'a>(x: &[f32], m: usize, k: usize, buf: &'a mut Vec<f32>) -> (&'a [f32], &'a [f32]) {
+    buf.clear();
+    buf.reserve(m * k + m * k / 32);
+    // K is a multiple of 32, so flat chunks of 32 are exactly the (row, block) pairs in row-major order.
+    for c in x.chunks_exact(32) {
+        buf.extend_from_slice(&c[..16]);
+        buf.extend(c[16..].iter().map(|v| v * 0.0625));
+    }
+    for c in x.chunks_exact(32) {
+        buf.push(c.iter().sum());
+    }
+    buf.split_at(m * k)
+}
+
+/// A raw pointer to the output, shareable across the tiles: every tile writes only its own columns.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: the tiles handed out by `run_tiles` cover disjoint column ranges of y, so no element is written
+// by two threads, and y outlives the parallel section.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The pointer `i` elements on (a method, so closures capture the whole `Sync` wrapper).
+    #[inline]
+    fn at(self, i: usize) -> OutPtr {
+        OutPtr(self.0.wrapping_add(i))
+    }
+
+    /// # Safety
+    /// `i` must be inside the y the pointer came from.
+    #[inline]
+    unsafe fn write(self, i: usize, v: f32) {
+        unsafe { *self.0.add(i) = v }
+    }
+}
+
+/// Weight bytes below which a call stays on the calling thread: waking a pool thread costs a few µs,
+/// about what streaming this much weight from DRAM takes.
+const PAR_MIN_BYTES: usize = 64 * 1024;
+/// Tiles per pool thread: a little slack so a thread slowed by someone else's work does not hold the call.
+const TILES_PER_THREAD: usize = 2;
+/// Weight bytes of a sub-tile that all row groups of a prompt pass over while it sits in L2.
+const L2_TILE_BYTES: usize = 192 * 1024;
+
+/// Splits output rows `rows` into tiles and runs `tile(n0, n1, y_at_n0)` for each, in parallel when it
+/// pays. `y` points at output column `rows.start` of row 0 (the callers pass y itself: column j of the
+/// call is at offset j).
+fn run_tiles(
+    rows: Range<usize>,
+    row_bytes: usize,
+    m: usize,
+    parallel: bool,
+    y: OutPtr,
+    tile: impl Fn(usize, usize, OutPtr) + Sync,
+) {
+    let nrows = rows.end - rows.start;
+    if nrows == 0 || m == 0 {
+        return;
+    }
+    let threads = if parallel {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
+    let work = nrows * row_bytes * m.min(8);
+    if threads <= 1 || work < PAR_MIN_BYTES {
+        return tile(rows.start, rows.end, y);
+    }
+    // Tiles are a multiple of 16 rows so neighbouring tiles do not share cache lines of y (for m = 1).
+    let per = nrows
+        .div_ceil(threads * TILES_PER_THREAD)
+        .next_multiple_of(16);
+    let ntiles = nrows.div_ceil(per);
+    (0..ntiles).into_par_iter().for_each(|t| {
+        let j0 = t * per;
+        let j1 = (j0 + per).min(nrows);
+        tile(rows.start + j0, rows.start + j1, y.at(j0));
+    });
+}
+
+/// Sub-tile height for prompts: rows of weights that fit the L2 budget.
+fn sub_rows(m: usize, row_bytes: usize, nrows: usize) -> usize {
+    if m <= 4 {
+        nrows
+    } else {
+        (L2_TILE_BYTES / row_bytes.max(1)).max(16)
+    }
+}
+
+/// Q8 weight rows n0..n1, all m activation rows; output (i, n) at `y[i * ldy + n - n0]`.
+#[allow(clippy::too_many_arguments)]
+fn q8_tile(
+    isa: CpuIsa,
+    x: &[f32],
+    m: usize,
+    w: &Q8Matrix,
+    n0: usize,
+    n1: usize,
+    row_bytes: usize,
+    y: OutPtr,
+    ldy: usize,
+) {
+    let k = w.cols;
+    let sub = sub_rows(m, row_bytes, n1 - n0);
+    let mut s0 = n0;
+    while s0 < n1 {
+        let s1 = (s0 + sub).min(n1);
+        let ys = y.at(s0 - n0);
+        let mut i = 0;
+        while i < m {
+            let r = (m - i).min(4);
+            let xg = &x[i * k..];
+            let yg = ys.at(i * ldy);
+            match r {
+                1 => q8_group::<1>(isa, xg, w, s0, s1, yg, ldy),
+                2 => q8_group::<2>(isa, xg, w, s0, s1, yg, ldy),
+                3 => q8_group::<3>(isa, xg, w, s0, s1, yg, ldy),
+                _ => q8_group::<4>(isa, xg, w, s0, s1, yg, ldy),
+            }
+            i += r;
+        }
+        s0 = s1;
+    }
+}
+
+/// R activation rows (from `x`, K apart) against Q8 weight rows n0..n1.
+fn q8_group<const R: usize>(
+    isa: CpuIsa,
+    x: &[f32],
+    w: &Q8Matrix,
+    n0: usize,
+    n1: usize,
+    y: OutPtr,
+    ldy: usize,
+) {
+    let k = w.cols;
+    let nb = k / w.block;
+    debug_assert!(x.len() >= R * k);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        CpuIsa::Avx2Fma => {
+            // SAFETY: AVX2+FMA checked by `check_isa`; the quants are u32 words whose bytes, on this
+            // little-endian target, are the i8 quants in order; rows n0..n1 of quants/scales and R rows
+            // of x exist (lengths asserted by the entry point); y covers R rows of n1 - n0 columns.
+            unsafe {
+                let q = w.quants.as_ptr().cast::<u8>().add(n0 * k);
+                let s = w.scales.as_ptr().add(n0 * nb);
+                if w.block == 32 {
+                    avx2::q8_rows::<R, 32>(x.as_ptr(), k, k, q, s, n1 - n0, y.0, ldy)
+                } else {
+                    avx2::q8_rows::<R, 16>(x.as_ptr(), k, k, q, s, n1 - n0, y.0, ldy)
+                }
+            }
+        }
+        _ => {
+            for n in n0..n1 {
+                let q = &w.quants[n * k / 4..(n + 1) * k / 4];
+                let s = &w.scales[n * nb..(n + 1) * nb];
+                let out = if w.block == 32 {
+                    scalar::q8_row::<R, 32>(x, k, q, s)
+                } else {
+                    scalar::q8_row::<R, 16>(x, k, q, s)
+                };
+                for (r, v) in out.into_iter().enumerate() {
+                    // SAFETY: (r, n - n0) is inside the tile, checked by `check_xy`.
+                    unsafe { y.write(r * ldy + n - n0, v) };
+                }
+            }
+        }
+    }
+}
+
+/// Q4 weight rows n0..n1, all m prepared activation rows.
+#[allow(clippy::too_many_arguments)]
+fn q4_tile(
+    isa: CpuIsa,
+    xs: &[f32],
+    sx: &[f32],
+    m: usize,
+    w: &Q4Matrix,
+    n0: usize,
+    n1: usize,
+    row_bytes: usize,
+    y: OutPtr,
+    ldy: usize,
+) {
+    let k = w.cols;
+    let nb = k / 32;
+    let sub = sub_rows(m, row_bytes, n1 - n0);
+    let mut s0 = n0;
+    while s0 < n1 {
+        let s1 = (s0 + sub).min(n1);
+        let ys = y.at(s0 - n0);
+        let mut i = 0;
+        while i < m {
+            let r = (m - i).min(4);
+            let (xg, sg) = (&xs[i * k..], &sx[i * nb..]);
+            let yg = ys.at(i * ldy);
+            match r {
+                1 => q4_group::<1>(isa, xg, sg, w, s0, s1, yg, ldy),
+                2 => q4_group::<2>(isa, xg, sg, w, s0, s1, yg, ldy),
+                3 => q4_group::<3>(isa, xg, sg, w, s0, s1, yg, ldy),
+                _ => q4_group::<4>(isa, xg, sg, w, s0, s1, yg, ldy),
+            }
+            i += r;
+        }
+        s0 = s1;
+    }
+}
+
+/// R prepared activation rows against Q4 weight rows n0..n1.
+#[allow(clippy::too_many_arguments)]
+fn q4_group<const R: usize>(
+    isa: CpuIsa,
+    xs: &[f32],
+    sx: &[f32],
+    w: &Q4Matrix,
+    n0: usize,
+    n1: usize,
+    y: OutPtr,
+    ldy: usize,
+) {
+    let k = w.cols;
+    let nb = k / 32;
+    debug_assert!(xs.len() >= R * k && sx.len() >= R * nb);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        CpuIsa::Avx2Fma => {
+            // SAFETY: as in `q8_group`; the Q4 quants of a row are k / 2 bytes.
+            unsafe {
+                let q = w.quants.as_ptr().cast::<u8>().add(n0 * k / 2);
+                let s = w.scales.as_ptr().add(n0 * nb);
+                let mn = w.mins.as_ptr().add(n0 * nb);
+                avx2::q4_rows::<R>(
+                    xs.as_ptr(),
+                    k,
+                    sx.as_ptr(),
+                    nb,
+                    k,
+                    q,
+                    s,
+                    mn,
+                    n1 - n0,
+                    y.0,
+                    ldy,
+                )
+            }
+        }
+        _ => {
+            for n in n0..n1 {
+                let q = &w.quants[n * k / 8..(n + 1) * k / 8];
+                let s = &w.scales[n * nb..(n + 1) * nb];
+                let mn = &w.mins[n * nb..(n + 1) * nb];
+                let out = scalar::q4_row::<R>(xs, sx, k, q, s, mn);
+                for (r, v) in out.into_iter().enumerate() {
+                    // SAFETY: (r, n - n0) is inside the tile, checked by `check_xy`.
+                    unsafe { y.write(r * ldy + n - n0, v) };
+                }
+            }
+        }
+    }
+}
+
+/// The portable path: per block, unpack the quants to f32, then dot with 8 independent lane sums so LLVM
+/// can vectorize it (NEON, wasm simd128, SSE2) — the same factoring and nearly the same order as AVX2.
+mod scalar {
+    /// R activation rows (K apart in `x`) · one Q8 row (`q`: its K/4 words, `s`: its K/BLOCK scales).
+    pub(super) fn q8_row<const R: usize, const BLOCK: usize>(
+        x: &[f32],
+        k: usize,
+        q: &[u32],
+        s: &[f32],
+    ) -> [f32; R] {
+        let mut acc = [[0f32; 8]; R];
+        for (b, (qb, &sc)) in q.chunks_exact(BLOCK / 4).zip(s).enumerate() {
+            let mut w = [0f32; BLOCK];
+            for (j, &word) in qb.iter().enumerate() {
+                for i in 0..4 {
+                    // Byte i of the word is quant 4j + i, two's complement.
+                    w[4 * j + i] = (word >> (8 * i)) as u8 as i8 as f32;
+                }
+            }
+            for (r, a) in acc.iter_mut().enumerate() {
+                let xb = &x[r * k + b * BLOCK..][..BLOCK];
+                let mut t = [0f32; 8];
+                for (wc, xc) in w.chunks_exact(8).zip(xb.chunks_exact(8)) {
+                    for l in 0..8 {
+                        t[l] += wc[l] * xc[l];
+                    }
+                }
+                for l in 0..8 {
+                    a[l] += sc * t[l];
+                }
+            }
+        }
+        acc.map(|a| a.iter().sum())
+    }
+
+    /// R prepared activation rows · one Q4 row (`q`: its K/8 words; `s`, `mn`: its K/32 scales and mins;
+    /// `sx`: per-block activation sums, K/32 apart).
+    pub(super) fn q4_row<const R: usize>(
+        xs: &[f32],
+        sx: &[f32],
+        k: usize,
+        q: &[u32],
+        s: &[f32],
+        mn: &[f32],
+    ) -> [f32; R] {
+        let nb = k / 32;
+        let mut acc = [[0f32; 8]; R];
+        for (b, (qb, &sc)) in q.chunks_exact(4).zip(s).enumerate() {
+            let mut w = [0f32; 32];
+            for (j, &word) in qb.iter().enumerate() {
+                for i in 0..4 {
+                    // Byte 4j + i holds quant 4j + i (low nibble) and quant 16 + 4j + i (high nibble); the
+                    // high one stays ×16, cancelled by the 1/16 in the prepared activations.
+                    let byte = (word >> (8 * i)) & 0xff;
+                    w[4 * j + i] = (byte & 0x0f) as f32;
+                    w[16 + 4 * j + i] = (byte & 0xf0) as f32;
+                }
+            }
+            for (r, a) in acc.iter_mut().enumerate() {
+                let xb = &xs[r * k + b * 32..][..32];
+                let mut t = [0f32; 8];
+                for (wc, xc) in w.chunks_exact(8).zip(xb.chunks_exact(8)) {
+                    for l in 0..8 {
+                        t[l] += wc[l] * xc[l];
+                    }
+                }
+                for l in 0..8 {
+                    a[l] += sc * t[l];
+                }
+            }
+        }
+        let mut out = acc.map(|a| a.iter().sum::<f32>());
+        for (r, o) in out.iter_mut().enumerate() {
+            let sxr = &sx[r * nb..][..nb];
+            *o += mn.iter().zip(sxr).map(|(m, s)| m * s).sum::<f32>();
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// f32 unit roundoff.
+    const U: f64 = f32::EPSILON as f64 / 2.0;
+
+    /// Every instruction set this CPU can run.
+    fn isas() -> Vec<CpuIsa> {
+        [CpuIsa::Scalar, CpuIsa::Avx2Fma]
+            .into_iter()
+            .filter(|i| i.is_available())
+            .collect()
+    }
+
+    fn opts(isa: CpuIsa, parallel: bool) -> QmmOptions {
+        QmmOptions { isa, parallel }
+    }
+
+    /// A random scale of either sign whose magnitude spans 2^lo..2^hi (log-uniform).
+    fn scale(rng: &mut ChaCha8Rng, lo: i32, hi: i32) -> f32 {
+        let mag = 2f32.powf(rng.random_range(lo as f32..hi as f32));
+        if rng.random::<bool>() { mag } else { -mag }
+    }
+
+    fn q8(rng: &mut ChaCha8Rng, n: usize, k: usize, block: usize, lo: i32, hi: i32) -> Q8Matrix {
+        Q8Matrix {
+            rows: n,
+            cols: k,
+            block,
+            scales: (0..n * k / block).map(|_| scale(rng, lo, hi)).collect(),
+            quants: (0..n * k / 4).map(|_| rng.random()).collect(),
+        }
+    }
+
+    fn q4(rng: &mut ChaCha8Rng, n: usize, k: usize, lo: i32, hi: i32) -> Q4Matrix {
+        Q4Matrix {
+            rows: n,
+            cols: k,
+            scales: (0..n * k / 32).map(|_| scale(rng, lo, hi)).collect(),
+            mins: (0..n * k / 32)
+                .map(|_| scale(rng, lo, hi) * rng.random_range(0.0..8.0))
+                .collect(),
+            quants: (0..n * k / 8).map(|_| rng.random()).collect(),
+        }
+    }
+
+    fn acts(rng: &mut ChaCha8Rng, len: usize) -> Vec<f32> {
+        // A common offset as well as noise: post-activation vectors are not zero-mean, and the offset makes
+        // the Q4 min term (min · Σx) large, which is where the factored form could lose accuracy.
+        (0..len)
+            .map(|_| rng.random_range(-1.0f32..1.0) + 0.3)
+            .collect()
+    }
+
+    /// Exact-ish reference: the f32 dequantized weights, dot products accumulated in f64. Also returns, per
+    /// output, S = Σ_b |scale_b|·Σ|q·x| + |min_b|·Σ|x| (the magnitude the factored f32 sum works with).
+    fn reference(
+        x: &[f32],
+        deq: &[f32],
+        terms: impl Fn(usize, usize) -> f64,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> (Vec<f64>, Vec<f64>) {
+        let mut out = vec![0.0; m * n];
+        let mut mag = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let xr = &x[i * k..(i + 1) * k];
+                let wr = &deq[j * k..(j + 1) * k];
+                out[i * n + j] = xr.iter().zip(wr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                mag[i * n + j] = terms(i, j);
+            }
+        }
+        (out, mag)
+    }
+
+    fn q8_mag(x: &[f32], w: &Q8Matrix) -> impl Fn(usize, usize) -> f64 {
+        move |i, j| {
+            let k = w.cols;
+            (0..k)
+                .map(|c| {
+                    let f = j * k + c;
+                    let q = crate::quant::unpack_i8(w.quants[f / 4], f % 4) as f64;
+                    (w.scales[f / w.block] as f64 * q * x[i * k + c] as f64).abs()
+                })
+                .sum()
+        }
+    }
+
+    fn q4_mag(x: &[f32], w: &Q4Matrix) -> impl Fn(usize, usize) -> f64 {
+        move |i, j| {
+            let k = w.cols;
+            (0..k)
+                .map(|c| {
+                    let f = j * k + c;
+                    let xv = x[i * k + c] as f64;
+                    (w.scales[f / 32] as f64 * w.quant(f) as f64 * xv).abs()
+                        + (w.mins[f / 32] as f64 * xv).abs()
+                })
+                .sum()
+        }
+    }
+
+    /// Checks `got` against the reference.
+    ///
+    /// Element-wise, a rigorous first-order bound: every term of the f32 sum passes through at most
+    /// D roundings, so |error| ≤ D·u·S. Our summation tree has depth ≤ 4 (within a block) + 2 (scale) +
+    /// K/16 (the block chain) + 1 + 7 (lanes) for the products, and for the Q4 min term ≤ 31 (Σx of a
+    /// block) + 1 + K/32 + 1; the f32 dequantization of the reference adds ≤ 2 more. D = K/16 + 48
+    /// covers every path (both instruction sets). Overall, NMSE = Σ(a−b)²/Σb² ≤ `nmse_max`.
+    fn check(what: &str, got: &[f32], reference: &[f64], mag: &[f64], k: usize, nmse_max: f64) {
+        let depth = (k / 16 + 48) as f64;
+        let (mut num, mut den) = (0.0, 0.0);
+        for (i, ((&g, &r), &s)) in got.iter().zip(reference).zip(mag).enumerate() {
+            let g = g as f64;
+            assert!(g.is_finite(), "{what}: y[{i}] = {g} (not written?)");
+            let tol = depth * U * s + f64::from(f32::MIN_POSITIVE);
+            assert!(
+                (g - r).abs() <= tol,
+                "{what}: y[{i}] = {g}, reference {r}, |diff| {} > bound {tol}",
+                (g - r).abs()
+            );
+            num += (g - r) * (g - r);
+            den += r * r;
+        }
+        let nmse = if den > 0.0 { num / den } else { num };
+        assert!(nmse <= nmse_max, "{what}: NMSE {nmse:e} > {nmse_max:e}");
+    }
+
+    const SHAPES: &[(usize, usize)] = &[(1, 32), (5, 64), (37, 96), (300, 576), (1000, 224)];
+    const MS: &[usize] = &[1, 2, 3, 4, 7, 9];
+
+    #[test]
+    fn q8_matches_f32_reference() {
+        let mut rng = ChaCha8Rng::seed_from_u64(8);
+        for &block in &[16, 32] {
+            for &(n, k) in SHAPES {
+                let w = q8(&mut rng, n, k, block, -8, 2);
+                let deq = w.dequantize();
+                for &m in MS {
+                    let x = acts(&mut rng, m * k);
+                    let (r, mag) = reference(&x, &deq, q8_mag(&x, &w), m, n, k);
+                    for isa in isas() {
+                        for par in [false, true] {
+                            let mut y = vec![f32::NAN; m * n];
+                            q8_matmul_nt_with(&x, &w, m, 0..n, &mut y, n, opts(isa, par));
+                            let what =
+                                format!("q8 block {block} {n}x{k} m={m} {isa:?} parallel={par}");
+                            check(&what, &y, &r, &mag, k, 1e-11);
+                        }
+                    }
+                    let mut y = vec![f32::NAN; m * n];
+                    q8_matmul_nt(&x, &w, &mut y, m);
+                    check("q8_matmul_nt", &y, &r, &mag, k, 1e-11);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn q4_matches_f32_reference() {
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        for &(n, k) in SHAPES {
+            let w = q4(&mut rng, n, k, -8, 2);
+            let deq = w.dequantize();
+            for &m in MS {
+                let x = acts(&mut rng, m * k);
+                let (r, mag) = reference(&x, &deq, q4_mag(&x, &w), m, n, k);
+                for isa in isas() {
+                    for par in [false, true] {
+                        let mut y = vec![f32::NAN; m * n];
+                        q4_matmul_nt_with(&x, &w, m, 0..n, &mut y, n, opts(isa, par));
+                        let what = format!("q4 {n}x{k} m={m} {isa:?} parallel={par}");
+                        check(&what, &y, &r, &mag, k, 1e-11);
+                    }
+                }
+                let mut y = vec![f32::NAN; m * n];
+                q4_matmul_nt(&x, &w, &mut y, m);
+                check("q4_matmul_nt", &y, &r, &mag, k, 1e-11);
+            }
+        }
+    }
+
+    /// Scales over 2^-60..2^60 inside one matrix (and activations over 2^±20): the element-wise bound is
+    /// relative to each output's own magnitude, so small rows are checked as tightly as large ones.
+    #[test]
+    fn extreme_scales() {
+        let mut rng = ChaCha8Rng::seed_from_u64(60);
+        let (n, k) = (67, 160);
+        for m in [1, 3, 6] {
+            let x: Vec<f32> = (0..m * k).map(|_| scale(&mut rng, -20, 20)).collect();
+            for &block in &[16, 32] {
+                let w = q8(&mut rng, n, k, block, -60, 60);
+                let (r, mag) = reference(&x, &w.dequantize(), q8_mag(&x, &w), m, n, k);
+                for isa in isas() {
+                    let mut y = vec![f32::NAN; m * n];
+                    q8_matmul_nt_with(&x, &w, m, 0..n, &mut y, n, opts(isa, true));
+                    check(
+                        &format!("q8 extreme block {block} m={m} {isa:?}"),
+                        &y,
+                        &r,
+                        &mag,
+                        k,
+                        1e-6,
+                    );
+                }
+            }
+            let w = q4(&mut rng, n, k, -60, 60);
+            let (r, mag) = reference(&x, &w.dequantize(), q4_mag(&x, &w), m, n, k);
+            for isa in isas() {
+                let mut y = vec![f32::NAN; m * n];
+                q4_matmul_nt_with(&x, &w, m, 0..n, &mut y, n, opts(isa, true));
+                check(&format!("q4 extreme m={m} {isa:?}"), &y, &r, &mag, k, 1e-6);
+            }
+        }
+    }
+
+    /// Small-integer activations, power-of-two scales and mins of −8·scale (GGUF Q4_0): every product and
+    /// every partial sum is a multiple of 1/4 below 2^21, exact in f32, so any summation order must give
+    /// exactly the reference. This catches any indexing slip bit for bit.
+    #[test]
+    fn exact_when_every_sum_is_exact() {
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let (n, k) = (150, 2048);
+        let pow2 = |rng: &mut ChaCha8Rng| {
+            2f32.powi(rng.random_range(-2..=1)) * if rng.random() { 1.0 } else { -1.0 }
+        };
+        for m in [1, 2, 5] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|_| rng.random_range(-2..=2) as f32)
+                .collect();
+            for &block in &[16, 32] {
+                let mut w = q8(&mut rng, n, k, block, 0, 1);
+                w.scales.iter_mut().for_each(|s| *s = pow2(&mut rng));
+                let (r, _) = reference(&x, &w.dequantize(), |_, _| 0.0, m, n, k);
+                for isa in isas() {
+                    let mut y = vec![f32::NAN; m * n];
+                    q8_matmul_nt_with(&x, &w, m, 0..n, &mut y, n, opts(isa, true));
+                    for (a, b) in y.iter().zip(&r) {
+                        assert_eq!(*a as f64, *b, "q8 block {block} m={m} {isa:?}");
+                    }
+                }
+            }
+            let mut w = q4(&mut rng, n, k, 0, 1);
+            w.scales.iter_mut().for_each(|s| *s = pow2(&mut rng));
+            w.mins = w.scales.iter().map(|s| -8.0 * s).collect();
+            let (r, _) = reference(&x, &w.dequantize(), |_, _| 0.0, m, n, k);
+            for isa in isas() {
+                let mut y = vec![f32::NAN; m * n];
+                q4_matmul_nt_with(&x, &w, m, 0..n, &mut y, n, opts(isa, true));
+                for (a, b) in y.iter().zip(&r) {
+                    assert_eq!(*a as f64, *b, "q4 m={m} {isa:?}");
+                }
+            }
+        }
+    }
+
+    /// The SIMD path against the scalar path, both forced, on the real decode shapes.
+    #[test]
+    fn simd_matches_scalar() {
+        if !CpuIsa::Avx2Fma.is_available() {
+            eprintln!("simd_matches_scalar: no AVX2+FMA on this CPU; skipped");
+            return;
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(2);
+        for (n, k) in [(192, 576), (1536, 576), (576, 1536), (256, 640)] {
+            for m in [1, 2, 3, 7] {
+                let x = acts(&mut rng, m * k);
+                let both = |f: &dyn Fn(CpuIsa, &mut [f32])| {
+                    let mut a = vec![f32::NAN; m * n];
+                    let mut b = vec![f32::NAN; m * n];
+                    f(CpuIsa::Scalar, &mut a);
+                    f(CpuIsa::Avx2Fma, &mut b);
+                    (a, b)
+                };
+                let mut outs = Vec::new();
+                for block in [16, 32] {
+                    let w = q8(&mut rng, n, k, block, -8, 0);
+                    let (a, b) =
+                        both(&|isa, y| q8_matmul_nt_with(&x, &w, m, 0..n, y, n, opts(isa, true)));
+                    outs.push((
+                        format!("q8 block {block}"),
+                        a,
+                        b,
+                        q8_mag(&x, &w)(0, 0) > 0.0,
+                        reference(&x, &w.dequantize(), q8_mag(&x, &w), m, n, k).1,
+                    ));
+                }
+                let w = q4(&mut rng, n, k, -8, 0);
+                let (a, b) =
+                    both(&|isa, y| q4_matmul_nt_with(&x, &w, m, 0..n, y, n, opts(isa, true)));
+                outs.push((
+                    "q4".into(),
+                    a,
+                    b,
+                    true,
+                    reference(&x, &w.dequantize(), q4_mag(&x, &w), m, n, k).1,
+                ));
+                for (what, a, b, _, mag) in outs {
+                    let a64: Vec<f64> = a.iter().map(|&v| v as f64).collect();
+                    // Both paths err by ≤ D·u·S from the exact value, so they differ by ≤ 2·D·u·S: check with
+                    // the bound of `check` taken twice.
+                    let mag2: Vec<f64> = mag.iter().map(|s| 2.0 * s).collect();
+                    check(
+                        &format!("{what} {n}x{k} m={m} avx2 vs scalar"),
+                        &b,
+                        &a64,
+                        &mag2,
+                        k,
+                        1e-11,
+                    );
+                }
+            }
+        }
+    }
+
+    /// A row range written into a wider y: only its columns change, all of them are written.
+    #[test]
+    fn row_range_writes_only_its_columns() {
+        const UNTOUCHED: f32 = 12345.0;
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let (n, k) = (257, 96);
+        let (r0, r1) = (37, 200);
+        let width = r1 - r0;
+        let ldy = width + 5;
+        let w8 = q8(&mut rng, n, k, 32, -4, 0);
+        let w4 = q4(&mut rng, n, k, -4, 0);
+        for m in [1, 3, 6] {
+            let x = acts(&mut rng, m * k);
+            for isa in isas() {
+                for par in [false, true] {
+                    // The whole product with the same options: a range must match it bit for bit, as each
+                    // output's summation order depends only on m, not on the tiling.
+                    let mut full8 = vec![f32::NAN; m * n];
+                    let mut full4 = vec![f32::NAN; m * n];
+                    q8_matmul_nt_with(&x, &w8, m, 0..n, &mut full8, n, opts(isa, par));
+                    q4_matmul_nt_with(&x, &w4, m, 0..n, &mut full4, n, opts(isa, par));
+                    for (which, full) in [(8, &full8), (4, &full4)] {
+                        // y: m rows of ldy, plus a tail: the range's columns start NaN, the rest is a sentinel.
+                        let mut y = vec![UNTOUCHED; m * ldy + 3];
+                        for i in 0..m {
+                            y[i * ldy..i * ldy + width].fill(f32::NAN);
+                        }
+                        if which == 8 {
+                            q8_matmul_nt_with(&x, &w8, m, r0..r1, &mut y, ldy, opts(isa, par));
+                        } else {
+                            q4_matmul_nt_with(&x, &w4, m, r0..r1, &mut y, ldy, opts(isa, par));
+                        }
+                        for (idx, &v) in y.iter().enumerate() {
+                            let (i, j) = (idx / ldy, idx % ldy);
+                            if i < m && j < width {
+                                let want = full[i * n + r0 + j];
+                                assert_eq!(v, want, "q{which} {isa:?} par={par} m={m}: y[{i},{j}]");
+                            } else {
+                                assert_eq!(
+                                    v, UNTOUCHED,
+                                    "q{which} {isa:?} par={par} m={m}: wrote outside the range at {idx}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Many calls at once from rayon tasks (the per-thread Q4 scratch must survive nesting) agree with the
+    /// same calls made one by one.
+    #[test]
+    fn concurrent_calls_agree() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let (n, k) = (600, 256);
+        let w = q4(&mut rng, n, k, -4, 0);
+        let xs: Vec<Vec<f32>> = (0..16).map(|_| acts(&mut rng, 2 * k)).collect();
+        let serial: Vec<Vec<f32>> = xs
+            .iter()
+            .map(|x| {
+                let mut y = vec![f32::NAN; 2 * n];
+                q4_matmul_nt_with(x, &w, 2, 0..n, &mut y, n, opts(CpuIsa::detected(), false));
+                y
+            })
+            .collect();
+        let parallel: Vec<Vec<f32>> = xs
+            .par_iter()
+            .map(|x| {
+                let mut y = vec![f32::NAN; 2 * n];
+                q4_matmul_nt(x, &w, &mut y, 2);
+                y
+            })
+            .collect();
+        // Same instruction set and tile-independent per-output order: bit-identical.
+        assert_eq!(serial, parallel);
+    }
+
+    #[test]
+    fn empty_shapes_are_fine() {
+        let mut rng = ChaCha8Rng::seed_from_u64(6);
+        let w = q8(&mut rng, 4, 32, 32, 0, 1);
+        let mut y: Vec<f32> = vec![];
+        q8_matmul_nt(&[], &w, &mut y, 0);
+        let x = acts(&mut rng, 32);
+        let mut y = vec![7.0; 4];
+        q8_matmul_nt_rows(&x, &w, 1, 2..2, &mut y, 0);
+        assert_eq!(y, vec![7.0; 4]);
+        let w4 = q4(&mut rng, 0, 32, 0, 1);
+        q4_matmul_nt(&x, &w4, &mut [], 1);
+    }
+
+    #[test]
+    #[should_panic(expected = "x has 31 elements")]
+    fn short_x_panics() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let w = q8(&mut rng, 4, 32, 32, 0, 1);
+        q8_matmul_nt(&[0.0; 31], &w, &mut [0.0; 4], 1);
+    }
+
+    #[test]
+    #[should_panic(expected = "y has 9 elements, needs 10")]
+    fn short_y_panics() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let w = q4(&mut rng, 8, 32, 0, 1);
+        q4_matmul_nt_rows(&[0.0; 64], &w, 2, 0..5, &mut [0.0; 9], 5);
+    }
+}

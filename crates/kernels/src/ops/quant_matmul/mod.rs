@@ -1,3 +1,5 @@
 //! y = x · Wᵀ straight from block-quantized weights (layouts in [`crate::quant`]).
 
 pub mod cpu;
+#[cfg(target_arch = "x86_64")]
+mod cpu_avx2;
