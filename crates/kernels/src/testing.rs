@@ -143,6 +143,8 @@ pub struct Arg {
     pub len: usize,
     /// Split unit for GPU allocation.
     pub unit: usize,
+    /// Raw u32 words: compared bit for bit, not by NMSE.
+    pub words: bool,
 }
 
 impl Arg {
@@ -152,11 +154,15 @@ impl Arg {
             len: data.len(),
             data: Some(data),
             unit,
+            words: false,
         }
     }
     /// Token ids or other u32 words.
     pub fn words(data: &[u32], unit: usize) -> Self {
-        Self::data(bytemuck::cast_slice(data).to_vec(), unit)
+        Arg {
+            words: true,
+            ..Self::data(bytemuck::cast_slice(data).to_vec(), unit)
+        }
     }
     /// An output of `len` elements that starts poisoned with NaN.
     pub fn out(len: usize, unit: usize) -> Self {
@@ -164,6 +170,7 @@ impl Arg {
             data: None,
             len,
             unit,
+            words: false,
         }
     }
 }
@@ -207,6 +214,11 @@ pub fn check_twin(
     for (label, be) in &gpus {
         let got = run(be);
         for (i, a) in args.iter().enumerate() {
+            if a.words {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&want[i]), bits(&got[i]), "{name} [{label}] tensor {i} (words)");
+                continue;
+            }
             assert_nmse(&format!("{name} [{label}] tensor {i}"), &want[i], &got[i], bound);
             if a.data.is_none() {
                 assert!(

@@ -82,6 +82,7 @@ pub struct GpuBackend {
     lost: Arc<Mutex<Option<String>>>,
     counters: Cell<GpuCounters>,
     next_pipeline_id: Cell<u64>,
+    scratch: RefCell<HashMap<&'static str, GpuTensor>>,
 }
 
 #[derive(Hash, PartialEq, Eq)]
@@ -196,6 +197,7 @@ impl GpuBackend {
             lost,
             counters: Cell::default(),
             next_pipeline_id: Cell::new(0),
+            scratch: RefCell::default(),
         })
     }
 
@@ -238,10 +240,10 @@ impl GpuBackend {
         let max_elems = (self.max_chunk_bytes / 4) as usize;
         if unit > max_elems && len > max_elems {
             return Err(Error::Limits(format!(
-                "a row of {unit} elements ({} MiB) is larger than one storage binding ({} MiB) on this \
+                "a row of {unit} elements ({}) is larger than one storage binding ({}) on this \
                  device; use a smaller batch or block size, or a device without the low-end profile",
-                unit * 4 >> 20,
-                self.max_chunk_bytes >> 20
+                fmt_bytes(unit as u64 * 4),
+                fmt_bytes(self.max_chunk_bytes)
             )));
         }
         let per_chunk = if len <= max_elems {
@@ -272,6 +274,26 @@ impl GpuBackend {
             }
         }
         Ok(GpuTensor { chunks })
+    }
+
+    /// A single-buffer scratch tensor of at least `len` elements, kept per `slot` and reused by later
+    /// calls. Dispatches in one pass run in recording order, so ops may share a slot freely.
+    pub(crate) fn scratch(&self, slot: &'static str, len: usize) -> Result<GpuTensor> {
+        if let Some(t) = self.scratch.borrow().get(slot)
+            && t.chunks.len() == 1
+            && t.chunks[0].len >= len
+        {
+            return Ok(t.clone());
+        }
+        if len * 4 > self.max_chunk_bytes as usize {
+            return Err(Error::Limits(format!(
+                "{slot}: scratch of {len} elements exceeds one storage binding"
+            )));
+        }
+        // Grow geometrically so a slowly growing need does not reallocate every call.
+        let t = self.alloc(len.max(1024).next_power_of_two().min((self.max_chunk_bytes / 4) as usize), 1)?;
+        self.scratch.borrow_mut().insert(slot, t.clone());
+        Ok(t)
     }
 
     /// Writes `data` (4-byte words) into `t` from element `offset`. Pending dispatches are submitted
@@ -520,4 +542,16 @@ impl GpuBackend {
         self.pipelines.borrow_mut().insert(key.to_string(), p.clone());
         Ok(p)
     }
+}
+
+/// Bytes for people: "512 B", "4.0 KiB", "128.0 MiB", "2.0 GiB".
+pub fn fmt_bytes(b: u64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < UNITS.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 { format!("{b} B") } else { format!("{v:.1} {}", UNITS[i]) }
 }

@@ -4,9 +4,17 @@
 pub(crate) mod common;
 
 pub mod add;
+pub mod adamw;
+pub mod cross_entropy;
+pub mod dropout;
+pub mod gelu;
+pub mod glu;
 pub mod fill;
 pub mod matmul;
+pub mod norm;
+pub mod softmax;
 pub mod quant_matmul;
+pub mod reduce;
 
 #[cfg(test)]
 mod tests;

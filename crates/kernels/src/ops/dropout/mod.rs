@@ -1,0 +1,95 @@
+//! Inverted dropout with a counter-based mask: the mask of element i is a hash of (seed, i), so the
+//! forward and backward passes, and the CPU and GPU backends, all draw the same mask without storing it.
+
+use super::common::{Grid, kernel, run};
+use crate::backend::{Backend, TMut, TRef};
+use crate::error::{Error, Result};
+use crate::gpu::{Access, Operand};
+use rayon::prelude::*;
+
+/// "lowbias32" (Chris Wellons' hash-prospector): a fast, well-mixed 32-bit integer hash.
+#[inline]
+pub fn hash(v: u32) -> u32 {
+    let mut h = v;
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x7feb_352d);
+    h ^= h >> 15;
+    h = h.wrapping_mul(0x846c_a68b);
+    h ^= h >> 16;
+    h
+}
+
+/// Whether element `i` survives dropout with probability `p` under `seed`.
+#[inline]
+pub fn keep(i: u32, seed: u32, threshold: u32) -> bool {
+    hash(i ^ hash(seed)) >= threshold
+}
+
+fn threshold(p: f32) -> u32 {
+    (p as f64 * 4_294_967_296.0).min(u32::MAX as f64) as u32
+}
+
+/// y = dropout(x) over `n` elements with drop probability `p` (also the backward pass: dx =
+/// dropout(dy) with the same seed). `seed` should differ per layer, site and step.
+pub fn dropout(be: &Backend, x: TRef<'_>, mut y: TMut<'_>, n: usize, p: f32, seed: u32) -> Result<()> {
+    if !(0.0..1.0).contains(&p) {
+        return Err(Error::Shape {
+            op: "dropout",
+            msg: format!("drop probability {p} must be in [0, 1)"),
+        });
+    }
+    let (th, scale) = (threshold(p), 1.0 / (1.0 - p));
+    match be {
+        Backend::Cpu(c) => {
+            let xs = x.cpu("dropout", "x", n)?;
+            let ys = y.cpu("dropout", "y", n)?;
+            c.install(|| {
+                ys.par_iter_mut()
+                    .with_min_len(1 << 14)
+                    .zip(xs)
+                    .enumerate()
+                    .for_each(|(i, (y, &x))| {
+                        *y = if keep(i as u32, seed, th) { x * scale } else { 0.0 }
+                    })
+            });
+            Ok(())
+        }
+        Backend::Gpu(g) => {
+            let ops = [
+                Operand::rows(x.gpu("dropout", "x", n)?, x.offset(), 1),
+                Operand::rows(y.gpu("dropout", "y", n)?, y.offset(), 1),
+            ];
+            let pipe = kernel(g, "dropout", include_str!("dropout.wgsl"), &[Access::Read, Access::ReadWrite])?;
+            run(g, "dropout", &pipe, n, &ops, &[th, seed, scale.to_bits()], Grid::Threads(256))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{Arg, SeedRng, check_twin};
+
+    #[test]
+    fn dropout_masks_agree_across_backends_and_keep_the_expected_fraction() {
+        let mut rng = SeedRng::new(22);
+        let n = 40_000;
+        let x = rng.vec(n, 0.5, 1.5);
+        let args = [Arg::data(x.clone(), 1), Arg::out(n, 1)];
+        // Bit-exact: the mask is integer arithmetic and the scaling one multiply.
+        let out = check_twin("dropout", 0.0, &args, Some(8192), |be, t| {
+            let [tx, ty] = t else { unreachable!() };
+            dropout(be, (&*tx).into(), ty.into(), n, 0.2, 1234)
+        });
+        let dropped = out[1].iter().filter(|&&v| v == 0.0).count() as f64 / n as f64;
+        assert!((dropped - 0.2).abs() < 0.01, "dropped fraction {dropped}");
+        for i in 0..n {
+            assert!(out[1][i] == 0.0 || (out[1][i] - x[i] * 1.25).abs() < 1e-6);
+        }
+        let be = crate::testing::cpu_backend();
+        let tx = be.from_f32(&x, 1).unwrap();
+        let mut ty = be.zeros(n, 1).unwrap();
+        dropout(&be, (&tx).into(), (&mut ty).into(), n, 0.2, 1235).unwrap();
+        assert_ne!(be.to_vec(&ty).unwrap(), out[1], "another seed must give another mask");
+    }
+}

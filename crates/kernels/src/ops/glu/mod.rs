@@ -1,0 +1,162 @@
+//! Gated linear units — SwiGLU (llama's MLP: silu(gate) · up) and GeGLU (Gemma's: gelu(gate) · up) —
+//! and their backward. SiLU alone is SwiGLU with `up` = 1.
+
+use super::common::{Grid, kernel, run};
+use super::gelu::{gelu_grad_scalar, gelu_scalar};
+use crate::backend::{Backend, TMut, TRef};
+use crate::error::{Error, Result};
+use crate::gpu::{Access, Operand};
+use rayon::prelude::*;
+
+/// The gate's activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    Gelu,
+}
+
+/// (act(x), act'(x)): the scalar twin.
+#[inline]
+pub fn act_scalar(a: Activation, x: f32) -> (f32, f32) {
+    match a {
+        Activation::Silu => {
+            let s = 1.0 / (1.0 + (-x).exp());
+            (x * s, s * (1.0 + x * (1.0 - s)))
+        }
+        Activation::Gelu => (gelu_scalar(x), gelu_grad_scalar(x)),
+    }
+}
+
+/// out = act(gate) · up over `n` elements.
+pub fn glu(be: &Backend, act: Activation, gate: TRef<'_>, up: TRef<'_>, mut out: TMut<'_>, n: usize) -> Result<()> {
+    match be {
+        Backend::Cpu(c) => {
+            let (g, u) = (gate.cpu("glu", "gate", n)?, up.cpu("glu", "up", n)?);
+            let o = out.cpu("glu", "out", n)?;
+            c.install(|| {
+                o.par_iter_mut()
+                    .with_min_len(1 << 14)
+                    .zip(g.par_iter().zip(u))
+                    .for_each(|(o, (&g, &u))| *o = act_scalar(act, g).0 * u)
+            });
+            Ok(())
+        }
+        Backend::Gpu(gb) => {
+            let tg = gate.gpu("glu", "gate", n)?;
+            let tu = up.gpu("glu", "up", n)?;
+            let to = out.gpu("glu", "out", n)?;
+            let ops = [
+                Operand::rows(tg, gate.offset(), 1),
+                Operand::rows(tu, up.offset(), 1),
+                Operand::rows(tg, gate.offset(), 1),
+                Operand::rows(to, out.offset(), 1),
+                Operand::rows(to, out.offset(), 1),
+            ];
+            launch(gb, &ops, n, act, false)
+        }
+    }
+}
+
+/// dgate = dout · up · act'(gate), dup = dout · act(gate).
+pub fn glu_backward(
+    be: &Backend,
+    act: Activation,
+    gate: TRef<'_>,
+    up: TRef<'_>,
+    dout: TRef<'_>,
+    mut dgate: TMut<'_>,
+    mut dup: TMut<'_>,
+    n: usize,
+) -> Result<()> {
+    match be {
+        Backend::Cpu(c) => {
+            let (g, u) = (gate.cpu("glu", "gate", n)?, up.cpu("glu", "up", n)?);
+            let d = dout.cpu("glu", "dout", n)?;
+            let dg = dgate.cpu("glu", "dgate", n)?;
+            let du = dup.cpu("glu", "dup", n)?;
+            c.install(|| {
+                dg.par_iter_mut()
+                    .with_min_len(1 << 14)
+                    .zip(du.par_iter_mut())
+                    .enumerate()
+                    .for_each(|(i, (dg, du))| {
+                        let (a, da) = act_scalar(act, g[i]);
+                        *dg = d[i] * u[i] * da;
+                        *du = d[i] * a;
+                    })
+            });
+            Ok(())
+        }
+        Backend::Gpu(gb) => {
+            let ops = [
+                Operand::rows(gate.gpu("glu", "gate", n)?, gate.offset(), 1),
+                Operand::rows(up.gpu("glu", "up", n)?, up.offset(), 1),
+                Operand::rows(dout.gpu("glu", "dout", n)?, dout.offset(), 1),
+                Operand::rows(dgate.gpu("glu", "dgate", n)?, dgate.offset(), 1),
+                Operand::rows(dup.gpu("glu", "dup", n)?, dup.offset(), 1),
+            ];
+            if ops[3].t.chunks[0].buffer == ops[4].t.chunks[0].buffer {
+                return Err(Error::Shape {
+                    op: "glu_backward",
+                    msg: "dgate and dup must be different tensors".into(),
+                });
+            }
+            launch(gb, &ops, n, act, true)
+        }
+    }
+}
+
+fn launch(gb: &crate::gpu::GpuBackend, ops: &[Operand<'_>], n: usize, act: Activation, backward: bool) -> Result<()> {
+    // The forward pass binds `out` twice (binding 5 unused); wgpu allows one buffer in two writable
+    // bindings of one dispatch only if they do not overlap in use, so the forward variant declares it
+    // read-only-free: we bind the same buffer but the kernel never touches out2 in the forward pass.
+    let pipe = kernel(
+        gb,
+        if backward { "glu_bwd" } else { "glu" },
+        include_str!("glu.wgsl"),
+        &[Access::Read, Access::Read, Access::Read, Access::ReadWrite, Access::ReadWrite],
+    )?;
+    let a = match act {
+        Activation::Silu => 0,
+        Activation::Gelu => 1,
+    };
+    run(gb, "glu", &pipe, n, ops, &[a, backward as u32], Grid::Threads(256))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{Arg, SeedRng, check_twin};
+
+    #[test]
+    fn swiglu_and_geglu_match_twin_and_finite_differences() {
+        let mut rng = SeedRng::new(21);
+        let n = 3001;
+        let g = rng.vec(n, -8.0, 8.0);
+        let u = rng.vec(n, -2.0, 2.0);
+        let d = rng.vec(n, -1.0, 1.0);
+        for act in [Activation::Silu, Activation::Gelu] {
+            let args = [
+                Arg::data(g.clone(), 1),
+                Arg::data(u.clone(), 1),
+                Arg::data(d.clone(), 1),
+                Arg::out(n, 1),
+                Arg::out(n, 1),
+                Arg::out(n, 1),
+            ];
+            let out = check_twin("glu", 1e-12, &args, Some(2048), |be, t| {
+                let [tg, tu, td, to, tdg, tdu] = t else { unreachable!() };
+                glu(be, act, (&*tg).into(), (&*tu).into(), to.into(), n)?;
+                glu_backward(be, act, (&*tg).into(), (&*tu).into(), (&*td).into(), tdg.into(), tdu.into(), n)
+            });
+            for i in 0..100 {
+                let h = 1e-3f32;
+                let f = |x: f32| act_scalar(act, x).0 as f64 * u[i] as f64;
+                let fd = (f(g[i] + h) - f(g[i] - h)) / (2.0 * h as f64) * d[i] as f64;
+                assert!((fd - out[4][i] as f64).abs() < 5e-3, "{act:?} dgate fd {fd} vs {}", out[4][i]);
+                let fdu = act_scalar(act, g[i]).0 * d[i];
+                assert!((fdu - out[5][i]).abs() < 1e-5);
+            }
+        }
+    }
+}

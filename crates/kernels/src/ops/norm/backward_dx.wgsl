@@ -1,0 +1,56 @@
+// Input gradient of LayerNorm / RMSNorm, one workgroup per row. With xh = (x - mean) * rstd and
+// g = dy * w:  LN: dx = rstd * (g - mean(g) - xh * mean(g * xh));  RMS: dx = rstd * (g - xh * mean(g * xh)).
+// ACCUMULATE adds into dx (the residual stream's gradient) instead of overwriting.
+struct Params { n: u32, start: u32, o_x: u32, o_w: u32, o_dy: u32, o_mean: u32, o_rstd: u32, o_dx: u32, cols: u32, rms: u32, accumulate: u32 }
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read> w: array<f32>;
+@group(0) @binding(3) var<storage, read> dy: array<f32>;
+@group(0) @binding(4) var<storage, read> mean_in: array<f32>;
+@group(0) @binding(5) var<storage, read> rstd_in: array<f32>;
+@group(0) @binding(6) var<storage, read_write> dx: array<f32>;
+
+const WG: u32 = 256u;
+var<workgroup> red: array<f32, WG>;
+
+fn reduce(v: f32, lid: u32) -> f32 {
+  red[lid] = v;
+  workgroupBarrier();
+  for (var s = WG / 2u; s > 0u; s = s >> 1u) {
+    if (lid < s) { red[lid] = red[lid] + red[lid + s]; }
+    workgroupBarrier();
+  }
+  let r = red[0];
+  workgroupBarrier();
+  return r;
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+  let row = group_index(wid, nwg);
+  if (row >= p.n) { return; }
+  let xb = p.o_x + row * p.cols;
+  let db = p.o_dy + row * p.cols;
+  let mean = mean_in[p.o_mean + row];
+  let rstd = rstd_in[p.o_rstd + row];
+  var sg = 0.0;
+  var sgx = 0.0;
+  for (var c = lid; c < p.cols; c = c + WG) {
+    let g = dy[db + c] * w[p.o_w + c];
+    sg = sg + g;
+    sgx = sgx + g * (x[xb + c] - mean) * rstd;
+  }
+  let inv = 1.0 / f32(p.cols);
+  var mg = reduce(sg, lid) * inv;
+  let mgx = reduce(sgx, lid) * inv;
+  if (p.rms != 0u) { mg = 0.0; }
+  let ob = p.o_dx + row * p.cols;
+  for (var c = lid; c < p.cols; c = c + WG) {
+    let g = dy[db + c] * w[p.o_w + c];
+    let xh = (x[xb + c] - mean) * rstd;
+    var v = rstd * (g - mg - xh * mgx);
+    if (p.accumulate != 0u) { v = v + dx[ob + c]; }
+    dx[ob + c] = v;
+  }
+}

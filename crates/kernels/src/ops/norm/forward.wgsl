@@ -1,0 +1,52 @@
+// LayerNorm (no bias) or RMSNorm of each row, one workgroup per row:
+//   LN:  y = (x - mean) * rstd * w,  rstd = 1 / sqrt(mean((x - mean)^2) + eps)
+//   RMS: y = x * rstd * w,           rstd = 1 / sqrt(mean(x^2) + eps)
+// mean and rstd are saved per row for the backward pass (mean = 0 for RMS).
+struct Params { n: u32, start: u32, o_x: u32, o_w: u32, o_y: u32, o_mean: u32, o_rstd: u32, cols: u32, eps: f32, rms: u32 }
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read> w: array<f32>;
+@group(0) @binding(3) var<storage, read_write> y: array<f32>;
+@group(0) @binding(4) var<storage, read_write> mean_out: array<f32>;
+@group(0) @binding(5) var<storage, read_write> rstd_out: array<f32>;
+
+const WG: u32 = 256u;
+var<workgroup> red: array<f32, WG>;
+
+fn reduce(v: f32, lid: u32) -> f32 {
+  red[lid] = v;
+  workgroupBarrier();
+  for (var s = WG / 2u; s > 0u; s = s >> 1u) {
+    if (lid < s) { red[lid] = red[lid] + red[lid + s]; }
+    workgroupBarrier();
+  }
+  let r = red[0];
+  workgroupBarrier();
+  return r;
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+  let row = group_index(wid, nwg);
+  if (row >= p.n) { return; }
+  let base = p.o_x + row * p.cols;
+  let inv = 1.0 / f32(p.cols);
+  var mean = 0.0;
+  if (p.rms == 0u) {
+    var s = 0.0;
+    for (var c = lid; c < p.cols; c = c + WG) { s = s + x[base + c]; }
+    mean = reduce(s, lid) * inv;
+  }
+  var q = 0.0;
+  for (var c = lid; c < p.cols; c = c + WG) { let d = x[base + c] - mean; q = q + d * d; }
+  let rstd = 1.0 / sqrt(reduce(q, lid) * inv + p.eps);
+  let ybase = p.o_y + row * p.cols;
+  for (var c = lid; c < p.cols; c = c + WG) {
+    y[ybase + c] = (x[base + c] - mean) * rstd * w[p.o_w + c];
+  }
+  if (lid == 0u) {
+    mean_out[p.o_mean + row] = mean;
+    rstd_out[p.o_rstd + row] = rstd;
+  }
+}

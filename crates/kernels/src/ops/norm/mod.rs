@@ -1,0 +1,282 @@
+//! LayerNorm (without bias, as TinyGPT's GPT uses it) and RMSNorm (llama, Gemma), forward and backward.
+//!
+//! Row statistics live in one `stats` tensor of `2 * rows` elements: the rows' means (zero for RMSNorm)
+//! followed by their reciprocal standard deviations, saved by the forward pass for the backward pass.
+
+use super::common::{Grid, kernel, run};
+use crate::backend::{Backend, TMut, TRef};
+use crate::error::{Error, Result};
+use crate::gpu::{Access, GpuBackend, Operand, segments};
+use rayon::prelude::*;
+
+/// Which normalisation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormKind {
+    /// (x − mean) / std · w.
+    Layer,
+    /// x / rms · w.
+    Rms,
+}
+
+/// Rows of `cols` elements.
+#[derive(Clone, Copy, Debug)]
+pub struct NormShape {
+    pub rows: usize,
+    pub cols: usize,
+    pub eps: f32,
+}
+
+fn check(s: &NormShape) -> Result<()> {
+    if s.cols == 0 || !(s.eps >= 0.0) {
+        return Err(Error::Shape {
+            op: "norm",
+            msg: format!("needs cols > 0 and eps >= 0, got cols {} eps {}", s.cols, s.eps),
+        });
+    }
+    Ok(())
+}
+
+/// CPU twin of one row's statistics: (mean, rstd).
+fn row_stats(kind: NormKind, x: &[f32], eps: f32) -> (f32, f32) {
+    let inv = 1.0 / x.len() as f32;
+    let mean = match kind {
+        NormKind::Layer => x.iter().sum::<f32>() * inv,
+        NormKind::Rms => 0.0,
+    };
+    let q: f32 = x.iter().map(|v| (v - mean) * (v - mean)).sum();
+    (mean, 1.0 / (q * inv + eps).sqrt())
+}
+
+/// y = norm(x) · w per row; saves the row statistics into `stats`.
+pub fn norm_forward(
+    be: &Backend,
+    kind: NormKind,
+    x: TRef<'_>,
+    w: TRef<'_>,
+    mut y: TMut<'_>,
+    mut stats: TMut<'_>,
+    s: NormShape,
+) -> Result<()> {
+    check(&s)?;
+    let (rows, cols) = (s.rows, s.cols);
+    let n = rows * cols;
+    match be {
+        Backend::Cpu(c) => {
+            let xs = x.cpu("norm", "x", n)?;
+            let ws = w.cpu("norm", "w", cols)?;
+            let ys = y.cpu("norm", "y", n)?;
+            let st = stats.cpu("norm", "stats", 2 * rows)?;
+            let (means, rstds) = st.split_at_mut(rows);
+            c.install(|| {
+                ys.par_chunks_mut(cols)
+                    .zip(xs.par_chunks(cols))
+                    .zip(means.par_iter_mut().zip(rstds.par_iter_mut()))
+                    .for_each(|((yr, xr), (m, r))| {
+                        let (mean, rstd) = row_stats(kind, xr, s.eps);
+                        for ((yv, &xv), &wv) in yr.iter_mut().zip(xr).zip(ws) {
+                            *yv = (xv - mean) * rstd * wv;
+                        }
+                        (*m, *r) = (mean, rstd);
+                    })
+            });
+            Ok(())
+        }
+        Backend::Gpu(g) => {
+            let ts = stats.gpu("norm", "stats", 2 * rows)?;
+            let ops = [
+                Operand::rows(x.gpu("norm", "x", n)?, x.offset(), cols),
+                Operand::whole(w.gpu("norm", "w", cols)?, w.offset(), cols),
+                Operand::rows(y.gpu("norm", "y", n)?, y.offset(), cols),
+                Operand::rows(ts, stats.offset(), 1),
+                Operand::rows(ts, stats.offset() + rows, 1),
+            ];
+            let pipe = kernel(
+                g,
+                "norm_forward",
+                include_str!("forward.wgsl"),
+                &[Access::Read, Access::Read, Access::ReadWrite, Access::ReadWrite, Access::ReadWrite],
+            )?;
+            let extra = [cols as u32, s.eps.to_bits(), (kind == NormKind::Rms) as u32];
+            run(g, "norm_forward", &pipe, rows, &ops, &extra, Grid::Groups)
+        }
+    }
+}
+
+/// Gradients of [`norm_forward`]: dx (added to `dx` when `accumulate_dx`) and dw (added to `dw` when
+/// `accumulate_dw`).
+#[allow(clippy::too_many_arguments)]
+pub fn norm_backward(
+    be: &Backend,
+    kind: NormKind,
+    x: TRef<'_>,
+    w: TRef<'_>,
+    dy: TRef<'_>,
+    stats: TRef<'_>,
+    mut dx: TMut<'_>,
+    mut dw: TMut<'_>,
+    s: NormShape,
+    accumulate_dx: bool,
+    accumulate_dw: bool,
+) -> Result<()> {
+    check(&s)?;
+    let (rows, cols) = (s.rows, s.cols);
+    let n = rows * cols;
+    match be {
+        Backend::Cpu(c) => {
+            let xs = x.cpu("norm_backward", "x", n)?;
+            let ws = w.cpu("norm_backward", "w", cols)?;
+            let dys = dy.cpu("norm_backward", "dy", n)?;
+            let st = stats.cpu("norm_backward", "stats", 2 * rows)?;
+            let (means, rstds) = st.split_at(rows);
+            let dxs = dx.cpu("norm_backward", "dx", n)?;
+            let inv = 1.0 / cols as f32;
+            c.install(|| {
+                dxs.par_chunks_mut(cols).enumerate().for_each(|(r, dxr)| {
+                    let (mean, rstd) = (means[r], rstds[r]);
+                    let (xr, dyr) = (&xs[r * cols..][..cols], &dys[r * cols..][..cols]);
+                    let (mut sg, mut sgx) = (0.0f32, 0.0f32);
+                    for c in 0..cols {
+                        let g = dyr[c] * ws[c];
+                        sg += g;
+                        sgx += g * (xr[c] - mean) * rstd;
+                    }
+                    let mg = if kind == NormKind::Rms { 0.0 } else { sg * inv };
+                    let mgx = sgx * inv;
+                    for c in 0..cols {
+                        let g = dyr[c] * ws[c];
+                        let xh = (xr[c] - mean) * rstd;
+                        let v = rstd * (g - mg - xh * mgx);
+                        dxr[c] = if accumulate_dx { dxr[c] + v } else { v };
+                    }
+                })
+            });
+            let partial = c.install(|| {
+                (0..rows)
+                    .into_par_iter()
+                    .with_min_len(64)
+                    .fold(
+                        || vec![0.0f32; cols],
+                        |mut acc, r| {
+                            let (mean, rstd) = (means[r], rstds[r]);
+                            for c in 0..cols {
+                                acc[c] += dys[r * cols + c] * (xs[r * cols + c] - mean) * rstd;
+                            }
+                            acc
+                        },
+                    )
+                    .reduce(
+                        || vec![0.0f32; cols],
+                        |mut a, b| {
+                            a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+                            a
+                        },
+                    )
+            });
+            let dws = dw.cpu("norm_backward", "dw", cols)?;
+            for (d, p) in dws.iter_mut().zip(partial) {
+                *d = if accumulate_dw { *d + p } else { p };
+            }
+            Ok(())
+        }
+        Backend::Gpu(g) => gpu_backward(g, kind, x, w, dy, stats, dx, dw, s, accumulate_dx, accumulate_dw),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gpu_backward(
+    g: &GpuBackend,
+    kind: NormKind,
+    x: TRef<'_>,
+    w: TRef<'_>,
+    dy: TRef<'_>,
+    stats: TRef<'_>,
+    dx: TMut<'_>,
+    dw: TMut<'_>,
+    s: NormShape,
+    accumulate_dx: bool,
+    accumulate_dw: bool,
+) -> Result<()> {
+    let (rows, cols) = (s.rows, s.cols);
+    let n = rows * cols;
+    let tx = x.gpu("norm_backward", "x", n)?;
+    let tdy = dy.gpu("norm_backward", "dy", n)?;
+    let ts = stats.gpu("norm_backward", "stats", 2 * rows)?;
+    let ops = [
+        Operand::rows(tx, x.offset(), cols),
+        Operand::whole(w.gpu("norm_backward", "w", cols)?, w.offset(), cols),
+        Operand::rows(tdy, dy.offset(), cols),
+        Operand::rows(ts, stats.offset(), 1),
+        Operand::rows(ts, stats.offset() + rows, 1),
+        Operand::rows(dx.gpu("norm_backward", "dx", n)?, dx.offset(), cols),
+    ];
+    let pipe = kernel(
+        g,
+        "norm_backward_dx",
+        include_str!("backward_dx.wgsl"),
+        &[
+            Access::Read,
+            Access::Read,
+            Access::Read,
+            Access::Read,
+            Access::Read,
+            Access::ReadWrite,
+        ],
+    )?;
+    let extra = [cols as u32, (kind == NormKind::Rms) as u32, accumulate_dx as u32];
+    run(g, "norm_backward", &pipe, rows, &ops, &extra, Grid::Groups)?;
+
+    // dw in two stages through a scratch buffer of per-block partial sums.
+    const RB: usize = 64;
+    let seg_ops = [
+        Operand::rows(tx, x.offset(), cols),
+        Operand::rows(tdy, dy.offset(), cols),
+        Operand::rows(ts, stats.offset(), 1),
+        Operand::rows(ts, stats.offset() + rows, 1),
+    ];
+    let segs = segments("norm_backward", rows, &seg_ops)?;
+    let blocks: usize = segs.iter().map(|sg| sg.len().div_ceil(RB)).sum();
+    let part = g.scratch("norm_dw_partial", blocks * cols)?;
+    let pbuf = &part.chunks[0].buffer;
+    let p1 = kernel(
+        g,
+        "norm_backward_dw_partial",
+        include_str!("backward_dw_partial.wgsl"),
+        &[Access::Read, Access::Read, Access::Read, Access::Read, Access::ReadWrite],
+    )?;
+    let mut block0 = 0usize;
+    for sg in &segs {
+        let nb = sg.len().div_ceil(RB);
+        let params = [
+            sg.len() as u32,
+            sg.start as u32,
+            sg.places[0].offset as u32,
+            sg.places[1].offset as u32,
+            sg.places[2].offset as u32,
+            sg.places[3].offset as u32,
+            0,
+            cols as u32,
+            block0 as u32,
+        ];
+        let bufs = [
+            &sg.places[0].buffer,
+            &sg.places[1].buffer,
+            &sg.places[2].buffer,
+            &sg.places[3].buffer,
+            pbuf,
+        ];
+        g.dispatch(&p1, &params, &bufs, [cols.div_ceil(64) as u32, nb as u32, 1])?;
+        block0 += nb;
+    }
+    let p2 = kernel(
+        g,
+        "norm_backward_dw_final",
+        include_str!("backward_dw_final.wgsl"),
+        &[Access::Read, Access::ReadWrite],
+    )?;
+    let tdw = dw.gpu("norm_backward", "dw", cols)?;
+    let ops = [Operand::whole(&part, 0, blocks * cols), Operand::rows(tdw, dw.offset(), 1)];
+    run(g, "norm_backward", &p2, cols, &ops, &[blocks as u32, accumulate_dw as u32], Grid::Threads(256))
+}
+
+#[cfg(test)]
+mod tests;
