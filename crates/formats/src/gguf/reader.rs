@@ -445,6 +445,15 @@ impl<'a> Cursor<'a> {
             let what = || format!("tensor_info[{i}] '{name}' ne[{d}]");
             let at = self.pos;
             let ne = self.u64(&what)?;
+            if ne == 0 {
+                // ggml's own reader cannot handle empty dimensions (its overflow check divides by
+                // them), so no real file has one; refusing them also keeps `cols()` bounded by the data.
+                return Err(FormatError::Invalid {
+                    what: what(),
+                    offset: at as u64,
+                    detail: "dimension is 0; every dimension must be at least 1".into(),
+                });
+            }
             // ggml holds ne as int64_t, and the element count must fit it too.
             let product = n_elements.checked_mul(ne).filter(|&p| p <= i64::MAX as u64);
             match product {
