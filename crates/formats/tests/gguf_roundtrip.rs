@@ -317,11 +317,40 @@ fn atomic_write_replaces_the_file_and_leaves_no_temporaries() {
 }
 
 #[test]
-fn open_reports_missing_files_with_their_path() {
+fn open_reports_missing_and_empty_files() {
     let err = GgufFile::open("/nonexistent/x.gguf")
         .unwrap_err()
         .to_string();
     assert!(err.contains("/nonexistent/x.gguf"), "{err}");
+    let dir = temp_dir("empty");
+    let path = dir.join("empty.gguf");
+    std::fs::write(&path, b"").unwrap();
+    let err = GgufFile::open(&path).unwrap_err();
+    assert!(
+        matches!(err, FormatError::Truncated { offset: 0, .. }),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn hand_made_infos_with_absurd_dims_are_refused_not_overflowed() {
+    let info = info_for("t", &[32], GgmlType::Q8_0);
+    let mut huge = info.clone();
+    huge.dims = vec![1 << 40, 1 << 40, 1 << 40];
+    assert_eq!(huge.n_elements(), u64::MAX);
+    assert!(matches!(
+        tinygpt_formats::load_matrix(&huge, &[0; 34]),
+        Err(FormatError::TensorShape { .. })
+    ));
+    assert!(matches!(
+        tinygpt_formats::load_matrix(&info, &[0; 33]),
+        Err(FormatError::DataSize {
+            expected: 34,
+            found: 33,
+            ..
+        })
+    ));
 }
 
 fn arb_array(depth: u32) -> BoxedStrategy<MetadataArray> {

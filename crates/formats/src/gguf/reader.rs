@@ -53,9 +53,10 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
-    /// Total number of values (product of the dims; validated not to overflow when parsed).
+    /// Total number of values: the product of the dims (validated not to overflow when parsed; saturates
+    /// for a hand-made info whose dims do).
     pub fn n_elements(&self) -> u64 {
-        self.dims.iter().product()
+        saturating_product(&self.dims)
     }
 
     /// `ne[0]`, the length of one row.
@@ -65,7 +66,7 @@ impl TensorInfo {
 
     /// Product of `ne[1..]`: the number of rows when the tensor is viewed as a matrix.
     pub fn rows(&self) -> u64 {
-        self.dims.iter().skip(1).product()
+        saturating_product(self.dims.get(1..).unwrap_or_default())
     }
 
     /// Bytes of one row.
@@ -76,8 +77,12 @@ impl TensorInfo {
 
     /// Absolute byte range of the data in the file.
     pub fn data_range(&self) -> Range<u64> {
-        self.data_start..self.data_start + self.n_bytes
+        self.data_start..self.data_start.saturating_add(self.n_bytes)
     }
+}
+
+fn saturating_product(dims: &[u64]) -> u64 {
+    dims.iter().fold(1u64, |acc, &d| acc.saturating_mul(d))
 }
 
 /// Everything in a GGUF file except the tensor data itself.
