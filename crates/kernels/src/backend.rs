@@ -124,6 +124,13 @@ impl<'a> TRef<'a> {
     pub fn offset(&self) -> usize {
         self.offset
     }
+    /// The view `k` elements further on.
+    pub fn shift(&self, k: usize) -> TRef<'a> {
+        TRef {
+            t: self.t,
+            offset: self.offset + k,
+        }
+    }
     pub fn tensor(&self) -> &'a Tensor {
         self.t
     }
@@ -159,6 +166,13 @@ impl<'a> TRef<'a> {
 impl<'a> TMut<'a> {
     pub fn offset(&self) -> usize {
         self.offset
+    }
+    /// A read-only view of the same elements.
+    pub fn as_ref(&self) -> TRef<'_> {
+        TRef {
+            t: self.t,
+            offset: self.offset,
+        }
     }
     /// A shorter-lived writable view of the same elements.
     pub fn reborrow(&mut self) -> TMut<'_> {

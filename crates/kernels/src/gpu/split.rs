@@ -39,6 +39,18 @@ impl GpuTensor {
         self.chunks.iter().map(|c| c.buffer.size()).sum()
     }
 
+    /// A one-chunk view of `buffer` holding `len` elements (ops use it to treat one chunk of a split
+    /// tensor as a tensor of its own).
+    pub(crate) fn single(buffer: wgpu::Buffer, len: usize) -> Self {
+        GpuTensor {
+            chunks: vec![Chunk {
+                buffer,
+                start: 0,
+                len,
+            }],
+        }
+    }
+
     /// Number of buffers the tensor is split into.
     pub fn num_chunks(&self) -> usize {
         self.chunks.len()

@@ -5,8 +5,10 @@ pub(crate) mod common;
 
 pub mod add;
 pub mod adamw;
+pub mod attention;
 pub mod cross_entropy;
 pub mod dropout;
+pub mod embedding;
 pub mod gelu;
 pub mod glu;
 pub mod fill;
@@ -15,6 +17,7 @@ pub mod norm;
 pub mod softmax;
 pub mod quant_matmul;
 pub mod reduce;
+pub mod rope;
 
 #[cfg(test)]
 mod tests;

@@ -1,0 +1,312 @@
+//! Causal multi-head attention.
+//!
+//! Training ([`attention_forward`], [`attention_backward`]) works straight out of the fused QKV tensor
+//! `[batch, t, 3 · heads · head_dim]` with batched GEMMs over (sequence, head) pairs, a causal softmax
+//! and dropout on the probabilities; the probabilities are kept for the backward pass.
+//!
+//! Inference ([`attend`]) runs query rows against a KV cache with grouped-query heads and an optional
+//! sliding window, in one kernel.
+
+use super::common::kernel;
+use super::dropout::dropout;
+use super::matmul::{Gemm, matmul};
+use super::softmax::{SoftmaxShape, softmax, softmax_backward};
+use crate::backend::{Backend, TMut, TRef};
+use crate::error::{Error, Result};
+use crate::gpu::{Access, Operand, segments};
+use rayon::prelude::*;
+
+/// Shape of a training batch.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnShape {
+    pub batch: usize,
+    pub t: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+}
+
+impl AttnShape {
+    fn c(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    /// Elements of the probability tensor: batch · heads · t · t.
+    pub fn probs_len(&self) -> usize {
+        self.batch * self.heads * self.t * self.t
+    }
+    fn scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+    /// Scores/probabilities [b, h, i, j] (rows of t).
+    fn p_stride(&self) -> [usize; 2] {
+        [self.heads * self.t * self.t, self.t * self.t]
+    }
+    /// Q, K or V of (b, h) inside the fused QKV tensor.
+    fn qkv_stride(&self) -> [usize; 2] {
+        [self.t * 3 * self.c(), self.head_dim]
+    }
+    /// (b, h) inside a [b, t, c] tensor.
+    fn y_stride(&self) -> [usize; 2] {
+        [self.t * self.c(), self.head_dim]
+    }
+}
+
+/// Dropout on the attention probabilities: (probability, seed).
+pub type AttnDropout = Option<(f32, u32)>;
+
+/// y = softmax(Q Kᵀ / √d, causal) V per (sequence, head). `probs` receives the probabilities and, with
+/// dropout, `dropped` the dropped-out probabilities the product used (both `probs_len()` long).
+pub fn attention_forward(
+    be: &Backend,
+    qkv: TRef<'_>,
+    mut y: TMut<'_>,
+    mut probs: TMut<'_>,
+    dropped: Option<TMut<'_>>,
+    s: AttnShape,
+    drop: AttnDropout,
+) -> Result<()> {
+    let (t, c, hd) = (s.t, s.c(), s.head_dim);
+    let scores = Gemm::nt(t, t, hd)
+        .lda(3 * c)
+        .ldb(3 * c)
+        .alpha(s.scale())
+        .batched([s.batch, s.heads], s.qkv_stride(), s.qkv_stride(), s.p_stride());
+    matmul(be, qkv, qkv.shift(c), probs.reborrow(), &scores)?;
+    softmax(be, probs.reborrow(), SoftmaxShape::causal(s.batch * s.heads * t, t))?;
+    let mix = Gemm::nn(t, hd, t)
+        .lda(t)
+        .ldb(3 * c)
+        .ldc(c)
+        .batched([s.batch, s.heads], s.p_stride(), s.qkv_stride(), s.y_stride());
+    let v = qkv.shift(2 * c);
+    match (drop, dropped) {
+        (Some((p, seed)), Some(mut d)) if p > 0.0 => {
+            dropout(be, probs.as_ref(), d.reborrow(), s.probs_len(), p, seed)?;
+            matmul(be, d.as_ref(), v, y.reborrow(), &mix)
+        }
+        (Some((p, _)), None) if p > 0.0 => Err(Error::Shape {
+            op: "attention_forward",
+            msg: "dropout needs a tensor for the dropped-out probabilities".into(),
+        }),
+        _ => matmul(be, probs.as_ref(), v, y, &mix),
+    }
+}
+
+/// Gradients of [`attention_forward`] into `dqkv` (overwritten), given the forward's `probs` (and
+/// `dropped`, which is overwritten as scratch) and the output gradient `dy`. `scratch` holds
+/// `probs_len()` elements.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    be: &Backend,
+    qkv: TRef<'_>,
+    probs: TRef<'_>,
+    dropped: Option<TMut<'_>>,
+    dy: TRef<'_>,
+    mut dqkv: TMut<'_>,
+    mut scratch: TMut<'_>,
+    s: AttnShape,
+    drop: AttnDropout,
+) -> Result<()> {
+    let (t, c, hd) = (s.t, s.c(), s.head_dim);
+    // dP' = dY Vᵀ (gradient of the probabilities the product saw).
+    let dp = Gemm::nt(t, t, hd)
+        .lda(c)
+        .ldb(3 * c)
+        .batched([s.batch, s.heads], s.y_stride(), s.qkv_stride(), s.p_stride());
+    matmul(be, dy, qkv.shift(2 * c), scratch.reborrow(), &dp)?;
+    // dV = P'ᵀ dY.
+    let dv = Gemm::tn(t, hd, t)
+        .lda(t)
+        .ldb(c)
+        .ldc(3 * c)
+        .batched([s.batch, s.heads], s.p_stride(), s.y_stride(), s.qkv_stride());
+    let mut dropped = dropped;
+    let use_drop = matches!(drop, Some((p, _)) if p > 0.0);
+    {
+        let p_used = match (&dropped, use_drop) {
+            (Some(d), true) => d.as_ref(),
+            _ => probs,
+        };
+        matmul(be, p_used, dy, dqkv.t.at_mut(dqkv.offset() + 2 * c), &dv)?;
+    }
+    // dP = dropout'(dP'), then dS = softmax'(P, dP), both in place in one buffer.
+    let ds: TMut<'_> = match (drop, dropped.as_mut(), use_drop) {
+        (Some((p, seed)), Some(d), true) => {
+            dropout(be, scratch.as_ref(), d.reborrow(), s.probs_len(), p, seed)?;
+            d.reborrow()
+        }
+        _ => scratch.reborrow(),
+    };
+    let mut ds = ds;
+    softmax_backward(be, probs, ds.reborrow(), SoftmaxShape::causal(s.batch * s.heads * t, t))?;
+    // dQ = dS K / √d and dK = dSᵀ Q / √d.
+    let dq = Gemm::nn(t, hd, t)
+        .lda(t)
+        .ldb(3 * c)
+        .ldc(3 * c)
+        .alpha(s.scale())
+        .batched([s.batch, s.heads], s.p_stride(), s.qkv_stride(), s.qkv_stride());
+    matmul(be, ds.as_ref(), qkv.shift(c), dqkv.t.at_mut(dqkv.offset()), &dq)?;
+    let dk = Gemm::tn(t, hd, t)
+        .lda(t)
+        .ldb(3 * c)
+        .ldc(3 * c)
+        .alpha(s.scale())
+        .batched([s.batch, s.heads], s.p_stride(), s.qkv_stride(), s.qkv_stride());
+    matmul(be, ds.as_ref(), qkv, dqkv.t.at_mut(dqkv.offset() + c), &dk)
+}
+
+/// Query rows against a KV cache.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeShape {
+    /// Query rows (1 when decoding, the prompt length when prefilling).
+    pub rows: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Row strides of q, of the K and V caches, and of out.
+    pub ld_q: usize,
+    pub ld_kv: usize,
+    pub ld_o: usize,
+    /// Position of query row 0; row r sees cache rows 0..=q_pos0 + r.
+    pub q_pos0: usize,
+    /// Valid rows in the caches (at least q_pos0 + rows).
+    pub kv_len: usize,
+    /// Sliding window (keys with position > query position − window), 0 for none.
+    pub window: usize,
+    pub scale: f32,
+    /// tanh soft-capping of the scores, 0 for none.
+    pub softcap: f32,
+}
+
+/// out = softmax(scale · q Kᵀ, causal[, window]) V for each query row and head.
+pub fn attend(be: &Backend, q: TRef<'_>, k: TRef<'_>, v: TRef<'_>, mut out: TMut<'_>, s: DecodeShape) -> Result<()> {
+    if s.kv_heads == 0 || s.heads % s.kv_heads != 0 || s.head_dim == 0 || s.head_dim > 512 {
+        return Err(Error::Shape {
+            op: "attend",
+            msg: format!("heads {} must be a multiple of kv_heads {}; head_dim 1..=512", s.heads, s.kv_heads),
+        });
+    }
+    if s.kv_len < s.q_pos0 + s.rows {
+        return Err(Error::Shape {
+            op: "attend",
+            msg: format!("the cache holds {} rows; the queries reach position {}", s.kv_len, s.q_pos0 + s.rows),
+        });
+    }
+    let span = |rows: usize, ld: usize, w: usize| if rows == 0 { 0 } else { (rows - 1) * ld + w };
+    let (nq, nkv, no) = (
+        span(s.rows, s.ld_q, s.heads * s.head_dim),
+        span(s.kv_len, s.ld_kv, s.kv_heads * s.head_dim),
+        span(s.rows, s.ld_o, s.heads * s.head_dim),
+    );
+    let group = s.heads / s.kv_heads;
+    match be {
+        Backend::Cpu(c) => {
+            let (qs, ks, vs) = (q.cpu("attend", "q", nq)?, k.cpu("attend", "k", nkv)?, v.cpu("attend", "v", nkv)?);
+            let os = out.cpu("attend", "out", no)?;
+            let results: Vec<(usize, Vec<f32>)> = c.install(|| {
+                (0..s.rows * s.heads)
+                    .into_par_iter()
+                    .map(|gi| {
+                        let (r, h) = (gi / s.heads, gi % s.heads);
+                        let kvh = h / group;
+                        let qpos = s.q_pos0 + r;
+                        let last = (qpos + 1).min(s.kv_len);
+                        let first = if s.window > 0 { (qpos + 1).saturating_sub(s.window) } else { 0 };
+                        let qr = &qs[r * s.ld_q + h * s.head_dim..][..s.head_dim];
+                        let mut sc: Vec<f32> = (first..last)
+                            .map(|j| {
+                                let kr = &ks[j * s.ld_kv + kvh * s.head_dim..][..s.head_dim];
+                                let mut x = qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * s.scale;
+                                if s.softcap > 0.0 {
+                                    x = s.softcap * (x / s.softcap).clamp(-15.0, 15.0).tanh();
+                                }
+                                x
+                            })
+                            .collect();
+                        let m = sc.iter().fold(f32::MIN, |m, &x| m.max(x));
+                        let mut sum = 0.0f32;
+                        for x in &mut sc {
+                            *x = (*x - m).exp();
+                            sum += *x;
+                        }
+                        let inv = 1.0 / sum;
+                        let mut o = vec![0.0f32; s.head_dim];
+                        for (jj, &w) in sc.iter().enumerate() {
+                            let vr = &vs[(first + jj) * s.ld_kv + kvh * s.head_dim..][..s.head_dim];
+                            o.iter_mut().zip(vr).for_each(|(a, b)| *a += w * b);
+                        }
+                        o.iter_mut().for_each(|x| *x *= inv);
+                        (r * s.ld_o + h * s.head_dim, o)
+                    })
+                    .collect()
+            });
+            for (off, o) in results {
+                os[off..off + s.head_dim].copy_from_slice(&o);
+            }
+            Ok(())
+        }
+        Backend::Gpu(g) => {
+            let place = |t: TRef<'_>, n: usize, what: &str| -> Result<(wgpu::Buffer, usize)> {
+                let tt = t.gpu("attend", "operand", n)?;
+                let sg = segments("attend", 1, &[Operand::whole(tt, t.offset(), n.max(1))]).map_err(|_| Error::Shape {
+                    op: "attend",
+                    msg: format!("{what} must lie in one buffer"),
+                })?;
+                Ok((sg[0].places[0].buffer.clone(), sg[0].places[0].offset))
+            };
+            let (bq, oq) = place(q, nq, "q")?;
+            let (bk, ok) = place(k, nkv, "the K cache")?;
+            let (bv, ov) = place(v, nkv, "the V cache")?;
+            let (bo, oo) = place(out.as_ref(), no, "out")?;
+            let pipe = kernel(
+                g,
+                "attend",
+                include_str!("attend.wgsl"),
+                &[Access::Read, Access::Read, Access::Read, Access::ReadWrite, Access::ReadWrite],
+            )?;
+            // Score scratch: rows · heads · kv_len, in as many dispatches as one binding needs.
+            let max = (g.max_chunk_bytes() / 4) as usize;
+            let per_row = s.heads * s.kv_len.max(1);
+            let rows_per = (max / per_row).max(1).min(s.rows.max(1));
+            if per_row > max {
+                return Err(Error::Limits(format!(
+                    "attend: {} heads x {} cached positions of scores exceed one storage binding",
+                    s.heads, s.kv_len
+                )));
+            }
+            let scratch = g.scratch("attend_scores", rows_per * per_row)?;
+            let mut r0 = 0;
+            while r0 < s.rows {
+                let n = rows_per.min(s.rows - r0);
+                let params = [
+                    n as u32,
+                    0,
+                    (oq + r0 * s.ld_q) as u32,
+                    ok as u32,
+                    ov as u32,
+                    (oo + r0 * s.ld_o) as u32,
+                    s.heads as u32,
+                    s.kv_heads as u32,
+                    s.head_dim as u32,
+                    s.ld_q as u32,
+                    s.ld_kv as u32,
+                    s.ld_o as u32,
+                    s.q_pos0 as u32,
+                    s.kv_len as u32,
+                    s.window as u32,
+                    s.scale.to_bits(),
+                    s.softcap.to_bits(),
+                    s.kv_len as u32,
+                    r0 as u32,
+                ];
+                let bufs = [&bq, &bk, &bv, &bo, &scratch.chunks[0].buffer];
+                g.dispatch(&pipe, &params, &bufs, g.grid(n * s.heads))?;
+                r0 += n;
+            }
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,144 @@
+use super::*;
+use crate::testing::{Arg, SeedRng, assert_nmse, check_twin, cpu_backend};
+
+fn shape() -> AttnShape {
+    AttnShape { batch: 3, t: 7, heads: 2, head_dim: 5 }
+}
+
+#[test]
+fn training_attention_matches_twin_with_and_without_dropout() {
+    let s = shape();
+    let (c, n) = (s.heads * s.head_dim, s.batch * s.t);
+    let mut rng = SeedRng::new(90);
+    let qkv = rng.vec(n * 3 * c, -1.0, 1.0);
+    let dy = rng.vec(n * c, -1.0, 1.0);
+    for drop in [None, Some((0.25f32, 99u32))] {
+        let args = [
+            Arg::data(qkv.clone(), s.t * 3 * c),
+            Arg::out(n * c, s.t * c),
+            Arg::out(s.probs_len(), s.heads * s.t * s.t),
+            Arg::out(s.probs_len(), s.heads * s.t * s.t),
+            Arg::data(dy.clone(), s.t * c),
+            Arg::out(n * 3 * c, s.t * 3 * c),
+            Arg::out(s.probs_len(), s.heads * s.t * s.t),
+        ];
+        // Chunks of 210 floats: one sequence of QKV (210) per buffer, two of probabilities (98 each).
+        check_twin("attention", 1e-10, &args, Some(4 * 210), |be, t| {
+            let [tq, ty, tp, td, tdy, tdq, tsc] = t else { unreachable!() };
+            let dropped = if drop.is_some() { Some(TMut::from(&mut *td)) } else { None };
+            attention_forward(be, (&*tq).into(), ty.into(), (&mut *tp).into(), dropped, s, drop)?;
+            if drop.is_none() {
+                crate::ops::fill::fill(be, td.into(), s.probs_len(), 0.0)?;
+            }
+            let dropped = if drop.is_some() { Some(TMut::from(&mut *td)) } else { None };
+            attention_backward(be, (&*tq).into(), (&*tp).into(), dropped, (&*tdy).into(), tdq.into(), tsc.into(), s, drop)
+        });
+    }
+}
+
+fn forward_cpu(qkv: &[f32], s: AttnShape) -> Vec<f32> {
+    let be = cpu_backend();
+    let c = s.heads * s.head_dim;
+    let tq = be.from_f32(qkv, 1).unwrap();
+    let mut ty = be.zeros(s.batch * s.t * c, 1).unwrap();
+    let mut tp = be.zeros(s.probs_len(), 1).unwrap();
+    attention_forward(&be, (&tq).into(), (&mut ty).into(), (&mut tp).into(), None, s, None).unwrap();
+    be.to_vec(&ty).unwrap()
+}
+
+#[test]
+fn training_attention_backward_matches_finite_differences() {
+    let s = AttnShape { batch: 2, t: 4, heads: 2, head_dim: 3 };
+    let (c, n) = (s.heads * s.head_dim, s.batch * s.t);
+    let mut rng = SeedRng::new(91);
+    let qkv = rng.vec(n * 3 * c, -1.0, 1.0);
+    let r = rng.vec(n * c, -1.0, 1.0);
+    let be = cpu_backend();
+    let tq = be.from_f32(&qkv, 1).unwrap();
+    let mut ty = be.zeros(n * c, 1).unwrap();
+    let mut tp = be.zeros(s.probs_len(), 1).unwrap();
+    attention_forward(&be, (&tq).into(), (&mut ty).into(), (&mut tp).into(), None, s, None).unwrap();
+    let tr = be.from_f32(&r, 1).unwrap();
+    let mut tdq = be.zeros(n * 3 * c, 1).unwrap();
+    let mut tsc = be.zeros(s.probs_len(), 1).unwrap();
+    attention_backward(&be, (&tq).into(), (&tp).into(), None, (&tr).into(), (&mut tdq).into(), (&mut tsc).into(), s, None).unwrap();
+    let g = be.to_vec(&tdq).unwrap();
+    let f = |x: &[f32]| forward_cpu(x, s).iter().zip(&r).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>();
+    for i in 0..qkv.len() {
+        let (mut p, mut m) = (qkv.clone(), qkv.clone());
+        p[i] += 1e-2;
+        m[i] -= 1e-2;
+        let fd = (f(&p) - f(&m)) / 2e-2;
+        assert!((fd - g[i] as f64).abs() < 2e-3, "dqkv[{i}]: fd {fd} vs {}", g[i]);
+    }
+}
+
+#[test]
+fn kv_cache_attention_matches_training_attention() {
+    // The same heads through the cache kernel (one query row at a time, as decoding does, and all rows
+    // at once, as prefill does) give the training path's output.
+    let s = AttnShape { batch: 1, t: 9, heads: 3, head_dim: 8 };
+    let c = s.heads * s.head_dim;
+    let mut rng = SeedRng::new(92);
+    let qkv = rng.vec(s.t * 3 * c, -1.0, 1.0);
+    let want = forward_cpu(&qkv, s);
+    let mut backends = vec![cpu_backend()];
+    backends.extend(crate::testing::gpu_backend(None));
+    for be in &backends {
+        let tq = be.from_f32(&qkv, 1).unwrap();
+        let d = |rows: usize, q_pos0: usize| DecodeShape {
+            rows,
+            heads: s.heads,
+            kv_heads: s.heads,
+            head_dim: s.head_dim,
+            ld_q: 3 * c,
+            ld_kv: 3 * c,
+            ld_o: c,
+            q_pos0,
+            kv_len: s.t,
+            window: 0,
+            scale: 1.0 / (s.head_dim as f32).sqrt(),
+            softcap: 0.0,
+        };
+        let mut out = crate::testing::poisoned(be, s.t * c, 1).unwrap();
+        attend(be, tq.at(0), tq.at(c), tq.at(2 * c), (&mut out).into(), d(s.t, 0)).unwrap();
+        assert_nmse(&format!("{} prefill", be.kind()), &want, &be.to_vec(&out).unwrap(), 1e-10);
+        let mut out = crate::testing::poisoned(be, s.t * c, 1).unwrap();
+        for p in 0..s.t {
+            attend(be, tq.at(p * 3 * c), tq.at(c), tq.at(2 * c), out.at_mut(p * c), d(1, p)).unwrap();
+        }
+        assert_nmse(&format!("{} decode", be.kind()), &want, &be.to_vec(&out).unwrap(), 1e-10);
+    }
+}
+
+#[test]
+fn grouped_query_sliding_window_softcap_decode_matches_twin() {
+    let mut rng = SeedRng::new(93);
+    let (rows, heads, kv_heads, hd, cap) = (5, 6, 2, 16, 40);
+    let s = DecodeShape {
+        rows,
+        heads,
+        kv_heads,
+        head_dim: hd,
+        ld_q: heads * hd,
+        ld_kv: kv_heads * hd,
+        ld_o: heads * hd + 3,
+        q_pos0: 20,
+        kv_len: 25,
+        window: 7,
+        scale: 0.3,
+        softcap: 2.0,
+    };
+    let args = [
+        Arg::data(rng.vec(rows * heads * hd, -2.0, 2.0), 1),
+        Arg::data(rng.vec(cap * kv_heads * hd, -2.0, 2.0), 1),
+        Arg::data(rng.vec(cap * kv_heads * hd, -2.0, 2.0), 1),
+        Arg::data(vec![0.5; rows * (heads * hd + 3)], 1),
+    ];
+    let out = check_twin("attend", 1e-10, &args, None, |be, t| {
+        let [tq, tk, tv, to] = t else { unreachable!() };
+        attend(be, (&*tq).into(), (&*tk).into(), (&*tv).into(), to.into(), s)
+    });
+    // Padding between output rows is untouched.
+    assert_eq!(out[3][heads * hd], 0.5);
+}
