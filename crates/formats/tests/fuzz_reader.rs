@@ -237,6 +237,103 @@ proptest! {
     }
 }
 
+/// Peak heap growth while parsing `bytes` (which must parse).
+fn parse_peak(bytes: &[u8]) -> usize {
+    let guard = MEASURE.lock().unwrap_or_else(|e| e.into_inner());
+    let base = CURRENT.load(Ordering::Relaxed);
+    PEAK.store(base, Ordering::Relaxed);
+    let header = GgufHeader::parse(bytes).expect("the crafted file parses");
+    let peak = PEAK.load(Ordering::Relaxed) - base;
+    drop(header);
+    drop(guard);
+    peak
+}
+
+fn le(v: u64) -> [u8; 8] {
+    v.to_le_bytes()
+}
+
+#[test]
+fn files_of_many_tiny_records_stay_within_the_factor() {
+    // The worst cases for memory per file byte: the smallest possible records, in files large enough
+    // that the slack does not matter.
+    let n = 60_000u64;
+    let key = |i: u64| format!("{:x}", i); // unique keys of 1..4 bytes
+
+    // Many key/value pairs with one-byte values.
+    let mut kv = b"GGUF".to_vec();
+    kv.extend(3u32.to_le_bytes());
+    kv.extend(le(0));
+    kv.extend(le(n));
+    for i in 0..n {
+        let k = key(i);
+        kv.extend(le(k.len() as u64));
+        kv.extend(k.as_bytes());
+        kv.extend(0u32.to_le_bytes()); // u8
+        kv.push(7);
+    }
+
+    // Arrays of empty strings and of empty arrays.
+    let mut arrays = b"GGUF".to_vec();
+    arrays.extend(3u32.to_le_bytes());
+    arrays.extend(le(0));
+    arrays.extend(le(2));
+    arrays.extend(le(1));
+    arrays.extend(b"s");
+    arrays.extend(9u32.to_le_bytes());
+    arrays.extend(8u32.to_le_bytes());
+    arrays.extend(le(n));
+    for _ in 0..n {
+        arrays.extend(le(0));
+    }
+    arrays.extend(le(1));
+    arrays.extend(b"a");
+    arrays.extend(9u32.to_le_bytes());
+    arrays.extend(9u32.to_le_bytes());
+    arrays.extend(le(n));
+    for _ in 0..n {
+        arrays.extend(0u32.to_le_bytes());
+        arrays.extend(le(0));
+    }
+
+    // Many tensor infos of one F32 value each, all pointing at the same data.
+    let mut tensors = b"GGUF".to_vec();
+    tensors.extend(3u32.to_le_bytes());
+    tensors.extend(le(n));
+    tensors.extend(le(0));
+    for i in 0..n {
+        let k = key(i);
+        tensors.extend(le(k.len() as u64));
+        tensors.extend(k.as_bytes());
+        tensors.extend(1u32.to_le_bytes());
+        tensors.extend(le(1));
+        tensors.extend(0u32.to_le_bytes());
+        tensors.extend(le(0));
+    }
+    while !tensors.len().is_multiple_of(32) {
+        tensors.push(0);
+    }
+    tensors.extend([0; 4]);
+
+    for (what, bytes) in [
+        ("key/values", &kv),
+        ("arrays", &arrays),
+        ("tensor infos", &tensors),
+    ] {
+        let peak = parse_peak(bytes);
+        let ratio = peak as f64 / bytes.len() as f64;
+        eprintln!(
+            "{what}: {} bytes parsed with a peak of {peak} bytes ({ratio:.1}x)",
+            bytes.len()
+        );
+        assert!(
+            peak <= FACTOR * bytes.len(),
+            "{what}: {} bytes took {peak} bytes ({ratio:.1}x)",
+            bytes.len()
+        );
+    }
+}
+
 #[test]
 fn the_allocation_bound_catches_a_length_driven_allocation() {
     // Guards the guard: a deliberate capacity taken from a "length field" must trip the same check.

@@ -107,6 +107,14 @@ impl Metadata {
         Self::default()
     }
 
+    /// Room for `n` entries without reallocation (the reader knows the count up front).
+    pub fn with_capacity(n: usize) -> Self {
+        Metadata {
+            entries: Vec::with_capacity(n),
+            index: HashMap::with_capacity(n),
+        }
+    }
+
     /// Adds a key; returns the value back as the error if the key is already present.
     pub fn insert(
         &mut self,

@@ -123,7 +123,8 @@ impl GgufHeader {
         let tensor_count = cur.count(&|| "tensor_count".into(), MIN_TENSOR_INFO_BYTES)?;
         let kv_count = cur.count(&|| "kv_count".into(), MIN_KV_BYTES)?;
 
-        let mut metadata = Metadata::new();
+        // kv_count is bounded by the file size (see `count`), so reserving it is safe.
+        let mut metadata = Metadata::with_capacity(kv_count);
         let mut alignment_at = None;
         for i in 0..kv_count {
             let key_at = cur.pos;
