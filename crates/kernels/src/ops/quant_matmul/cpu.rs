@@ -30,6 +30,8 @@ use crate::quant::{Q4Matrix, Q8Matrix};
 
 #[cfg(target_arch = "x86_64")]
 use super::cpu_avx2 as avx2;
+#[cfg(target_arch = "x86_64")]
+use super::cpu_avx512 as avx512;
 
 /// The instruction set a call runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -38,6 +40,8 @@ pub enum CpuIsa {
     Scalar,
     /// x86_64 with AVX2 and FMA.
     Avx2Fma,
+    /// x86_64 with AVX-512F (and FMA).
+    Avx512,
 }
 
 impl CpuIsa {
@@ -45,7 +49,9 @@ impl CpuIsa {
     pub fn detected() -> CpuIsa {
         static DETECTED: OnceLock<CpuIsa> = OnceLock::new();
         *DETECTED.get_or_init(|| {
-            if CpuIsa::Avx2Fma.is_available() {
+            if CpuIsa::Avx512.is_available() {
+                CpuIsa::Avx512
+            } else if CpuIsa::Avx2Fma.is_available() {
                 CpuIsa::Avx2Fma
             } else {
                 CpuIsa::Scalar
@@ -59,8 +65,12 @@ impl CpuIsa {
             CpuIsa::Scalar => true,
             #[cfg(target_arch = "x86_64")]
             CpuIsa::Avx2Fma => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            #[cfg(target_arch = "x86_64")]
+            CpuIsa::Avx512 => {
+                is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma")
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            CpuIsa::Avx2Fma => false,
+            CpuIsa::Avx2Fma | CpuIsa::Avx512 => false,
         }
     }
 }
@@ -431,7 +441,22 @@ fn q8_group<const R: usize>(
                 }
             }
         }
-        _ => {
+        #[cfg(target_arch = "x86_64")]
+        CpuIsa::Avx512 => {
+            // SAFETY: as above, with AVX-512F checked by `check_isa`.
+            unsafe {
+                let q = w.quants.as_ptr().cast::<u8>().add(n0 * k);
+                let s = w.scales.as_ptr().add(n0 * nb);
+                if w.block == 32 {
+                    avx512::q8_rows::<R, 32>(x.as_ptr(), k, k, q, s, n1 - n0, y.0, ldy)
+                } else {
+                    avx512::q8_rows::<R, 16>(x.as_ptr(), k, k, q, s, n1 - n0, y.0, ldy)
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        CpuIsa::Avx2Fma | CpuIsa::Avx512 => unreachable!("refused by check_isa"),
+        CpuIsa::Scalar => {
             for n in n0..n1 {
                 let q = &w.quants[n * k / 4..(n + 1) * k / 4];
                 let s = &w.scales[n * nb..(n + 1) * nb];
@@ -525,7 +550,31 @@ fn q4_group<const R: usize>(
                 )
             }
         }
-        _ => {
+        #[cfg(target_arch = "x86_64")]
+        CpuIsa::Avx512 => {
+            // SAFETY: as above, with AVX-512F checked by `check_isa`.
+            unsafe {
+                let q = w.quants.as_ptr().cast::<u8>().add(n0 * k / 2);
+                let s = w.scales.as_ptr().add(n0 * nb);
+                let mn = w.mins.as_ptr().add(n0 * nb);
+                avx512::q4_rows::<R>(
+                    xs.as_ptr(),
+                    k,
+                    sx.as_ptr(),
+                    nb,
+                    k,
+                    q,
+                    s,
+                    mn,
+                    n1 - n0,
+                    y.0,
+                    ldy,
+                )
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        CpuIsa::Avx2Fma | CpuIsa::Avx512 => unreachable!("refused by check_isa"),
+        CpuIsa::Scalar => {
             for n in n0..n1 {
                 let q = &w.quants[n * k / 8..(n + 1) * k / 8];
                 let s = &w.scales[n * nb..(n + 1) * nb];
@@ -553,12 +602,7 @@ mod scalar {
         let mut acc = [[0f32; 8]; R];
         for (b, (qb, &sc)) in q.chunks_exact(BLOCK / 4).zip(s).enumerate() {
             let mut w = [0f32; BLOCK];
-            for (j, &word) in qb.iter().enumerate() {
-                for i in 0..4 {
-                    // Byte i of the word is quant 4j + i, two's complement.
-                    w[4 * j + i] = (word >> (8 * i)) as u8 as i8 as f32;
-                }
-            }
+            q8_unpack(qb, &mut w);
             for (r, a) in acc.iter_mut().enumerate() {
                 let xb = &x[r * k + b * BLOCK..][..BLOCK];
                 let mut t = [0f32; 8];
@@ -573,6 +617,26 @@ mod scalar {
             }
         }
         acc.map(|a| a.iter().sum())
+    }
+
+    /// The quants of one Q8 block as f32. Byte i of word j (numerically, i.e. little-endian) is quant
+    /// 4j + i in two's complement; on little-endian targets that is plain memory order, which LLVM widens
+    /// with vector instructions.
+    #[inline(always)]
+    fn q8_unpack<const BLOCK: usize>(qb: &[u32], w: &mut [f32; BLOCK]) {
+        #[cfg(target_endian = "little")]
+        {
+            let b: &[u8] = bytemuck::cast_slice(qb);
+            for (o, &v) in w.iter_mut().zip(b) {
+                *o = v as i8 as f32;
+            }
+        }
+        #[cfg(target_endian = "big")]
+        for (j, &word) in qb.iter().enumerate() {
+            for (i, v) in word.to_le_bytes().into_iter().enumerate() {
+                w[4 * j + i] = v as i8 as f32;
+            }
+        }
     }
 
     /// R prepared activation rows · one Q4 row (`q`: its K/8 words; `s`, `mn`: its K/32 scales and mins;
@@ -590,10 +654,9 @@ mod scalar {
         for (b, (qb, &sc)) in q.chunks_exact(4).zip(s).enumerate() {
             let mut w = [0f32; 32];
             for (j, &word) in qb.iter().enumerate() {
-                for i in 0..4 {
+                for (i, byte) in word.to_le_bytes().into_iter().enumerate() {
                     // Byte 4j + i holds quant 4j + i (low nibble) and quant 16 + 4j + i (high nibble); the
                     // high one stays ×16, cancelled by the 1/16 in the prepared activations.
-                    let byte = (word >> (8 * i)) & 0xff;
                     w[4 * j + i] = (byte & 0x0f) as f32;
                     w[16 + 4 * j + i] = (byte & 0xf0) as f32;
                 }

@@ -3,3 +3,5 @@
 pub mod cpu;
 #[cfg(target_arch = "x86_64")]
 mod cpu_avx2;
+#[cfg(target_arch = "x86_64")]
+mod cpu_avx512;
