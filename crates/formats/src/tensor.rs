@@ -55,8 +55,8 @@ impl KernelWeights {
 }
 
 /// Converts one tensor's raw bytes to its kernel layout. Every supported mapping is exact: the layout's
-/// `dequantize()` reproduces [`dequantize_tensor`] bit for bit (Q4_0 up to the sign of zero results, see
-/// [`crate::blocks::q4_0`]).
+/// `dequantize()` reproduces [`dequantize_tensor`] bit for bit for finite block scales (Q4_0 up to the
+/// sign of zero results, see [`crate::blocks::q4_0`]).
 ///
 /// | GGUF type        | layout                                         |
 /// |------------------|------------------------------------------------|

@@ -18,7 +18,8 @@
 //! (an 11-bit half mantissa times a 4-bit integer), and so is their sum `(q - 8) d`, the value ggml
 //! rounds to. The result is therefore the same number, with one exception the `a * q + m` form cannot
 //! express: where ggml's product is a *negative zero* (q = 8 with d < 0, or d = ±0), the kernel layout
-//! yields +0. Values compare equal; only the sign bit of those zeros differs.
+//! yields +0. Values compare equal; only the sign bit of those zeros differs. (With an infinite `d`,
+//! which no real file has, the kernel form gives NaN where ggml gives an infinity.)
 
 use super::{Block, RepackQ4, f16_to_f32, f32_to_f16, push_nibble_bytes};
 use crate::ggml_type::GgmlType;
