@@ -235,8 +235,8 @@ mod tests {
     #[test]
     fn non_finite_scales_give_the_same_value_class() {
         let mut rng = rng(99);
-        let mut f16 = |i: usize, rng: &mut rand_chacha::ChaCha8Rng| {
-            if i % 2 == 0 {
+        let f16 = |i: usize, rng: &mut rand_chacha::ChaCha8Rng| {
+            if i.is_multiple_of(2) {
                 NON_FINITE_F16[(i / 2) % NON_FINITE_F16.len()].to_le_bytes()
             } else {
                 random_f16(rng)
