@@ -1,1 +1,3 @@
 //! TinyGPT models.
+
+pub mod tokenizer;
