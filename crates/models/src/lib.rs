@@ -1,3 +1,4 @@
 //! TinyGPT models.
 
+pub mod gpt;
 pub mod tokenizer;

@@ -65,6 +65,57 @@ pub fn dropout(be: &Backend, x: TRef<'_>, mut y: TMut<'_>, n: usize, p: f32, see
     }
 }
 
+/// out = residual + dropout(x): a dropped-out branch joining the residual stream, in one pass.
+#[allow(clippy::too_many_arguments)]
+pub fn dropout_add(
+    be: &Backend,
+    residual: TRef<'_>,
+    x: TRef<'_>,
+    mut out: TMut<'_>,
+    n: usize,
+    p: f32,
+    seed: u32,
+) -> Result<()> {
+    if !(0.0..1.0).contains(&p) {
+        return Err(Error::Shape {
+            op: "dropout_add",
+            msg: format!("drop probability {p} must be in [0, 1)"),
+        });
+    }
+    let (th, scale) = (threshold(p), 1.0 / (1.0 - p));
+    match be {
+        Backend::Cpu(c) => {
+            let rs = residual.cpu("dropout_add", "residual", n)?;
+            let xs = x.cpu("dropout_add", "x", n)?;
+            let os = out.cpu("dropout_add", "out", n)?;
+            c.install(|| {
+                os.par_iter_mut()
+                    .with_min_len(1 << 14)
+                    .zip(rs.par_iter().zip(xs))
+                    .enumerate()
+                    .for_each(|(i, (o, (&r, &x)))| {
+                        *o = r + if keep(i as u32, seed, th) { x * scale } else { 0.0 }
+                    })
+            });
+            Ok(())
+        }
+        Backend::Gpu(g) => {
+            let ops = [
+                Operand::rows(residual.gpu("dropout_add", "residual", n)?, residual.offset(), 1),
+                Operand::rows(x.gpu("dropout_add", "x", n)?, x.offset(), 1),
+                Operand::rows(out.gpu("dropout_add", "out", n)?, out.offset(), 1),
+            ];
+            let pipe = kernel(
+                g,
+                "dropout_add",
+                include_str!("dropout_add.wgsl"),
+                &[Access::Read, Access::Read, Access::ReadWrite],
+            )?;
+            run(g, "dropout_add", &pipe, n, &ops, &[th, seed, scale.to_bits()], Grid::Threads(256))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -91,5 +142,21 @@ mod tests {
         let mut ty = be.zeros(n, 1).unwrap();
         dropout(&be, (&tx).into(), (&mut ty).into(), n, 0.2, 1235).unwrap();
         assert_ne!(be.to_vec(&ty).unwrap(), out[1], "another seed must give another mask");
+    }
+
+    #[test]
+    fn dropout_add_is_residual_plus_dropout() {
+        let mut rng = SeedRng::new(23);
+        let n = 5000;
+        let (r, x) = (rng.vec(n, -1.0, 1.0), rng.vec(n, -1.0, 1.0));
+        let args = [Arg::data(r.clone(), 1), Arg::data(x.clone(), 1), Arg::out(n, 1), Arg::out(n, 1)];
+        let out = check_twin("dropout_add", 0.0, &args, Some(4096), |be, t| {
+            let [tr, tx, to, td] = t else { unreachable!() };
+            dropout_add(be, (&*tr).into(), (&*tx).into(), to.into(), n, 0.3, 77)?;
+            dropout(be, (&*tx).into(), td.into(), n, 0.3, 77)
+        });
+        for i in 0..n {
+            assert_eq!(out[2][i], r[i] + out[3][i]);
+        }
     }
 }

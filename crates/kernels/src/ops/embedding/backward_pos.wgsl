@@ -1,5 +1,5 @@
-// dpos[q, c] (+)= sum over tokens i with i % period == q of dout[i, c], one thread per (q, c).
-struct Params { n: u32, start: u32, o_dout: u32, o_dpos: u32, dim: u32, tokens: u32, period: u32, accumulate: u32 }
+// dpos[q, c] = sum over tokens i with i % period == q of dout[i, c], one thread per (q, c).
+struct Params { n: u32, start: u32, o_dout: u32, o_dpos: u32, dim: u32, tokens: u32, period: u32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> dout: array<f32>;
 @group(0) @binding(2) var<storage, read_write> dpos: array<f32>;
@@ -13,6 +13,5 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let c = e % p.dim;
   var s = 0.0;
   for (var i = q; i < p.tokens; i = i + p.period) { s = s + dout[p.o_dout + i * p.dim + c]; }
-  if (p.accumulate != 0u) { s = s + dpos[p.o_dpos + e]; }
   dpos[p.o_dpos + e] = s;
 }

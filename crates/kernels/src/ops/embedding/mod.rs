@@ -203,8 +203,9 @@ impl GradIndex {
     }
 }
 
-/// dtable[id] (+)= scale · Σ dout[tokens with that id] and, with `dpos`, the position table's
-/// gradient, for the batch last given to `index`. `dout` must lie in one buffer.
+/// dtable[id] (+)= scale · Σ dout[tokens with that id] (added to `dtable` when `accumulate`, since a
+/// tied head has written its own gradient there) and, with `dpos`, the position table's gradient
+/// (always overwritten), for the batch last given to `index`. `dout` must lie in one buffer.
 pub fn embedding_backward(
     be: &Backend,
     index: &GradIndex,
@@ -223,6 +224,9 @@ pub fn embedding_backward(
             let order: &[u32] = bytemuck::cast_slice(index.order.cpu().expect("cpu index"));
             let offs: &[u32] = bytemuck::cast_slice(offs);
             let dt = dtable.cpu("embedding_backward", "dtable", s.vocab * d)?;
+            // Plain slices only inside the parallel closure: the index itself may hold GPU handles,
+            // which are not Sync on the web.
+            let uniq: &[u32] = &index.uniq_host;
             let rows: Vec<(usize, Vec<f32>)> = c.install(|| {
                 (0..u)
                     .into_par_iter()
@@ -231,7 +235,7 @@ pub fn embedding_backward(
                         for &j in &order[offs[k] as usize..offs[k + 1] as usize] {
                             acc.iter_mut().zip(&dos[j as usize * d..][..d]).for_each(|(a, b)| *a += b);
                         }
-                        (index.uniq_host[k] as usize, acc)
+                        (uniq[k] as usize, acc)
                     })
                     .collect()
             });
@@ -251,8 +255,7 @@ pub fn embedding_backward(
                             acc += dos[i * d + cc];
                             i += period;
                         }
-                        let t = &mut dps[q * d + cc];
-                        *t = if accumulate { *t + acc } else { acc };
+                        dps[q * d + cc] = acc;
                     }
                 }
             }
@@ -306,7 +309,7 @@ pub fn embedding_backward(
                 )?;
                 let doperand = GpuTensor::single(dbuf.clone(), doff + n * d);
                 let ops = [Operand::whole(&doperand, doff, n * d), Operand::rows(tp, dp.offset(), 1)];
-                let extra = [d as u32, n as u32, period as u32, accumulate as u32];
+                let extra = [d as u32, n as u32, period as u32];
                 run(g, "embedding_backward", &pipe, period * d, &ops, &extra, Grid::Threads(256))?;
             }
             Ok(())

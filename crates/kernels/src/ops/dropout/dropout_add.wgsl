@@ -1,0 +1,26 @@
+// out = residual + x * keep(i) / (1 - p): a dropped-out branch joining the residual stream (same mask
+// as dropout.wgsl for the same seed and index).
+struct Params { n: u32, start: u32, o_r: u32, o_x: u32, o_out: u32, threshold: u32, seed: u32, scale: f32 }
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> residual: array<f32>;
+@group(0) @binding(2) var<storage, read> x: array<f32>;
+@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+
+fn hash(v: u32) -> u32 {
+  var h = v;
+  h = h ^ (h >> 16u);
+  h = h * 0x7feb352du;
+  h = h ^ (h >> 15u);
+  h = h * 0x846ca68bu;
+  h = h ^ (h >> 16u);
+  return h;
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+  let i = group_index(wid, nwg) * 256u + lid;
+  if (i >= p.n) { return; }
+  let keep = hash((p.start + i) ^ hash(p.seed)) >= p.threshold;
+  out[p.o_out + i] = residual[p.o_r + i] + select(0.0, x[p.o_x + i] * p.scale, keep);
+}

@@ -1,0 +1,12 @@
+//! TinyGPT's own model: a character-level GPT-2-style transformer, trained and sampled with the same
+//! code on the CPU and GPU backends.
+
+pub mod config;
+pub mod data;
+pub mod layout;
+pub mod train;
+
+pub use config::GptConfig;
+pub use data::{CharVocab, DataError, Dataset};
+pub use layout::Layout;
+pub use train::{OptimConfig, Trainer, learning_rate};

@@ -1,0 +1,111 @@
+use super::*;
+use tinygpt_kernels::testing::{SeedRng, assert_nmse, cpu_backend, gpu_backend};
+
+fn tiny(dropout: f32) -> GptConfig {
+    GptConfig { vocab_size: 11, block_size: 8, n_layer: 2, n_head: 2, n_embd: 8, dropout }
+}
+
+fn batch(cfg: &GptConfig, b: usize, seed: u64) -> (Vec<u32>, Vec<u32>) {
+    let mut rng = SeedRng::new(seed);
+    let ids: Vec<u32> = (0..b * cfg.block_size).map(|_| rng.below(cfg.vocab_size) as u32).collect();
+    let tg: Vec<u32> = (0..b * cfg.block_size).map(|_| rng.below(cfg.vocab_size) as u32).collect();
+    (ids, tg)
+}
+
+fn loss_at(cfg: &GptConfig, params: &[f32], ids: &[u32], tg: &[u32], b: usize) -> f64 {
+    let be = cpu_backend();
+    let mut t = Trainer::new(&be, cfg, b, params, None, OptimConfig::default()).unwrap();
+    t.eval_loss(&be, ids, tg).unwrap() as f64
+}
+
+/// Gradients of the mean loss for `params`, from the backward pass.
+fn grads(be: &Backend, cfg: &GptConfig, params: &[f32], ids: &[u32], tg: &[u32], b: usize, seed: u32) -> Vec<f32> {
+    let mut t = Trainer::new(be, cfg, b, params, None, OptimConfig::default()).unwrap();
+    t.set_batch(be, ids, tg, true).unwrap();
+    t.forward(be, true, seed).unwrap();
+    t.backward(be, seed).unwrap();
+    t.grads_host(be).unwrap()
+}
+
+#[test]
+fn every_parameter_gradient_matches_finite_differences() {
+    let cfg = tiny(0.0);
+    let lay = Layout::new(&cfg);
+    // Larger-than-usual weights so every gradient is well above f32 noise.
+    let mut params = lay.init(&cfg, 3);
+    params.iter_mut().for_each(|p| *p *= 3.0);
+    let b = 2;
+    let (ids, tg) = batch(&cfg, b, 4);
+    let g = grads(&cpu_backend(), &cfg, &params, &ids, &tg, b, 0);
+    let mut rng = SeedRng::new(5);
+    let diff = |i: usize, h: f32| {
+        let (mut pp, mut pm) = (params.clone(), params.clone());
+        pp[i] += h;
+        pm[i] -= h;
+        (loss_at(&cfg, &pp, &ids, &tg, b) - loss_at(&cfg, &pm, &ids, &tg, b)) / (2.0 * h as f64)
+    };
+    for e in &lay.entries {
+        // A few entries of every parameter tensor.
+        for _ in 0..4 {
+            let i = e.offset + rng.below(e.len());
+            // Richardson extrapolation of two central differences cancels the O(h^2) curvature term,
+            // so a step large enough to stay clear of f32 rounding noise still gives an exact slope.
+            let h = 4e-3f32;
+            let fd = (4.0 * diff(i, h / 2.0) - diff(i, h)) / 3.0;
+            let an = g[i] as f64;
+            assert!(
+                (fd - an).abs() <= 5e-4 + 0.01 * fd.abs(),
+                "{} [{}]: finite difference {fd:.6} vs backward {an:.6}",
+                e.name,
+                i - e.offset
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_gradients_match_the_cpu_twin_for_every_parameter() {
+    let Some(gpu) = gpu_backend(None) else { return };
+    let cfg = tiny(0.1);
+    let lay = Layout::new(&cfg);
+    let params = lay.init(&cfg, 6);
+    let b = 3;
+    let (ids, tg) = batch(&cfg, b, 7);
+    let gc = grads(&cpu_backend(), &cfg, &params, &ids, &tg, b, 42);
+    let gg = grads(&gpu, &cfg, &params, &ids, &tg, b, 42);
+    for e in &lay.entries {
+        let r = e.offset..e.offset + e.len();
+        assert_nmse(&e.name, &gc[r.clone()], &gg[r], 1e-9);
+    }
+}
+
+#[test]
+fn first_ten_steps_give_the_same_losses_on_cpu_and_gpu() {
+    let Some(gpu) = gpu_backend(None) else { return };
+    let cfg = GptConfig { vocab_size: 13, block_size: 16, n_layer: 2, n_head: 2, n_embd: 16, dropout: 0.1 };
+    let params = Layout::new(&cfg).init(&cfg, 8);
+    let b = 4;
+    let run = |be: &Backend| -> Vec<f32> {
+        let mut t = Trainer::new(be, &cfg, b, &params, None, OptimConfig::default()).unwrap();
+        (0..10)
+            .map(|i| {
+                let (ids, tg) = batch(&cfg, b, 100 + i);
+                t.train_step(be, &ids, &tg, 1e-2, 9).unwrap();
+                t.last_loss(be).unwrap()
+            })
+            .collect()
+    };
+    let (lc, lg) = (run(&cpu_backend()), run(&gpu));
+    for (i, (a, b)) in lc.iter().zip(&lg).enumerate() {
+        assert!((a - b).abs() < 1e-4 * a.abs().max(1.0), "step {i}: cpu {a} gpu {b}");
+    }
+    assert!(lc[9] < lc[0], "ten steps at lr 1e-2 should lower the loss: {lc:?}");
+}
+
+#[test]
+fn learning_rate_schedule_is_nanogpt_s() {
+    assert!((learning_rate(0, 100, 5000, 1e-3, 1e-4) - 1e-3 / 101.0).abs() < 1e-9);
+    assert!((learning_rate(100, 100, 5000, 1e-3, 1e-4) - 1e-3).abs() < 1e-9);
+    assert!((learning_rate(5000, 100, 5000, 1e-3, 1e-4) - 1e-4).abs() < 1e-9);
+    assert!((learning_rate(9000, 100, 5000, 1e-3, 1e-4) - 1e-4).abs() < 1e-9);
+}
