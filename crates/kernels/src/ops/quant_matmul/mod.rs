@@ -1,7 +1,434 @@
-//! y = x · Wᵀ straight from block-quantized weights (layouts in [`crate::quant`]).
+//! y = x · Wᵀ straight from block-quantized weights (layouts in [`crate::quant`]), and the token-embedding
+//! lookup from a quantized table.
+//!
+//! A [`QMatrix`] holds one weight matrix on either backend. On the CPU it keeps the host arrays and the
+//! ops call [`cpu`]'s kernels; on the GPU its three component arrays are separate tensors, each split
+//! across buffers at whole weight rows, so a matrix larger than one storage binding (Gemma-3's 262144 x 640
+//! Q8_0 token table holds 160 MiB of quants) is split, never refused:
+//!
+//! ```text
+//!   QMatrix, N rows x K cols (K a multiple of the block)
+//!   quants : N rows x (K/4 words for Q8, K/8 for Q4)  ─┐
+//!   scales : N rows x K/block f32                      ├─ each split at row multiples; `segs` lists the
+//!   mins   : N rows x K/32 f32 (Q4 only)               ─┘  row ranges inside which all three lie in one
+//!                                                          buffer each (one dispatch per range)
+//! ```
+//!
+//! Numerics: the GPU kernels compute the same f32 sums as the CPU kernels (exact integer quants times f32
+//! activations, one scale multiply per block), so the two agree up to summation order.
 
 pub mod cpu;
 #[cfg(target_arch = "x86_64")]
 mod cpu_avx2;
 #[cfg(target_arch = "x86_64")]
 mod cpu_avx512;
+mod gpu;
+
+use std::ops::Range;
+
+use crate::backend::{Backend, TMut, TRef, Tensor};
+use crate::error::{Error, Result, shape};
+use crate::gpu::{GpuTensor, Operand, Segment, segments};
+use crate::quant::{Q4Matrix, Q8Matrix};
+
+/// Which block layout a matrix uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QKind {
+    /// Signed 8-bit quants, one f32 scale per `block` (16 or 32) values: [`Q8Matrix`].
+    Q8 { block: usize },
+    /// Unsigned 4-bit quants, f32 scale and min per 32 values: [`Q4Matrix`].
+    Q4,
+}
+
+impl QKind {
+    /// Values per scale.
+    pub fn block(self) -> usize {
+        match self {
+            QKind::Q8 { block } => block,
+            QKind::Q4 => 32,
+        }
+    }
+
+    /// Packed quant words per row of `cols` values.
+    pub fn words_per_row(self, cols: usize) -> usize {
+        match self {
+            QKind::Q8 { .. } => cols / 4,
+            QKind::Q4 => cols / 8,
+        }
+    }
+}
+
+/// A matrix as the host holds it, before upload.
+#[derive(Clone, Debug, PartialEq)]
+pub enum QuantSource {
+    Q8(Q8Matrix),
+    Q4(Q4Matrix),
+}
+
+impl From<Q8Matrix> for QuantSource {
+    fn from(m: Q8Matrix) -> Self {
+        QuantSource::Q8(m)
+    }
+}
+
+impl From<Q4Matrix> for QuantSource {
+    fn from(m: Q4Matrix) -> Self {
+        QuantSource::Q4(m)
+    }
+}
+
+impl QuantSource {
+    /// (rows, cols, kind).
+    pub fn dims(&self) -> (usize, usize, QKind) {
+        match self {
+            QuantSource::Q8(m) => (m.rows, m.cols, QKind::Q8 { block: m.block }),
+            QuantSource::Q4(m) => (m.rows, m.cols, QKind::Q4),
+        }
+    }
+
+    /// Checks that the arrays fit the shape (the CPU kernels assert it; we refuse it with an error).
+    fn validate(&self) -> Result<()> {
+        let (rows, cols, kind) = self.dims();
+        let block = kind.block();
+        if rows == 0 || cols == 0 {
+            return Err(shape("qmatrix", format!("empty matrix ({rows} x {cols})")));
+        }
+        if !matches!(block, 16 | 32) {
+            return Err(shape(
+                "qmatrix",
+                format!("block size {block} (must be 16 or 32)"),
+            ));
+        }
+        if cols % block != 0 {
+            return Err(shape(
+                "qmatrix",
+                format!("K = {cols} is not a multiple of the block size {block}"),
+            ));
+        }
+        let blocks = rows
+            .checked_mul(cols / block)
+            .ok_or_else(|| shape("qmatrix", "size overflows"))?;
+        let words = rows * kind.words_per_row(cols);
+        let (ns, nm, nq) = match self {
+            QuantSource::Q8(m) => (m.scales.len(), blocks, m.quants.len()),
+            QuantSource::Q4(m) => (m.scales.len(), m.mins.len(), m.quants.len()),
+        };
+        if ns != blocks || nm != blocks || nq != words {
+            return Err(shape(
+                "qmatrix",
+                format!(
+                    "a {rows} x {cols} {kind:?} matrix needs {blocks} scales ({blocks} mins for Q4) and \
+                     {words} quant words; got {ns} scales, {nm} mins, {nq} words"
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The GPU side of a matrix: its component tensors and the row ranges to dispatch over.
+pub(crate) struct GpuParts {
+    pub scales: Tensor,
+    pub mins: Option<Tensor>,
+    pub quants: Tensor,
+    /// Row ranges of the matrix inside which scales, quants (and mins) each lie in one buffer; the places
+    /// are in that order.
+    pub segs: Vec<Segment>,
+}
+
+enum QStore {
+    Cpu(QuantSource),
+    Gpu(GpuParts),
+}
+
+/// A block-quantized weight matrix (N = `rows` output features, K = `cols` input features) resident on
+/// one backend.
+pub struct QMatrix {
+    rows: usize,
+    cols: usize,
+    kind: QKind,
+    store: QStore,
+}
+
+const OP_UPLOAD: &str = "qmatrix";
+
+impl QMatrix {
+    /// Puts `src` on `be`: moved as is onto the CPU backend, copied into split tensors on the GPU.
+    pub fn upload(be: &Backend, src: impl Into<QuantSource>) -> Result<QMatrix> {
+        let src = src.into();
+        src.validate()?;
+        let (rows, cols, kind) = src.dims();
+        let nb = cols / kind.block();
+        let words = kind.words_per_row(cols);
+        let store = match be {
+            Backend::Cpu(_) => QStore::Cpu(src),
+            Backend::Gpu(_) => {
+                let (scales, mins, quants) = match &src {
+                    QuantSource::Q8(m) => (
+                        be.from_f32(&m.scales, nb)?,
+                        None,
+                        be.from_u32(&m.quants, words)?,
+                    ),
+                    QuantSource::Q4(m) => (
+                        be.from_f32(&m.scales, nb)?,
+                        Some(be.from_f32(&m.mins, nb)?),
+                        be.from_u32(&m.quants, words)?,
+                    ),
+                };
+                let segs = {
+                    fn gt(t: &Tensor) -> Result<&GpuTensor> {
+                        t.gpu().ok_or(Error::BackendMismatch {
+                            op: OP_UPLOAD,
+                            expected: "gpu",
+                            found: "cpu",
+                        })
+                    }
+                    let mut ops = vec![
+                        Operand::rows(gt(&scales)?, 0, nb),
+                        Operand::rows(gt(&quants)?, 0, words),
+                    ];
+                    if let Some(mn) = &mins {
+                        ops.push(Operand::rows(gt(mn)?, 0, nb));
+                    }
+                    segments(OP_UPLOAD, rows, &ops)?
+                };
+                QStore::Gpu(GpuParts {
+                    scales,
+                    mins,
+                    quants,
+                    segs,
+                })
+            }
+        };
+        Ok(QMatrix {
+            rows,
+            cols,
+            kind,
+            store,
+        })
+    }
+
+    /// N, the number of output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// K, the number of input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn kind(&self) -> QKind {
+        self.kind
+    }
+
+    /// "cpu" or "gpu".
+    pub fn backend_kind(&self) -> &'static str {
+        match self.store {
+            QStore::Cpu(_) => "cpu",
+            QStore::Gpu(_) => "gpu",
+        }
+    }
+
+    /// Number of buffers the largest component is split into on the GPU (1 on the CPU).
+    pub fn num_chunks(&self) -> usize {
+        match &self.store {
+            QStore::Cpu(_) => 1,
+            QStore::Gpu(p) => p.quants.gpu().map_or(1, |t| t.num_chunks()),
+        }
+    }
+
+    /// Bytes held (device memory on the GPU, host memory on the CPU), for memory reports.
+    pub fn bytes(&self) -> u64 {
+        match &self.store {
+            QStore::Cpu(QuantSource::Q8(m)) => 4 * (m.scales.len() + m.quants.len()) as u64,
+            QStore::Cpu(QuantSource::Q4(m)) => {
+                4 * (m.scales.len() + m.mins.len() + m.quants.len()) as u64
+            }
+            QStore::Gpu(p) => {
+                p.scales.bytes() + p.quants.bytes() + p.mins.as_ref().map_or(0, |t| t.bytes())
+            }
+        }
+    }
+
+    /// Bytes one full pass over the weights reads (quants, scales, mins), whatever the allocation rounding.
+    pub fn weight_bytes(&self) -> u64 {
+        let blocks = (self.rows * (self.cols / self.kind.block())) as u64;
+        let words = (self.rows * self.kind.words_per_row(self.cols)) as u64;
+        4 * words + 4 * blocks * if self.kind == QKind::Q4 { 2 } else { 1 }
+    }
+
+    /// Dequantized rows `rows` as row-major f32 (read back from the device on the GPU): the twin the tests
+    /// check the kernels against.
+    pub async fn dequantize_rows(&self, be: &Backend, rows: Range<usize>) -> Result<Vec<f32>> {
+        if rows.start > rows.end || rows.end > self.rows {
+            return Err(shape(
+                "dequantize_rows",
+                format!("rows {rows:?} are not inside 0..{}", self.rows),
+            ));
+        }
+        let (n, k) = (rows.len(), self.cols);
+        let nb = k / self.kind.block();
+        let words = self.kind.words_per_row(k);
+        let part = match &self.store {
+            QStore::Cpu(QuantSource::Q8(m)) => QuantSource::Q8(Q8Matrix {
+                rows: n,
+                cols: k,
+                block: m.block,
+                scales: m.scales[rows.start * nb..rows.end * nb].to_vec(),
+                quants: m.quants[rows.start * words..rows.end * words].to_vec(),
+            }),
+            QStore::Cpu(QuantSource::Q4(m)) => QuantSource::Q4(Q4Matrix {
+                rows: n,
+                cols: k,
+                scales: m.scales[rows.start * nb..rows.end * nb].to_vec(),
+                mins: m.mins[rows.start * nb..rows.end * nb].to_vec(),
+                quants: m.quants[rows.start * words..rows.end * words].to_vec(),
+            }),
+            QStore::Gpu(p) => {
+                let scales = be.read_f32(p.scales.at(rows.start * nb), n * nb).await?;
+                let quants = be
+                    .read_u32(p.quants.at(rows.start * words), n * words)
+                    .await?;
+                match (&p.mins, self.kind) {
+                    (Some(mt), QKind::Q4) => QuantSource::Q4(Q4Matrix {
+                        rows: n,
+                        cols: k,
+                        scales,
+                        mins: be.read_f32(mt.at(rows.start * nb), n * nb).await?,
+                        quants,
+                    }),
+                    (_, kind) => QuantSource::Q8(Q8Matrix {
+                        rows: n,
+                        cols: k,
+                        block: kind.block(),
+                        scales,
+                        quants,
+                    }),
+                }
+            }
+        };
+        Ok(match part {
+            QuantSource::Q8(m) => m.dequantize(),
+            QuantSource::Q4(m) => m.dequantize(),
+        })
+    }
+}
+
+fn mismatch(op: &'static str, w: &QMatrix, be: &Backend) -> Error {
+    Error::BackendMismatch {
+        op,
+        expected: be.kind(),
+        found: w.backend_kind(),
+    }
+}
+
+/// Checks that every size a kernel gets as a u32 parameter fits one.
+fn fits_u32(op: &'static str, vals: &[usize]) -> Result<()> {
+    if vals.iter().any(|&v| v > u32::MAX as usize) {
+        return Err(shape(op, "a dimension exceeds 2^32 - 1"));
+    }
+    Ok(())
+}
+
+/// y[m, N] = x[m, K] · Wᵀ, with x and y row-major and contiguous (leading dimensions K and N) from their
+/// views' offsets. Any m; the weights are read once per group of up to 8 rows of x.
+pub fn qmatmul(be: &Backend, x: TRef<'_>, w: &QMatrix, mut y: TMut<'_>, m: usize) -> Result<()> {
+    const OP: &str = "qmatmul";
+    let (n, k) = (w.rows, w.cols);
+    let (xl, yl) = (
+        m.checked_mul(k)
+            .ok_or_else(|| shape(OP, "m x K overflows"))?,
+        m.checked_mul(n)
+            .ok_or_else(|| shape(OP, "m x N overflows"))?,
+    );
+    fits_u32(OP, &[m, xl, yl])?;
+    match (be, &w.store) {
+        (Backend::Cpu(c), QStore::Cpu(src)) => {
+            let xs = x.cpu(OP, "x", xl)?;
+            let ys = y.cpu(OP, "y", yl)?;
+            c.install(|| match src {
+                QuantSource::Q8(q) => cpu::q8_matmul_nt(xs, q, ys, m),
+                QuantSource::Q4(q) => cpu::q4_matmul_nt(xs, q, ys, m),
+            });
+            Ok(())
+        }
+        (Backend::Gpu(g), QStore::Gpu(parts)) => {
+            let tx = x.gpu(OP, "x", xl)?;
+            let ty = y.gpu(OP, "y", yl)?;
+            gpu::qmatmul(
+                g,
+                (tx, x.offset()),
+                (ty, y.offset()),
+                parts,
+                w.kind,
+                m,
+                n,
+                k,
+            )
+        }
+        _ => Err(mismatch(OP, w, be)),
+    }
+}
+
+/// out[i, :] = scale · (dequantized row ids[i] of `w`) for i < n: a token-embedding lookup from a quantized
+/// table (Gemma multiplies by sqrt(dim)). Ids past the table's rows give zero rows. `out` is n x K from its
+/// view's offset.
+pub fn qget_rows(
+    be: &Backend,
+    ids: TRef<'_>,
+    w: &QMatrix,
+    mut out: TMut<'_>,
+    n: usize,
+    scale: f32,
+) -> Result<()> {
+    const OP: &str = "qget_rows";
+    let k = w.cols;
+    let ol = n
+        .checked_mul(k)
+        .ok_or_else(|| shape(OP, "n x K overflows"))?;
+    fits_u32(OP, &[n, ol])?;
+    match (be, &w.store) {
+        (Backend::Cpu(c), QStore::Cpu(src)) => {
+            let ids = ids.cpu_u32(OP, "ids", n)?;
+            let o = out.cpu(OP, "out", ol)?;
+            c.install(|| {
+                use rayon::prelude::*;
+                o.par_chunks_mut(k)
+                    .zip(ids.par_iter())
+                    .for_each(|(row, &id)| {
+                        let id = id as usize;
+                        if id >= w.rows {
+                            row.fill(0.0);
+                            return;
+                        }
+                        match src {
+                            QuantSource::Q8(q) => q.dequantize_row(id, row),
+                            QuantSource::Q4(q) => q.dequantize_row(id, row),
+                        }
+                        row.iter_mut().for_each(|v| *v *= scale);
+                    })
+            });
+            Ok(())
+        }
+        (Backend::Gpu(g), QStore::Gpu(parts)) => {
+            let ti = ids.gpu(OP, "ids", n)?;
+            let to = out.gpu(OP, "out", ol)?;
+            gpu::get_rows(
+                g,
+                (ti, ids.offset()),
+                (to, out.offset()),
+                parts,
+                w.kind,
+                n,
+                w.rows,
+                k,
+                scale,
+            )
+        }
+        _ => Err(mismatch(OP, w, be)),
+    }
+}
+
+#[cfg(test)]
+mod tests;
