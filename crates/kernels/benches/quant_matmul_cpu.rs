@@ -2,7 +2,8 @@
 //! memory bandwidth.
 //!
 //! `cargo bench -p tinygpt-kernels --bench quant_matmul_cpu [-- SECTION...]` with sections `bw`, `calls`,
-//! `smollm`, `gemma`, `prompt` (default: all).
+//! `kernel`, `smollm`, `gemma`, `prompt` (default: all). `QMM_QUICK=1` runs only the first decode variant
+//! (parallel inside a pool).
 //!
 //! A "decode step" runs every weight matrix of the model once with m = 1, layer by layer, each layer with
 //! its own weights (as in a real model: nothing is reused from cache between steps, the whole model
@@ -464,7 +465,8 @@ fn decode(title: &str, model: &Model, llama_tok_s: f64) {
             true,
         ),
     ];
-    for (label, opts, inside) in runs {
+    let quick = std::env::var("QMM_QUICK").is_ok();
+    for (label, opts, inside) in runs.into_iter().take(if quick { 1 } else { usize::MAX }) {
         let n_steps = if opts.isa == CpuIsa::Scalar { 8 } else { 40 };
         let (t, best, per) = if inside {
             pool.install(|| steps(model, opts, n_steps))

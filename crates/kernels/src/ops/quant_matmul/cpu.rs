@@ -323,9 +323,10 @@ impl OutPtr {
     }
 }
 
-/// Weight bytes below which a call stays on the calling thread: waking a pool thread costs a few µs,
-/// about what streaming this much weight from DRAM takes.
-const PAR_MIN_BYTES: usize = 64 * 1024;
+/// Weight bytes below which a call stays on the calling thread: handing half to a pool thread costs a
+/// few µs, about what streaming this much weight from DRAM takes. (Measured: 32 KiB vs 128 KiB vs 512 KiB
+/// on the decode shapes — the lowest was best or tied; even the 81 KiB k/v projections gain a little.)
+const PAR_MIN_BYTES: usize = 32 * 1024;
 /// Tiles per pool thread: a little slack so a thread slowed by someone else's work does not hold the call.
 const TILES_PER_THREAD: usize = 2;
 /// Weight bytes of a sub-tile that all row groups of a prompt pass over while it sits in L2.

@@ -36,6 +36,27 @@ unsafe fn u8x8(p: *const u8) -> __m256i {
     unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast())) }
 }
 
+/// Prefetch distance, in weight bytes. Batch-1 decode streams every weight once: the hardware
+/// prefetchers follow the streams, but not far enough ahead to overlap DRAM latency with the FMAs, so each
+/// row asks for the row about this many bytes ahead (`prefetcht0` never faults, so running past the end of
+/// the matrix is harmless; the address is computed with `wrapping_add`, never dereferenced).
+///
+/// Measured on SmolLM2 decode steps, one thread: without prefetch 6.1 GB/s on a Xeon (whose plain
+/// streaming read does 10.5 GB/s per thread), with 2-8 KiB ahead 9.8-11 GB/s, 16 KiB no better; on the
+/// 2-core EPYC (best of 40 steps, noisy) 13.6 GB/s without, 15.5-15.6 with 2-4 KiB, 14.1 with 8 KiB.
+pub(super) const PREFETCH_BYTES: usize = 4096;
+
+/// Prefetches the cache lines of `len` bytes at `p`.
+#[inline(always)]
+pub(super) unsafe fn prefetch(p: *const u8, len: usize) {
+    let mut o = 0;
+    while o < len {
+        // SAFETY: a prefetch is only a hint; it never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o).cast()) };
+        o += 64;
+    }
+}
+
 #[inline(always)]
 unsafe fn ld(p: *const f32) -> __m256 {
     unsafe { _mm256_loadu_ps(p) }
@@ -125,10 +146,13 @@ pub(super) unsafe fn q8_rows<const R: usize, const BLOCK: usize>(
     ldy: usize,
 ) {
     let nb = k / BLOCK;
+    let ahead = (PREFETCH_BYTES / (k + 4 * nb)).max(1);
     unsafe {
         for n in 0..rows {
             let qr = q.add(n * k);
             let sr = s.add(n * nb);
+            prefetch(qr.wrapping_add(ahead * k), k);
+            prefetch(sr.wrapping_add(ahead * nb).cast(), 4 * nb);
             let mut acc0 = [_mm256_setzero_ps(); R];
             let mut acc1 = [_mm256_setzero_ps(); R];
             let mut b = 0;
@@ -246,6 +270,7 @@ pub(super) unsafe fn q4_rows<const R: usize>(
     ldy: usize,
 ) {
     let nb = k / 32;
+    let ahead = (PREFETCH_BYTES / (k / 2 + 8 * nb)).max(1);
     let lo = _mm256_set1_epi32(0x0f);
     let hi = _mm256_set1_epi32(0xf0);
     unsafe {
@@ -253,6 +278,9 @@ pub(super) unsafe fn q4_rows<const R: usize>(
             let qr = q.add(n * (k / 2));
             let sr = s.add(n * nb);
             let mr = mn.add(n * nb);
+            prefetch(qr.wrapping_add(ahead * k / 2), k / 2);
+            prefetch(sr.wrapping_add(ahead * nb).cast(), 4 * nb);
+            prefetch(mr.wrapping_add(ahead * nb).cast(), 4 * nb);
             let mut acc0 = [_mm256_setzero_ps(); R];
             let mut acc1 = [_mm256_setzero_ps(); R];
             let mut b = 0;

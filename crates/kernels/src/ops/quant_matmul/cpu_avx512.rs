@@ -6,6 +6,8 @@
 
 use std::arch::x86_64::*;
 
+use super::cpu_avx2::{PREFETCH_BYTES, prefetch};
+
 #[inline(always)]
 unsafe fn ld(p: *const f32) -> __m512 {
     unsafe { _mm512_loadu_ps(p) }
@@ -62,10 +64,13 @@ pub(super) unsafe fn q8_rows<const R: usize, const BLOCK: usize>(
     ldy: usize,
 ) {
     let nb = k / BLOCK;
+    let ahead = (PREFETCH_BYTES / (k + 4 * nb)).max(1);
     unsafe {
         for n in 0..rows {
             let qr = q.add(n * k);
             let sr = s.add(n * nb);
+            prefetch(qr.wrapping_add(ahead * k), k);
+            prefetch(sr.wrapping_add(ahead * nb).cast(), 4 * nb);
             let mut acc = [[_mm512_setzero_ps(); R]; 4];
             let mut b = 0;
             if R == 1 {
@@ -145,6 +150,7 @@ pub(super) unsafe fn q4_rows<const R: usize>(
     ldy: usize,
 ) {
     let nb = k / 32;
+    let ahead = (PREFETCH_BYTES / (k / 2 + 8 * nb)).max(1);
     let tlo = _mm512_setr_ps(
         0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.,
     );
@@ -154,6 +160,9 @@ pub(super) unsafe fn q4_rows<const R: usize>(
             let qr = q.add(n * (k / 2));
             let sr = s.add(n * nb);
             let mr = mn.add(n * nb);
+            prefetch(qr.wrapping_add(ahead * k / 2), k / 2);
+            prefetch(sr.wrapping_add(ahead * nb).cast(), 4 * nb);
+            prefetch(mr.wrapping_add(ahead * nb).cast(), 4 * nb);
             let mut acc0 = [_mm512_setzero_ps(); R];
             let mut acc1 = [_mm512_setzero_ps(); R];
             let mut b = 0;
