@@ -289,41 +289,54 @@ fn bandwidth() {
 
 /// Kernel throughput on one thread, weights hot in L2 (best of many runs: the compute ceiling per core).
 fn kernel() {
-    println!("\n== kernel throughput, 1 thread, m = 1, weights L2-hot (best of 3000 calls) ==");
-    let mut rng = ChaCha8Rng::seed_from_u64(10);
-    for (name, gguf, n, k) in [
-        ("Q4 256x576", Gguf::Q4_1, 256, 576),
-        ("Q4 128x2048", Gguf::Q4_1, 128, 2048),
-        ("Q8b32 256x576", Gguf::Q8_0, 256, 576),
-        ("Q8b16 128x2048", Gguf::Q6K, 128, 2048),
-    ] {
-        let m = make(&mut rng, name, gguf, n, k);
-        let x: Vec<f32> = (0..k).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let mut y = vec![0f32; n];
-        let mut line = format!("{name:15} ({:3} KiB):", m.w.bytes() / 1024);
-        for isa in [CpuIsa::Avx512, CpuIsa::Avx2Fma, CpuIsa::Scalar] {
-            if !isa.is_available() {
-                continue;
+    for rows in [1usize, 8] {
+        println!(
+            "\n== kernel throughput, 1 thread, m = {rows}, weights L2-hot (best of {} calls) ==",
+            3000 / rows
+        );
+        let mut rng = ChaCha8Rng::seed_from_u64(10);
+        for (name, gguf, n, k) in [
+            ("Q4 256x576", Gguf::Q4_1, 256, 576),
+            ("Q4 128x2048", Gguf::Q4_1, 128, 2048),
+            ("Q8b32 256x576", Gguf::Q8_0, 256, 576),
+            ("Q8b16 128x2048", Gguf::Q6K, 128, 2048),
+        ] {
+            let m = make(&mut rng, name, gguf, n, k);
+            let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let mut y = vec![0f32; rows * n];
+            let mut line = format!("{name:15} ({:3} KiB):", m.w.bytes() / 1024);
+            for isa in [CpuIsa::Avx512, CpuIsa::Avx2Fma, CpuIsa::Scalar] {
+                if !isa.is_available() {
+                    continue;
+                }
+                let opts = QmmOptions {
+                    isa,
+                    parallel: false,
+                };
+                let best = (0..3000 / rows)
+                    .map(|_| {
+                        let t = Instant::now();
+                        m.w.run(&x, &mut y, rows, opts);
+                        secs(t.elapsed())
+                    })
+                    .fold(f64::MAX, f64::min);
+                line += &if rows == 1 {
+                    format!(
+                        " {isa:?} {:6.2} µs = {:5.2} weights/ns, {:5.1} GB/s |",
+                        best * 1e6,
+                        (n * k) as f64 / best / 1e9,
+                        m.w.bytes() as f64 / best / 1e9
+                    )
+                } else {
+                    format!(
+                        " {isa:?} {:7.2} µs = {:5.1} GFLOP/s |",
+                        best * 1e6,
+                        2.0 * (rows * n * k) as f64 / best / 1e9
+                    )
+                };
             }
-            let opts = QmmOptions {
-                isa,
-                parallel: false,
-            };
-            let best = (0..3000)
-                .map(|_| {
-                    let t = Instant::now();
-                    m.w.run(&x, &mut y, 1, opts);
-                    secs(t.elapsed())
-                })
-                .fold(f64::MAX, f64::min);
-            line += &format!(
-                " {isa:?} {:6.2} µs = {:5.2} weights/ns, {:5.1} GB/s |",
-                best * 1e6,
-                (n * k) as f64 / best / 1e9,
-                m.w.bytes() as f64 / best / 1e9
-            );
+            println!("{line}");
         }
-        println!("{line}");
     }
 }
 

@@ -225,7 +225,11 @@ pub fn q4_matmul_nt_with(
     // The prepared activations live in a per-thread buffer that is *taken* for the call (not borrowed), so a
     // nested call on this thread (rayon may run another task here while we wait) simply finds it empty.
     let mut buf = SCRATCH.take();
-    let (xs, sx) = prepare_q4(x, m, k, &mut buf);
+    let (xs, sx) = if q4_needs_prep(opts.isa) {
+        prepare_q4(x, m, k, &mut buf)
+    } else {
+        (x, &[][..])
+    };
     let y = OutPtr(y.as_mut_ptr());
     // Bytes of one weight row: quants, scales and mins.
     let row_bytes = k / 2 + 8 * (k / 32);
@@ -368,9 +372,22 @@ fn run_tiles(
     });
 }
 
+/// Activation rows that share one pass over the weights: as many as the vector registers hold.
+fn max_group(isa: CpuIsa) -> usize {
+    match isa {
+        CpuIsa::Avx512 => 8,
+        CpuIsa::Avx2Fma | CpuIsa::Scalar => 4,
+    }
+}
+
+/// Whether the Q4 kernels of `isa` take prepared activations (see [`prepare_q4`]); AVX-512 takes raw ones.
+fn q4_needs_prep(isa: CpuIsa) -> bool {
+    isa != CpuIsa::Avx512
+}
+
 /// Sub-tile height for prompts: rows of weights that fit the L2 budget.
-fn sub_rows(m: usize, row_bytes: usize, nrows: usize) -> usize {
-    if m <= 4 {
+fn sub_rows(isa: CpuIsa, m: usize, row_bytes: usize, nrows: usize) -> usize {
+    if m <= max_group(isa) {
         nrows
     } else {
         (L2_TILE_BYTES / row_bytes.max(1)).max(16)
@@ -391,21 +408,25 @@ fn q8_tile(
     ldy: usize,
 ) {
     let k = w.cols;
-    let sub = sub_rows(m, row_bytes, n1 - n0);
+    let sub = sub_rows(isa, m, row_bytes, n1 - n0);
     let mut s0 = n0;
     while s0 < n1 {
         let s1 = (s0 + sub).min(n1);
         let ys = y.at(s0 - n0);
         let mut i = 0;
         while i < m {
-            let r = (m - i).min(4);
+            let r = (m - i).min(max_group(isa));
             let xg = &x[i * k..];
             let yg = ys.at(i * ldy);
             match r {
                 1 => q8_group::<1>(isa, xg, w, s0, s1, yg, ldy),
                 2 => q8_group::<2>(isa, xg, w, s0, s1, yg, ldy),
                 3 => q8_group::<3>(isa, xg, w, s0, s1, yg, ldy),
-                _ => q8_group::<4>(isa, xg, w, s0, s1, yg, ldy),
+                4 => q8_group::<4>(isa, xg, w, s0, s1, yg, ldy),
+                5 => q8_group::<5>(isa, xg, w, s0, s1, yg, ldy),
+                6 => q8_group::<6>(isa, xg, w, s0, s1, yg, ldy),
+                7 => q8_group::<7>(isa, xg, w, s0, s1, yg, ldy),
+                _ => q8_group::<8>(isa, xg, w, s0, s1, yg, ldy),
             }
             i += r;
         }
@@ -491,21 +512,26 @@ fn q4_tile(
 ) {
     let k = w.cols;
     let nb = k / 32;
-    let sub = sub_rows(m, row_bytes, n1 - n0);
+    let sub = sub_rows(isa, m, row_bytes, n1 - n0);
     let mut s0 = n0;
     while s0 < n1 {
         let s1 = (s0 + sub).min(n1);
         let ys = y.at(s0 - n0);
         let mut i = 0;
         while i < m {
-            let r = (m - i).min(4);
-            let (xg, sg) = (&xs[i * k..], &sx[i * nb..]);
+            let r = (m - i).min(max_group(isa));
+            // sx is empty for the instruction sets that take raw activations.
+            let (xg, sg) = (&xs[i * k..], sx.get(i * nb..).unwrap_or(&[]));
             let yg = ys.at(i * ldy);
             match r {
                 1 => q4_group::<1>(isa, xg, sg, w, s0, s1, yg, ldy),
                 2 => q4_group::<2>(isa, xg, sg, w, s0, s1, yg, ldy),
                 3 => q4_group::<3>(isa, xg, sg, w, s0, s1, yg, ldy),
-                _ => q4_group::<4>(isa, xg, sg, w, s0, s1, yg, ldy),
+                4 => q4_group::<4>(isa, xg, sg, w, s0, s1, yg, ldy),
+                5 => q4_group::<5>(isa, xg, sg, w, s0, s1, yg, ldy),
+                6 => q4_group::<6>(isa, xg, sg, w, s0, s1, yg, ldy),
+                7 => q4_group::<7>(isa, xg, sg, w, s0, s1, yg, ldy),
+                _ => q4_group::<8>(isa, xg, sg, w, s0, s1, yg, ldy),
             }
             i += r;
         }
@@ -527,7 +553,7 @@ fn q4_group<const R: usize>(
 ) {
     let k = w.cols;
     let nb = k / 32;
-    debug_assert!(xs.len() >= R * k && sx.len() >= R * nb);
+    debug_assert!(xs.len() >= R * k && (sx.len() >= R * nb || !q4_needs_prep(isa)));
     match isa {
         #[cfg(target_arch = "x86_64")]
         CpuIsa::Avx2Fma => {
@@ -553,24 +579,12 @@ fn q4_group<const R: usize>(
         }
         #[cfg(target_arch = "x86_64")]
         CpuIsa::Avx512 => {
-            // SAFETY: as above, with AVX-512F checked by `check_isa`.
+            // SAFETY: as above, with AVX-512F checked by `check_isa`; `xs` is the raw x here.
             unsafe {
                 let q = w.quants.as_ptr().cast::<u8>().add(n0 * k / 2);
                 let s = w.scales.as_ptr().add(n0 * nb);
                 let mn = w.mins.as_ptr().add(n0 * nb);
-                avx512::q4_rows::<R>(
-                    xs.as_ptr(),
-                    k,
-                    sx.as_ptr(),
-                    nb,
-                    k,
-                    q,
-                    s,
-                    mn,
-                    n1 - n0,
-                    y.0,
-                    ldy,
-                )
+                avx512::q4_rows::<R>(xs.as_ptr(), k, k, q, s, mn, n1 - n0, y.0, ldy)
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -948,57 +962,60 @@ mod tests {
     /// The SIMD path against the scalar path, both forced, on the real decode shapes.
     #[test]
     fn simd_matches_scalar() {
-        if !CpuIsa::Avx2Fma.is_available() {
-            eprintln!("simd_matches_scalar: no AVX2+FMA on this CPU; skipped");
+        let simd: Vec<CpuIsa> = isas()
+            .into_iter()
+            .filter(|&i| i != CpuIsa::Scalar)
+            .collect();
+        if simd.is_empty() {
+            eprintln!("simd_matches_scalar: no SIMD instruction set on this CPU; skipped");
             return;
         }
         let mut rng = ChaCha8Rng::seed_from_u64(2);
         for (n, k) in [(192, 576), (1536, 576), (576, 1536), (256, 640)] {
-            for m in [1, 2, 3, 7] {
+            for m in [1, 2, 3, 7, 8, 13] {
                 let x = acts(&mut rng, m * k);
-                let both = |f: &dyn Fn(CpuIsa, &mut [f32])| {
-                    let mut a = vec![f32::NAN; m * n];
-                    let mut b = vec![f32::NAN; m * n];
-                    f(CpuIsa::Scalar, &mut a);
-                    f(CpuIsa::Avx2Fma, &mut b);
-                    (a, b)
+                let w8: Vec<Q8Matrix> = [16, 32].map(|b| q8(&mut rng, n, k, b, -8, 0)).into();
+                let w4 = q4(&mut rng, n, k, -8, 0);
+                let run = |isa: CpuIsa, which: usize| {
+                    let mut y = vec![f32::NAN; m * n];
+                    match which {
+                        0 | 1 => {
+                            q8_matmul_nt_with(&x, &w8[which], m, 0..n, &mut y, n, opts(isa, true))
+                        }
+                        _ => q4_matmul_nt_with(&x, &w4, m, 0..n, &mut y, n, opts(isa, true)),
+                    }
+                    y
                 };
-                let mut outs = Vec::new();
-                for block in [16, 32] {
-                    let w = q8(&mut rng, n, k, block, -8, 0);
-                    let (a, b) =
-                        both(&|isa, y| q8_matmul_nt_with(&x, &w, m, 0..n, y, n, opts(isa, true)));
-                    outs.push((
-                        format!("q8 block {block}"),
-                        a,
-                        b,
-                        q8_mag(&x, &w)(0, 0) > 0.0,
-                        reference(&x, &w.dequantize(), q8_mag(&x, &w), m, n, k).1,
-                    ));
-                }
-                let w = q4(&mut rng, n, k, -8, 0);
-                let (a, b) =
-                    both(&|isa, y| q4_matmul_nt_with(&x, &w, m, 0..n, y, n, opts(isa, true)));
-                outs.push((
-                    "q4".into(),
-                    a,
-                    b,
-                    true,
-                    reference(&x, &w.dequantize(), q4_mag(&x, &w), m, n, k).1,
-                ));
-                for (what, a, b, _, mag) in outs {
-                    let a64: Vec<f64> = a.iter().map(|&v| v as f64).collect();
+                for which in 0..3 {
+                    let (what, mag) = match which {
+                        0 | 1 => (
+                            format!("q8 block {}", w8[which].block),
+                            reference(&x, &w8[which].dequantize(), q8_mag(&x, &w8[which]), m, n, k)
+                                .1,
+                        ),
+                        _ => (
+                            "q4".to_string(),
+                            reference(&x, &w4.dequantize(), q4_mag(&x, &w4), m, n, k).1,
+                        ),
+                    };
+                    let scalar: Vec<f64> = run(CpuIsa::Scalar, which)
+                        .iter()
+                        .map(|&v| v as f64)
+                        .collect();
                     // Both paths err by ≤ D·u·S from the exact value, so they differ by ≤ 2·D·u·S: check with
                     // the bound of `check` taken twice.
                     let mag2: Vec<f64> = mag.iter().map(|s| 2.0 * s).collect();
-                    check(
-                        &format!("{what} {n}x{k} m={m} avx2 vs scalar"),
-                        &b,
-                        &a64,
-                        &mag2,
-                        k,
-                        1e-11,
-                    );
+                    for &isa in &simd {
+                        let got = run(isa, which);
+                        check(
+                            &format!("{what} {n}x{k} m={m} {isa:?} vs scalar"),
+                            &got,
+                            &scalar,
+                            &mag2,
+                            k,
+                            1e-11,
+                        );
+                    }
                 }
             }
         }

@@ -1,8 +1,20 @@
-//! AVX-512F row kernels for [`super::cpu`]: same contract and summation structure as `cpu_avx2`, with
-//! 16-lane vectors (one 512-bit vector per 16 quants).
+//! AVX-512F row kernels for [`super::cpu`]: the contract of `cpu_avx2` (pointers validated by the safe
+//! entry points, output (r, j) at `y[r * ldy + j]`), with 16-lane vectors and up to 8 activation rows per
+//! pass (32 vector registers).
 //!
-//! Q4 converts nibbles with a 16-entry table lookup (`vpermps` uses only the low 4 bits of each index lane,
-//! so the table maps nibble → f32 with no mask and no int→float conversion).
+//! Two ways to apply a block's scale, chosen by cost:
+//!
+//! * **scale the partial sum** (Q8, one activation row): t = Σ q·x over the block, acc += scale·t. One
+//!   multiply per block per row — cheapest when a block meets a single row.
+//! * **dequantize in registers** (Q4 always, Q8 with several rows): w = scale·q (+ min) as 16-lane f32
+//!   vectors, then acc += w·x for every row. The dequantization is paid once per block and shared by all
+//!   rows; each weight is the correctly rounded f32 value of scale·q + min (one FMA), i.e. the f32 weight of
+//!   the `dequantize()` twin up to that one rounding, so the sums are f32 math on dequantized weights.
+//!
+//! Q4 dequantizes with a table: `vpermps` reads only the low 4 bits of each index lane, so a 16-entry table
+//! tab[i] = scale·i + min (one FMA on the vector 0..15) turns widened bytes straight into weights — the low
+//! nibble directly, the high nibble after a 4-bit shift — with no mask, no int→float conversion and no
+//! separate min term.
 
 use std::arch::x86_64::*;
 
@@ -13,47 +25,76 @@ unsafe fn ld(p: *const f32) -> __m512 {
     unsafe { _mm512_loadu_ps(p) }
 }
 
-/// 16 signed bytes at `p` as 16 f32.
+/// 16 signed bytes at `p` as 16 f32 (every i8 is exact in f32).
 #[inline(always)]
 unsafe fn i8x16(p: *const u8) -> __m512 {
     unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))) }
 }
 
+/// Block `b` of one Q8 row against one activation row: acc += scale · Σ q·x.
 #[inline(always)]
-unsafe fn q8_block<const R: usize, const BLOCK: usize>(
+unsafe fn q8_block_1<const BLOCK: usize>(
     x: *const f32,
-    ldx: usize,
-    q: *const u8,
-    scale: *const f32,
-    acc: &mut [__m512; R],
+    b: usize,
+    qr: *const u8,
+    sr: *const f32,
+    a: &mut __m512,
 ) {
     unsafe {
-        let sc = _mm512_set1_ps(*scale);
+        let sc = _mm512_set1_ps(*sr.add(b));
+        let xp = x.add(b * BLOCK);
+        let qp = qr.add(b * BLOCK);
+        let mut t = _mm512_mul_ps(i8x16(qp), ld(xp));
         if BLOCK == 32 {
-            let w0 = i8x16(q);
-            let w1 = i8x16(q.add(16));
-            for (r, a) in acc.iter_mut().enumerate() {
-                let xp = x.add(r * ldx);
-                let t = _mm512_mul_ps(w0, ld(xp));
-                let t = _mm512_fmadd_ps(w1, ld(xp.add(16)), t);
-                *a = _mm512_fmadd_ps(sc, t, *a);
+            t = _mm512_fmadd_ps(i8x16(qp.add(16)), ld(xp.add(16)), t);
+        }
+        *a = _mm512_fmadd_ps(sc, t, *a);
+    }
+}
+
+/// Q8, one activation row, scale applied to each block's partial sum. Four accumulators in rotation hide
+/// the latency of the loop-carried `acc = fma(scale, t, acc)` (a block is only 3-6 vector ops).
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn q8_rows_1<const BLOCK: usize>(
+    x: *const f32,
+    k: usize,
+    q: *const u8,
+    s: *const f32,
+    rows: usize,
+    y: *mut f32,
+) {
+    let nb = k / BLOCK;
+    let ahead = (PREFETCH_BYTES / (k + 4 * nb)).max(1);
+    unsafe {
+        for n in 0..rows {
+            let qr = q.add(n * k);
+            let sr = s.add(n * nb);
+            if n + ahead < rows {
+                prefetch(qr.wrapping_add(ahead * k), k);
+                prefetch(sr.wrapping_add(ahead * nb).cast(), 4 * nb);
             }
-        } else {
-            let w0 = i8x16(q);
-            for (r, a) in acc.iter_mut().enumerate() {
-                let t = _mm512_mul_ps(w0, ld(x.add(r * ldx)));
-                *a = _mm512_fmadd_ps(sc, t, *a);
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let mut b = 0;
+            while b + 4 <= nb {
+                for (u, a) in acc.iter_mut().enumerate() {
+                    q8_block_1::<BLOCK>(x, b + u, qr, sr, a);
+                }
+                b += 4;
             }
+            while b < nb {
+                q8_block_1::<BLOCK>(x, b, qr, sr, &mut acc[0]);
+                b += 1;
+            }
+            let v = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+            *y.add(n) = _mm512_reduce_add_ps(v);
         }
     }
 }
 
-/// Q8 rows, block `BLOCK` (16 or 32); arguments as `cpu_avx2::q8_rows`. R = 1 alternates two accumulator
-/// sets (four for block 16, where a block is only three vector ops) to hide the FMA latency of the
-/// loop-carried `acc = fma(scale, t, acc)`.
+/// Q8, R ≥ 2 activation rows (`ldx` apart), weights dequantized in registers once per block.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,fma")]
-pub(super) unsafe fn q8_rows<const R: usize, const BLOCK: usize>(
+unsafe fn q8_rows_deq<const R: usize, const BLOCK: usize>(
     x: *const f32,
     ldx: usize,
     k: usize,
@@ -69,78 +110,107 @@ pub(super) unsafe fn q8_rows<const R: usize, const BLOCK: usize>(
         for n in 0..rows {
             let qr = q.add(n * k);
             let sr = s.add(n * nb);
-            prefetch(qr.wrapping_add(ahead * k), k);
-            prefetch(sr.wrapping_add(ahead * nb).cast(), 4 * nb);
-            let mut acc = [[_mm512_setzero_ps(); R]; 4];
-            let mut b = 0;
-            if R == 1 {
-                while b + 4 <= nb {
-                    for (u, a) in acc.iter_mut().enumerate() {
-                        let bb = b + u;
-                        q8_block::<R, BLOCK>(
-                            x.add(bb * BLOCK),
-                            ldx,
-                            qr.add(bb * BLOCK),
-                            sr.add(bb),
-                            a,
-                        );
+            if n + ahead < rows {
+                prefetch(qr.wrapping_add(ahead * k), k);
+                prefetch(sr.wrapping_add(ahead * nb).cast(), 4 * nb);
+            }
+            // Two accumulators per row: the two 16-lane halves of a block of 32, or even/odd blocks of 16
+            // (unrolled by hand: an array indexed by `b % 2` would live in memory).
+            let mut a0 = [_mm512_setzero_ps(); R];
+            let mut a1 = [_mm512_setzero_ps(); R];
+            if BLOCK == 32 {
+                for b in 0..nb {
+                    let sc = _mm512_set1_ps(*sr.add(b));
+                    let qp = qr.add(b * 32);
+                    let w0 = _mm512_mul_ps(i8x16(qp), sc);
+                    let w1 = _mm512_mul_ps(i8x16(qp.add(16)), sc);
+                    for r in 0..R {
+                        let xp = x.add(r * ldx + b * 32);
+                        a0[r] = _mm512_fmadd_ps(w0, ld(xp), a0[r]);
+                        a1[r] = _mm512_fmadd_ps(w1, ld(xp.add(16)), a1[r]);
                     }
-                    b += 4;
+                }
+            } else {
+                let mut b = 0;
+                while b < nb {
+                    let w = _mm512_mul_ps(i8x16(qr.add(b * 16)), _mm512_set1_ps(*sr.add(b)));
+                    for (r, ar) in a0.iter_mut().enumerate() {
+                        *ar = _mm512_fmadd_ps(w, ld(x.add(r * ldx + b * 16)), *ar);
+                    }
+                    if b + 1 < nb {
+                        let sc = _mm512_set1_ps(*sr.add(b + 1));
+                        let w = _mm512_mul_ps(i8x16(qr.add(b * 16 + 16)), sc);
+                        for (r, ar) in a1.iter_mut().enumerate() {
+                            *ar = _mm512_fmadd_ps(w, ld(x.add(r * ldx + b * 16 + 16)), *ar);
+                        }
+                    }
+                    b += 2;
                 }
             }
-            while b < nb {
-                q8_block::<R, BLOCK>(
-                    x.add(b * BLOCK),
-                    ldx,
-                    qr.add(b * BLOCK),
-                    sr.add(b),
-                    &mut acc[0],
-                );
-                b += 1;
-            }
-            let [a0, a1, a2, a3] = acc;
             for r in 0..R {
-                let v = _mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(a2[r], a3[r]));
-                *y.add(r * ldy + n) = _mm512_reduce_add_ps(v);
+                *y.add(r * ldy + n) = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
             }
         }
     }
 }
 
-/// One Q4 block: byte j (= q_j + 16·q_{j+16}) widened to lane j; `tlo[lane & 15]` is q_j and
-/// `thi[(lane >> 4) & 15]` is 16·q_{j+16}, the ×16 cancelled by the prepared activations as in AVX2.
+/// Q8 rows, block `BLOCK` (16 or 32), `R` activation rows; arguments as `cpu_avx2::q8_rows`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,fma")]
+pub(super) unsafe fn q8_rows<const R: usize, const BLOCK: usize>(
+    x: *const f32,
+    ldx: usize,
+    k: usize,
+    q: *const u8,
+    s: *const f32,
+    rows: usize,
+    y: *mut f32,
+    ldy: usize,
+) {
+    unsafe {
+        if R == 1 {
+            q8_rows_1::<BLOCK>(x, k, q, s, rows, y)
+        } else {
+            q8_rows_deq::<R, BLOCK>(x, ldx, k, q, s, rows, y, ldy)
+        }
+    }
+}
+
+/// Block `b` of one Q4 row against R raw activation rows: acc[r][0] += w(low nibbles)·x[0..16],
+/// acc[r][1] += w(high nibbles)·x[16..32], the weights dequantized through the table.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn q4_block<const R: usize>(
     x: *const f32,
     ldx: usize,
-    q: *const u8,
-    scale: *const f32,
-    acc: &mut [__m512; R],
-    tlo: __m512,
-    thi: __m512,
+    b: usize,
+    qr: *const u8,
+    sr: *const f32,
+    mr: *const f32,
+    iota: __m512,
+    acc: &mut [[__m512; 2]; R],
 ) {
     unsafe {
-        let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(q.cast()));
-        let w0 = _mm512_permutexvar_ps(v, tlo);
-        let w1 = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), thi);
-        let sc = _mm512_set1_ps(*scale);
-        for (r, a) in acc.iter_mut().enumerate() {
-            let xp = x.add(r * ldx);
-            let t = _mm512_mul_ps(w0, ld(xp));
-            let t = _mm512_fmadd_ps(w1, ld(xp.add(16)), t);
-            *a = _mm512_fmadd_ps(sc, t, *a);
+        // Byte j of the block = q_j | q_{j+16} << 4, widened to lane j.
+        let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(qr.add(b * 16).cast()));
+        let tab = _mm512_fmadd_ps(iota, _mm512_set1_ps(*sr.add(b)), _mm512_set1_ps(*mr.add(b)));
+        let w0 = _mm512_permutexvar_ps(v, tab);
+        let w1 = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), tab);
+        for (r, ar) in acc.iter_mut().enumerate() {
+            let xp = x.add(r * ldx + b * 32);
+            ar[0] = _mm512_fmadd_ps(w0, ld(xp), ar[0]);
+            ar[1] = _mm512_fmadd_ps(w1, ld(xp.add(16)), ar[1]);
         }
     }
 }
 
-/// Q4 rows; arguments as `cpu_avx2::q4_rows`.
+/// Q4 rows with *raw* activations (no preparation: the table gives scale·q + min directly); `R` rows of
+/// `x`, `ldx` apart. Other arguments as `cpu_avx2::q4_rows`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,fma")]
 pub(super) unsafe fn q4_rows<const R: usize>(
     x: *const f32,
     ldx: usize,
-    sx: *const f32,
-    ldsx: usize,
     k: usize,
     q: *const u8,
     s: *const f32,
@@ -151,73 +221,42 @@ pub(super) unsafe fn q4_rows<const R: usize>(
 ) {
     let nb = k / 32;
     let ahead = (PREFETCH_BYTES / (k / 2 + 8 * nb)).max(1);
-    let tlo = _mm512_setr_ps(
+    let iota = _mm512_setr_ps(
         0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.,
     );
-    let thi = _mm512_mul_ps(tlo, _mm512_set1_ps(16.0));
     unsafe {
         for n in 0..rows {
             let qr = q.add(n * (k / 2));
             let sr = s.add(n * nb);
             let mr = mn.add(n * nb);
-            prefetch(qr.wrapping_add(ahead * k / 2), k / 2);
-            prefetch(sr.wrapping_add(ahead * nb).cast(), 4 * nb);
-            prefetch(mr.wrapping_add(ahead * nb).cast(), 4 * nb);
-            let mut acc0 = [_mm512_setzero_ps(); R];
-            let mut acc1 = [_mm512_setzero_ps(); R];
+            if n + ahead < rows {
+                prefetch(qr.wrapping_add(ahead * k / 2), k / 2);
+                prefetch(sr.wrapping_add(ahead * nb).cast(), 4 * nb);
+                prefetch(mr.wrapping_add(ahead * nb).cast(), 4 * nb);
+            }
+            // a?[r][0] takes the low nibbles (values 0..16 of a block), a?[r][1] the high ones; with one
+            // row, blocks alternate between a0 and a1 so four FMA chains run at once. (Unrolled by hand:
+            // an accumulator array indexed by `b % 2` would live in memory.)
+            let mut a0 = [[_mm512_setzero_ps(); 2]; R];
+            let mut a1 = [[_mm512_setzero_ps(); 2]; R];
             let mut b = 0;
             if R == 1 {
                 while b + 2 <= nb {
-                    q4_block(
-                        x.add(b * 32),
-                        ldx,
-                        qr.add(b * 16),
-                        sr.add(b),
-                        &mut acc0,
-                        tlo,
-                        thi,
-                    );
-                    q4_block(
-                        x.add(b * 32 + 32),
-                        ldx,
-                        qr.add(b * 16 + 16),
-                        sr.add(b + 1),
-                        &mut acc1,
-                        tlo,
-                        thi,
-                    );
+                    q4_block(x, ldx, b, qr, sr, mr, iota, &mut a0);
+                    q4_block(x, ldx, b + 1, qr, sr, mr, iota, &mut a1);
                     b += 2;
                 }
             }
             while b < nb {
-                q4_block(
-                    x.add(b * 32),
-                    ldx,
-                    qr.add(b * 16),
-                    sr.add(b),
-                    &mut acc0,
-                    tlo,
-                    thi,
-                );
+                q4_block(x, ldx, b, qr, sr, mr, iota, &mut a0);
                 b += 1;
             }
             for r in 0..R {
-                // Min term: Σ_b mins[b]·sx[b], 16 blocks at a time, the tail masked (nothing past a row is read).
-                let sxr = sx.add(r * ldsx);
-                let mut m = _mm512_setzero_ps();
-                let mut c = 0;
-                while c + 16 <= nb {
-                    m = _mm512_fmadd_ps(ld(mr.add(c)), ld(sxr.add(c)), m);
-                    c += 16;
-                }
-                if c < nb {
-                    let mask: __mmask16 = (1u16 << (nb - c)) - 1;
-                    let a = _mm512_maskz_loadu_ps(mask, mr.add(c));
-                    let b2 = _mm512_maskz_loadu_ps(mask, sxr.add(c));
-                    m = _mm512_fmadd_ps(a, b2, m);
-                }
-                *y.add(r * ldy + n) =
-                    _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[r], acc1[r]), m));
+                let v = _mm512_add_ps(
+                    _mm512_add_ps(a0[r][0], a0[r][1]),
+                    _mm512_add_ps(a1[r][0], a1[r][1]),
+                );
+                *y.add(r * ldy + n) = _mm512_reduce_add_ps(v);
             }
         }
     }
