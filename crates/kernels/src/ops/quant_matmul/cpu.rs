@@ -974,39 +974,41 @@ mod tests {
         for (n, k) in [(192, 576), (1536, 576), (576, 1536), (256, 640)] {
             for m in [1, 2, 3, 7, 8, 13] {
                 let x = acts(&mut rng, m * k);
-                let w8: Vec<Q8Matrix> = [16, 32].map(|b| q8(&mut rng, n, k, b, -8, 0)).into();
+                let w8 = [16, 32].map(|b| q8(&mut rng, n, k, b, -8, 0));
                 let w4 = q4(&mut rng, n, k, -8, 0);
-                let run = |isa: CpuIsa, which: usize| {
-                    let mut y = vec![f32::NAN; m * n];
-                    match which {
-                        0 | 1 => {
-                            q8_matmul_nt_with(&x, &w8[which], m, 0..n, &mut y, n, opts(isa, true))
-                        }
-                        _ => q4_matmul_nt_with(&x, &w4, m, 0..n, &mut y, n, opts(isa, true)),
-                    }
-                    y
-                };
-                for which in 0..3 {
-                    let (what, mag) = match which {
-                        0 | 1 => (
-                            format!("q8 block {}", w8[which].block),
-                            reference(&x, &w8[which].dequantize(), q8_mag(&x, &w8[which]), m, n, k)
-                                .1,
-                        ),
-                        _ => (
-                            "q4".to_string(),
-                            reference(&x, &w4.dequantize(), q4_mag(&x, &w4), m, n, k).1,
-                        ),
-                    };
-                    let scalar: Vec<f64> = run(CpuIsa::Scalar, which)
-                        .iter()
-                        .map(|&v| v as f64)
-                        .collect();
+                // (label, magnitudes S for the bound, the call with a given instruction set)
+                type Case<'a> = (String, Vec<f64>, Box<dyn Fn(CpuIsa) -> Vec<f32> + 'a>);
+                let mut cases: Vec<Case> = Vec::new();
+                for w in &w8 {
+                    let mag = reference(&x, &w.dequantize(), q8_mag(&x, w), m, n, k).1;
+                    let x = &x;
+                    cases.push((
+                        format!("q8 block {}", w.block),
+                        mag,
+                        Box::new(move |isa| {
+                            let mut y = vec![f32::NAN; m * n];
+                            q8_matmul_nt_with(x, w, m, 0..n, &mut y, n, opts(isa, true));
+                            y
+                        }),
+                    ));
+                }
+                let mag = reference(&x, &w4.dequantize(), q4_mag(&x, &w4), m, n, k).1;
+                cases.push((
+                    "q4".into(),
+                    mag,
+                    Box::new(|isa| {
+                        let mut y = vec![f32::NAN; m * n];
+                        q4_matmul_nt_with(&x, &w4, m, 0..n, &mut y, n, opts(isa, true));
+                        y
+                    }),
+                ));
+                for (what, mag, run) in cases {
+                    let scalar: Vec<f64> = run(CpuIsa::Scalar).iter().map(|&v| v as f64).collect();
                     // Both paths err by ≤ D·u·S from the exact value, so they differ by ≤ 2·D·u·S: check with
                     // the bound of `check` taken twice.
                     let mag2: Vec<f64> = mag.iter().map(|s| 2.0 * s).collect();
                     for &isa in &simd {
-                        let got = run(isa, which);
+                        let got = run(isa);
                         check(
                             &format!("{what} {n}x{k} m={m} {isa:?} vs scalar"),
                             &got,
