@@ -191,7 +191,7 @@ fn gemma() -> Model {
     let (h, q, kv, ff) = (640, 4 * 256, 256, 2048);
     let mut v = Vec::new();
     for l in 0..18 {
-        let more_bits = l < 2 || l >= 16 || (l - 2) % 3 == 2;
+        let more_bits = !(2..16).contains(&l) || (l - 2) % 3 == 2;
         v.push(make(&mut rng, "q", Gguf::Q5_0, q, h));
         v.push(make(&mut rng, "k", Gguf::Q5_0, kv, h));
         v.push(make(
