@@ -13,6 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "crates" / "models" / "tests" / "data"
 MODELS_DIR = Path(os.environ.get("TINYGPT_MODELS_DIR", ROOT / ".cache" / "models"))
+# Full logits of every prompt (too large to commit; compare.py reads them).
+SCRATCH = ROOT / ".cache" / "reference"
 
 MODELS = {
     "smollm2": {

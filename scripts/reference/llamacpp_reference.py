@@ -19,6 +19,7 @@ from common import (
     LOGIT_PROMPTS,
     MODELS,
     N_GREEDY,
+    SCRATCH,
     TOKENIZER_CASES,
     check_model,
     top2,
@@ -127,8 +128,9 @@ def logits_record(key: str, llm: Llama, out_dir) -> dict:
             "ids": ids,
             "prompt_top2": prompt_top2,
         }
+        fname = f"llamacpp_{spec['name']}_last_logits.f32.bin"
+        write_f32(SCRATCH / key / fname, last.tolist())
         if spec["full_logits"]:
-            fname = f"llamacpp_{spec['name']}_last_logits.f32.bin"
             write_f32(out_dir / fname, last.tolist())
             entry["last_logits_file"] = fname
         # Greedy continuation, one token at a time through the KV cache.

@@ -1,4 +1,5 @@
 //! TinyGPT models.
 
+pub mod chat_template;
 pub mod gpt;
 pub mod tokenizer;

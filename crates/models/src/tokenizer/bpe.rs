@@ -16,7 +16,7 @@ pub(crate) struct Bpe {
     ranks: HashMap<(String, String), u32>,
     pre: PreTokenizer,
     ignore_merges: bool,
-    byte_chars: [char; 256],
+    byte_chars: Box<[char; 256]>,
 }
 
 #[derive(Clone, Copy)]
@@ -77,7 +77,7 @@ impl Bpe {
             ranks,
             pre,
             ignore_merges,
-            byte_chars: byte_to_char_table(),
+            byte_chars: Box::new(byte_to_char_table()),
         }
     }
 
@@ -100,11 +100,11 @@ impl Bpe {
     }
 
     fn tokenize_word(&self, vocab: &Vocab, word: &str, out: &mut Vec<u32>) {
-        if self.ignore_merges {
-            if let Some(id) = vocab.get(word) {
-                out.push(id);
-                return;
-            }
+        if self.ignore_merges
+            && let Some(id) = vocab.get(word)
+        {
+            out.push(id);
+            return;
         }
         let mut symbols: Vec<Symbol> = Vec::with_capacity(word.len());
         for (index, (start, c)) in word.char_indices().enumerate() {
@@ -168,11 +168,9 @@ impl Bpe {
                     // llama.cpp looks up each byte of the piece as a one-byte token and skips the
                     // bytes that have none; in a byte-level vocabulary every alphabet character is a
                     // token, so this only matters for incomplete vocabularies.
-                    for byte in piece.bytes() {
-                        if byte.is_ascii() {
-                            if let Some(id) = vocab.get(char::from(byte).encode_utf8(&mut [0; 4])) {
-                                out.push(id);
-                            }
+                    for byte in piece.bytes().filter(u8::is_ascii) {
+                        if let Some(id) = vocab.get(char::from(byte).encode_utf8(&mut [0; 4])) {
+                            out.push(id);
                         }
                     }
                 }

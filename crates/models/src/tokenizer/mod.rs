@@ -355,29 +355,27 @@ impl Tokenizer {
         options: DecodeOptions,
     ) -> Result<Vec<u8>, TokenizerError> {
         let mut remove_space = self.add_space_prefix;
-        if options.remove_special && self.add_bos {
-            if let (Some(first), Some(bos)) = (ids.first(), self.special.bos) {
-                if *first == bos {
-                    remove_space = false;
-                    ids = &ids[1..];
-                }
-            }
+        if options.remove_special
+            && self.add_bos
+            && let (Some(&first), Some(bos)) = (ids.first(), self.special.bos)
+            && first == bos
+        {
+            remove_space = false;
+            ids = &ids[1..];
         }
-        if options.remove_special && self.add_eos {
-            if let (Some(last), Some(eos)) = (ids.last(), self.special.eos) {
-                if *last == eos {
-                    ids = &ids[..ids.len() - 1];
-                }
-            }
+        if options.remove_special
+            && self.add_eos
+            && let (Some(&last), Some(eos)) = (ids.last(), self.special.eos)
+            && last == eos
+        {
+            ids = &ids[..ids.len() - 1];
         }
         let mut out = Vec::new();
         for &id in ids {
             let mut piece = self.token_to_piece(id, options.unparse_special)?;
             // The space SentencePiece prefixed to the input is not part of the text.
-            if remove_space {
-                if let Some(rest) = piece.strip_prefix(b" ") {
-                    piece = rest;
-                }
+            if remove_space && let Some(rest) = piece.strip_prefix(b" ") {
+                piece = rest;
             }
             // llama.cpp clears the flag after the first token, even one rendered as nothing.
             remove_space = false;
@@ -557,17 +555,17 @@ fn detect_special_by_text(
     // o200k_harmony / solar-open: "<|end|>" ends a message, not the generation.
     if let Some(end) = vocab.get("<|end|>").filter(|id| eog.contains(id)) {
         let has_call = eog_has(&eog, "<|call|>") || eog_has(&eog, "<|calls|>");
-        if (eog_has(&eog, "<|return|>") && has_call) || (has_call && eog_has(&eog, "<|flush|>")) {
+        if has_call && (eog_has(&eog, "<|return|>") || eog_has(&eog, "<|flush|>")) {
             eog.remove(&end);
             attrs[end as usize] = attr::USER_DEFINED;
         }
     }
     // Gemma 4 and PLaMo have a normal "</s>".
-    if let Some(s) = vocab.get("</s>").filter(|id| eog.contains(id)) {
-        if eog_has(&eog, "<|tool_response>") || eog_has(&eog, "<|plamo:eos|>") {
-            eog.remove(&s);
-            attrs[s as usize] = attr::NORMAL;
-        }
+    if let Some(s) = vocab.get("</s>").filter(|id| eog.contains(id))
+        && (eog_has(&eog, "<|tool_response>") || eog_has(&eog, "<|plamo:eos|>"))
+    {
+        eog.remove(&s);
+        attrs[s as usize] = attr::NORMAL;
     }
     eog
 }
