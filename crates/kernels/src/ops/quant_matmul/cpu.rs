@@ -1,21 +1,29 @@
 //! CPU quantized matmul: y = x · Wᵀ straight from the block-quantized layouts of [`crate::quant`], with
 //! f32 activations.
 //!
-//! There is no activation quantization: every product is an f32 product of the exact quant (an integer,
-//! exact in f32) with the exact activation, so results equal f32 math on the dequantized weights up to
-//! summation order. (llama.cpp quantizes activations to 8 bits and uses integer dot products; that is
-//! faster per instruction but changes the numbers, which the model tests forbid.) Factoring the scale out
-//! of each block — y = Σ_b scale_b · Σ_{i∈b} q_i x_i (+ min_b · Σ_{i∈b} x_i for Q4) — is the same sum
-//! reassociated; the scalar path uses the same factoring.
+//! There is no activation quantization: every product is an f32 product with the exact activation, so
+//! results equal f32 math on the dequantized weights up to summation order (and, on the AVX-512 path, one
+//! rounding of each dequantized weight, exactly as the `dequantize()` twin rounds it). llama.cpp
+//! quantizes activations to 8 bits and uses integer dot products; that is faster per instruction but
+//! changes the numbers, which the model tests forbid. Two exact reassociations are used:
 //!
-//! Decode (batch 1) is a stream over the weights, so the kernels are built to read each weight byte once
-//! at memory speed: quants are widened from memory and converted to f32 right before the FMA; for m > 1
-//! (prompt processing) up to four activation rows share each unpacked block, and weight tiles are sized
-//! to stay in L2 while all row groups pass over them.
+//! * scale outside the block sum: y = Σ_b scale_b · Σ_{i∈b} q_i x_i (+ min_b · Σ_{i∈b} x_i for Q4, with the
+//!   block sums Σx computed once per activation row) — AVX2, scalar, and AVX-512 Q8 with one row;
+//! * weights dequantized in registers, w = scale·q + min, shared by up to 8 activation rows — AVX-512 Q4,
+//!   and AVX-512 Q8 with several rows (see `cpu_avx512`).
 //!
-//! Paths: x86_64 AVX2 + FMA ([`CpuIsa::Avx2Fma`], detected at run time, once) and a portable scalar path
-//! written so LLVM can auto-vectorize it ([`CpuIsa::Scalar`]; the only path on wasm32 and aarch64).
-//! Threads: rayon, over output rows in a few coarse tiles; small calls stay on the calling thread.
+//! Decode (batch 1) is a stream over the weights, so the kernels read each weight byte once, widening
+//! quants from memory right before the FMAs, and prefetch a few KiB ahead (`cpu_avx2::PREFETCH_BYTES`) so
+//! DRAM latency overlaps the arithmetic. For m > 1 (prompt processing) up to 4 (AVX2, scalar) or 8
+//! (AVX-512) activation rows share each unpacked block, and weight tiles are sized to stay in L2 while all
+//! row groups pass over them.
+//!
+//! Paths ([`CpuIsa`], detected at run time, once): x86_64 AVX-512F, x86_64 AVX2 + FMA, and a portable path
+//! written so LLVM can auto-vectorize it (the only one on wasm32 and aarch64; forced with
+//! [`QmmOptions::isa`] for tests). Threads: rayon, over output rows in a few coarse tiles (2 per pool
+//! thread); calls under 32 KiB of weights stay on the calling thread. Call from inside the rayon pool
+//! (e.g. run the whole decode step in `ThreadPool::install`): from outside, every call pays a hand-off
+//! to the pool and back, 6-12 µs (measured), which over ~200 calls per token is a large share of a step.
 //!
 //! Panics: the functions assert that the lengths of `x`, `y` and the matrix arrays fit the shapes —
 //! these are programmer errors (the shapes come from the model, not from user input).
@@ -287,9 +295,10 @@ thread_local! {
     static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
-/// Prepares activations for the Q4 kernels, into `buf`: returns (xs, sx) where xs is x with the second
-/// half of every block of 32 scaled by 1/16 (see `cpu_avx2::q4_block`: the kernels multiply those by
-/// 16·q) and sx[i * K/32 + b] = Σ of block b of row i (for the min term).
+/// Prepares activations for the AVX2 and scalar Q4 kernels, into `buf`: returns (xs, sx) where xs is x
+/// with the second half of every block of 32 scaled by 1/16 (see `cpu_avx2::q4_block`: the kernels
+/// multiply those by 16·q, saving a shift per vector) and sx[i * K/32 + b] = Σ of block b of row i (for the
+/// min term). Exact: scaling by a power of two loses nothing unless x/16 is subnormal (|x| < 2^-122).
 fn prepare_q4<'a>(x: &[f32], m: usize, k: usize, buf: &'a mut Vec<f32>) -> (&'a [f32], &'a [f32]) {
     buf.clear();
     buf.reserve(m * k + m * k / 32);
