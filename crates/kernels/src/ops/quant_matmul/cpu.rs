@@ -244,7 +244,10 @@ pub fn q4_matmul_nt_with(
     run_tiles(rows, row_bytes, m, opts.parallel, y, |n0, n1, y_tile| {
         q4_tile(opts.isa, xs, sx, m, w, n0, n1, row_bytes, y_tile, ldy)
     });
-    SCRATCH.set(buf);
+    // Keep the buffer for the next call (decode then allocates nothing), unless a long prompt grew it.
+    if buf.capacity() <= SCRATCH_KEEP {
+        SCRATCH.set(buf);
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -289,6 +292,9 @@ fn check_isa(isa: CpuIsa) {
         "quant matmul: {isa:?} was requested but this CPU does not support it"
     );
 }
+
+/// Largest prepared-activation buffer (in f32) kept between calls: 1 MiB, far above decode's needs.
+const SCRATCH_KEEP: usize = 1 << 18;
 
 thread_local! {
     /// Prepared Q4 activations, reused across calls so a decode step allocates nothing.
