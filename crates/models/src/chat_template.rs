@@ -10,6 +10,7 @@
 //! written to produce exactly what llama.cpp's `llama_chat_apply_template` produces for it
 //! ([`ChatTemplate::builtin`]).
 
+#[cfg(not(all(target_arch = "wasm32", target_os = "unknown")))]
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use minijinja::syntax::SyntaxConfig;
@@ -113,6 +114,18 @@ impl ChatTemplate {
     }
 }
 
+impl ChatTemplate {
+    /// Fixes the time `strftime_now` reports (Unix seconds, UTC), for reproducible prompts and for
+    /// targets without a clock.
+    pub fn with_time(mut self, unix_secs: i64) -> Self {
+        self.env
+            .add_function("strftime_now", move |format: String| {
+                format_time(&format, unix_secs)
+            });
+        self
+    }
+}
+
 /// One-shot [`ChatTemplate::new`] + [`ChatTemplate::render`].
 pub fn render(
     template: &str,
@@ -140,10 +153,21 @@ fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
 /// `strftime_now(format)`: the current UTC time, as Python's `datetime.now().strftime` (templates use
 /// it to put today's date in a system prompt).
 fn strftime_now(format: String) -> String {
-    let secs = SystemTime::now()
+    format_time(&format, now_unix_secs())
+}
+
+#[cfg(not(all(target_arch = "wasm32", target_os = "unknown")))]
+fn now_unix_secs() -> i64 {
+    SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64);
-    format_time(&format, secs)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+/// The browser target has no std clock (`SystemTime::now` panics there): report the epoch unless
+/// [`ChatTemplate::with_time`] gives the time.
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+fn now_unix_secs() -> i64 {
+    0
 }
 
 /// `strftime` for a Unix time (UTC), covering the common directives; others are kept verbatim.
@@ -389,5 +413,12 @@ mod tests {
         assert_eq!(format_time("%Y-%m-%d", 0), "1970-01-01");
         assert_eq!(format_time("%Y-%m-%d", 951_782_400), "2000-02-29");
         assert!(strftime_now("%Y".into()).len() == 4);
+        let fixed = ChatTemplate::new("{{ strftime_now('%d %B %Y') }}")
+            .unwrap()
+            .with_time(t);
+        assert_eq!(
+            fixed.render(&[], false, "", "").unwrap(),
+            "29 November 2026"
+        );
     }
 }
