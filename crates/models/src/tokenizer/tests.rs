@@ -337,3 +337,11 @@ fn bpe_applies_merges_by_rank() {
         Err(TokenizerError::MissingMerges)
     ));
 }
+
+/// Generation threads share one tokenizer.
+#[test]
+fn tokenizer_is_send_and_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tokenizer>();
+    assert_send_sync::<crate::chat_template::ChatTemplate>();
+}
