@@ -299,7 +299,9 @@ fn kernel() {
             ("Q4 256x576", Gguf::Q4_1, 256, 576),
             ("Q4 128x2048", Gguf::Q4_1, 128, 2048),
             ("Q8b32 256x576", Gguf::Q8_0, 256, 576),
+            ("Q8b32 128x2048", Gguf::Q8_0, 128, 2048),
             ("Q8b16 128x2048", Gguf::Q6K, 128, 2048),
+            ("Q8b16 256x576", Gguf::Q6K, 256, 576),
         ] {
             let m = make(&mut rng, name, gguf, n, k);
             let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
