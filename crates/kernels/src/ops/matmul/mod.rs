@@ -17,7 +17,8 @@ use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, GpuBackend, GpuTensor, PipelineOptions};
 pub use cpu::gemm_reference;
-use wgsl::{Tile, gemm_source};
+pub use wgsl::Tile;
+use wgsl::gemm_source;
 
 /// Shape and layout of one (batched) product.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -153,7 +154,19 @@ impl Gemm {
 }
 
 /// Runs the product described by `g`.
-pub fn matmul(be: &Backend, a: TRef<'_>, b: TRef<'_>, mut c: TMut<'_>, g: &Gemm) -> Result<()> {
+pub fn matmul(be: &Backend, a: TRef<'_>, b: TRef<'_>, c: TMut<'_>, g: &Gemm) -> Result<()> {
+    matmul_with_tile(be, a, b, c, g, None)
+}
+
+/// [`matmul`] with the GPU tile configuration forced (benchmarks compare tiles with it).
+pub fn matmul_with_tile(
+    be: &Backend,
+    a: TRef<'_>,
+    b: TRef<'_>,
+    mut c: TMut<'_>,
+    g: &Gemm,
+    tile: Option<Tile>,
+) -> Result<()> {
     g.validate()?;
     let [ea, eb, ec] = g.extents();
     match be {
@@ -167,16 +180,23 @@ pub fn matmul(be: &Backend, a: TRef<'_>, b: TRef<'_>, mut c: TMut<'_>, g: &Gemm)
             let ta = a.gpu("matmul", "A", ea)?;
             let tb = b.gpu("matmul", "B", eb)?;
             let tc = c.gpu("matmul", "C", ec)?;
-            gpu_matmul(gb, (ta, a.offset()), (tb, b.offset()), (tc, c.offset()), g)
+            gpu_matmul(gb, (ta, a.offset()), (tb, b.offset()), (tc, c.offset()), g, tile)
         }
     }
 }
 
-/// Tile configurations, largest first. The large tile needs 8 KiB of workgroup memory and 256 threads,
-/// inside WebGPU's defaults (16 KiB, 256), so every adapter can run every variant.
+/// Tile configurations. Every one needs at most 8 KiB of workgroup memory and 256 threads, inside
+/// WebGPU's defaults (16 KiB, 256), so every adapter can run every variant.
 pub const TILE_LARGE: Tile = Tile {
     bm: 128,
     bn: 128,
+    bk: 8,
+    tm: 8,
+    tn: 8,
+};
+pub const TILE_TALL: Tile = Tile {
+    bm: 128,
+    bn: 64,
     bk: 8,
     tm: 8,
     tn: 8,
@@ -196,16 +216,17 @@ pub const TILE_SMALL: Tile = Tile {
     tn: 4,
 };
 
+/// The largest tile that still gives every compute unit of a big GPU a few workgroups (512 covers the
+/// H200's 132 multiprocessors four times over); products too small for that take the tile with the
+/// most workgroups. Measured on the H200 (docs/perf.md): big tiles win on 4096³ and on the forward
+/// products of training, small ones on the weight gradients (M, N ≤ 1536 with K = 16384).
 fn choose_tile(g: &Gemm) -> Tile {
-    // Prefer the largest tile that still gives enough workgroups to fill a big GPU.
     let groups = |t: Tile| g.m.div_ceil(t.bm as usize) * g.n.div_ceil(t.bn as usize) * g.batches();
-    if groups(TILE_LARGE) >= 256 {
-        TILE_LARGE
-    } else if groups(TILE_MEDIUM) >= 64 || g.m.min(g.n) > 32 {
-        TILE_MEDIUM
-    } else {
-        TILE_SMALL
-    }
+    let order = [TILE_LARGE, TILE_TALL, TILE_MEDIUM, TILE_SMALL];
+    order
+        .into_iter()
+        .find(|&t| groups(t) >= 512)
+        .unwrap_or_else(|| order.into_iter().max_by_key(|&t| groups(t)).unwrap_or(TILE_SMALL))
 }
 
 fn params(g: &Gemm, offs: [usize; 3], m: usize, n: usize, k: usize, beta: f32) -> Vec<u32> {
@@ -276,11 +297,24 @@ pub(crate) fn gpu_matmul(
     (tb, ob): (&GpuTensor, usize),
     (tc, oc): (&GpuTensor, usize),
     g: &Gemm,
+    tile: Option<Tile>,
 ) -> Result<()> {
     if g.m == 0 || g.n == 0 || g.batches() == 0 {
         return Ok(());
     }
-    let tile = choose_tile(g);
+    let tile = tile.unwrap_or_else(|| choose_tile(g));
+    if tile.shared_bytes() > gb.limits.max_compute_workgroup_storage_size
+        || tile.threads() > gb.limits.max_compute_invocations_per_workgroup
+    {
+        return Err(Error::Limits(format!(
+            "GEMM tile {} needs {} bytes of workgroup memory and {} threads; the device allows {} and {}",
+            tile.key(),
+            tile.shared_bytes(),
+            tile.threads(),
+            gb.limits.max_compute_workgroup_storage_size,
+            gb.limits.max_compute_invocations_per_workgroup
+        )));
+    }
     let pipe = pipeline(gb, tile, g.trans_a, g.trans_b)?;
     let dispatch = |bufs: [&wgpu::Buffer; 3], offs: [usize; 3], m: usize, n: usize, k: usize, beta: f32, zs: usize| {
         let p = params(g, offs, m, n, k, beta);

@@ -36,7 +36,8 @@ impl Tile {
     pub fn key(&self) -> String {
         format!("{}x{}x{}_{}x{}", self.bm, self.bn, self.bk, self.tm, self.tn)
     }
-    fn valid(&self) -> bool {
+    /// Whether the tile's shape is one the generator supports.
+    pub fn is_valid(&self) -> bool {
         let t = self.threads();
         self.tm % 4 == 0
             && self.tn % 4 == 0
@@ -64,7 +65,7 @@ const PARAMS: &str = "struct Params {
 
 /// WGSL for C = alpha * op(A) op(B) + beta * C with the given tile and transposes.
 pub fn gemm_source(t: Tile, trans_a: bool, trans_b: bool) -> String {
-    assert!(t.valid(), "invalid GEMM tile {t:?}");
+    assert!(t.is_valid(), "invalid GEMM tile {t:?}");
     let nt = t.threads();
     let (gm, gn) = (t.tm / 4, t.tn / 4); // 4-groups per thread in each direction
     let (sm, sn) = (t.bm / gm, t.bn / gn); // distance between a thread's groups

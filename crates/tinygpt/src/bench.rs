@@ -1,0 +1,239 @@
+//! `tinygpt bench`: per-op throughput on the selected backend, and training throughput.
+//! Benchmarks measure; they never assert (the tests do that).
+
+use anyhow::Result;
+use clap::{Args, Subcommand};
+use std::time::Instant;
+use tinygpt_kernels::ops::matmul::{Gemm, TILE_LARGE, TILE_MEDIUM, TILE_SMALL, TILE_TALL, Tile, matmul_with_tile};
+use tinygpt_kernels::testing::SeedRng;
+use tinygpt_kernels::{Backend, ops};
+use tinygpt_models::gpt::{GptConfig, Layout, OptimConfig, Trainer};
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCmd {
+    /// Per-op throughput (GFLOP/s, GB/s).
+    Ops(OpsArgs),
+    /// Training throughput of a GPT config on random tokens (tokens/s, ms/iter, submits per step).
+    Train(TrainBenchArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct OpsArgs {
+    /// Also time every GEMM tile configuration on the big products (tuning).
+    #[arg(long)]
+    pub tiles: bool,
+    /// Largest square GEMM to time (default: 4096 on a GPU, 512 on the CPU or a software adapter).
+    #[arg(long)]
+    pub max_size: Option<usize>,
+}
+
+#[derive(Args, Debug)]
+pub struct TrainBenchArgs {
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+    #[arg(long, default_value_t = 64)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 256)]
+    pub block_size: usize,
+    #[arg(long, default_value_t = 6)]
+    pub n_layer: usize,
+    #[arg(long, default_value_t = 6)]
+    pub n_head: usize,
+    #[arg(long, default_value_t = 384)]
+    pub n_embd: usize,
+    #[arg(long, default_value_t = 0.2)]
+    pub dropout: f32,
+    #[arg(long, default_value_t = 65)]
+    pub vocab: usize,
+}
+
+pub fn run(be: &Backend, cmd: &BenchCmd) -> Result<()> {
+    println!("backend: {}", be.describe());
+    match cmd {
+        BenchCmd::Ops(a) => ops_bench(be, a),
+        BenchCmd::Train(a) => train_bench(be, a),
+    }
+}
+
+/// Times `reps` runs of `f` recorded back to back (one submit on the GPU), after one warm-up run.
+fn time<F: FnMut() -> Result<()>>(be: &Backend, reps: usize, mut f: F) -> Result<f64> {
+    f()?;
+    be.sync()?;
+    let t = Instant::now();
+    for _ in 0..reps {
+        f()?;
+    }
+    be.sync()?;
+    Ok(t.elapsed().as_secs_f64() / reps as f64)
+}
+
+fn slow_device(be: &Backend) -> bool {
+    match be {
+        Backend::Cpu(_) => true,
+        Backend::Gpu(g) => g.info().device_type == "Cpu",
+    }
+}
+
+fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
+    let slow = slow_device(be);
+    let max = a.max_size.unwrap_or(if slow { 512 } else { 4096 });
+    let mut rng = SeedRng::new(1);
+    println!("\n{:<44} {:>10} {:>12}", "matmul (f32)", "ms", "GFLOP/s");
+    let mut shapes: Vec<(String, Gemm)> = Vec::new();
+    let mut s = 256;
+    while s <= max {
+        shapes.push((format!("A·B {s}³"), Gemm::nn(s, s, s)));
+        s *= 4;
+    }
+    if max >= 4096 {
+        shapes.push(("A·Bᵀ 4096³".into(), Gemm::nt(4096, 4096, 4096)));
+        shapes.push(("Aᵀ·B 4096³".into(), Gemm::tn(4096, 4096, 4096)));
+    }
+    // The default GPT's training products (batch 64 x block 256 = 16384 tokens, width 384).
+    let n = if slow { 1024 } else { 16384 };
+    for (name, g) in [
+        ("qkv fwd x·Wᵀ", Gemm::nt(n, 1152, 384)),
+        ("mlp fwd x·Wᵀ", Gemm::nt(n, 1536, 384)),
+        ("mlp-proj fwd x·Wᵀ", Gemm::nt(n, 384, 1536)),
+        ("mlp dX = dY·W", Gemm::nn(n, 1536, 384)),
+        ("mlp dW = dYᵀ·X", Gemm::tn(1536, 384, n)),
+        ("qkv dW = dYᵀ·X", Gemm::tn(1152, 384, n)),
+    ] {
+        shapes.push((format!("{name} [{n} tok]"), g));
+    }
+    for (name, g) in &shapes {
+        let [ea, eb, ec] = g.extents();
+        let ta = be.from_f32(&rng.vec(ea, -1.0, 1.0), 1)?;
+        let tb = be.from_f32(&rng.vec(eb, -1.0, 1.0), 1)?;
+        let mut tc = be.zeros(ec, 1)?;
+        let flops = 2.0 * (g.m * g.n * g.k) as f64;
+        let reps = ((2e11 / flops) as usize).clamp(3, 50);
+        let reps = if slow { 1 } else { reps };
+        let tiles: Vec<Option<Tile>> = if a.tiles && !slow {
+            let mut v = vec![None];
+            v.extend(candidate_tiles().into_iter().map(Some));
+            v
+        } else {
+            vec![None]
+        };
+        for tile in tiles {
+            let label = match tile {
+                None => name.clone(),
+                Some(t) => format!("  tile {}", t.key()),
+            };
+            match time(be, reps, || Ok(matmul_with_tile(be, (&ta).into(), (&tb).into(), (&mut tc).into(), g, tile)?)) {
+                Ok(sec) => println!("{label:<44} {:>10.3} {:>12.1}", sec * 1e3, flops / sec / 1e9),
+                Err(e) => println!("{label:<44} {:>10} {e}", "-"),
+            }
+        }
+    }
+
+    println!("\n{:<44} {:>10} {:>12}", "element-wise / row-wise (f32)", "ms", "GB/s");
+    let n = if slow { 1 << 20 } else { 16384 * 384 };
+    let x = be.from_f32(&rng.vec(n, -1.0, 1.0), 384)?;
+    let y = be.from_f32(&rng.vec(n, -1.0, 1.0), 384)?;
+    let mut out = be.zeros(n, 384)?;
+    let mut stats = be.zeros(2 * n / 384, 1)?;
+    let w = be.from_f32(&vec![1.0; 384], 384)?;
+    let reps = if slow { 3 } else { 50 };
+    let gb = |bytes: f64, sec: f64| bytes / sec / 1e9;
+    let sec = time(be, reps, || Ok(ops::add::add(be, (&x).into(), (&y).into(), (&mut out).into(), n, 1.0)?))?;
+    println!("{:<44} {:>10.3} {:>12.1}", format!("add ({n})"), sec * 1e3, gb(12.0 * n as f64, sec));
+    let sec = time(be, reps, || Ok(ops::gelu::gelu(be, (&x).into(), (&mut out).into(), n)?))?;
+    println!("{:<44} {:>10.3} {:>12.1}", format!("gelu ({n})"), sec * 1e3, gb(8.0 * n as f64, sec));
+    let shape = ops::norm::NormShape { rows: n / 384, cols: 384, eps: 1e-5 };
+    let sec = time(be, reps, || {
+        Ok(ops::norm::norm_forward(be, ops::norm::NormKind::Layer, (&x).into(), (&w).into(), (&mut out).into(), (&mut stats).into(), shape)?)
+    })?;
+    println!("{:<44} {:>10.3} {:>12.1}", format!("layernorm ({} x 384)", n / 384), sec * 1e3, gb(8.0 * n as f64, sec));
+    let mut sm = be.from_f32(&rng.vec(n, -1.0, 1.0), 256)?;
+    let sh = ops::softmax::SoftmaxShape::causal(n / 256, 256);
+    let sec = time(be, reps, || Ok(ops::softmax::softmax(be, (&mut sm).into(), sh)?))?;
+    println!("{:<44} {:>10.3} {:>12.1}", format!("causal softmax ({} x 256)", n / 256), sec * 1e3, gb(8.0 * n as f64, sec));
+    Ok(())
+}
+
+/// Tile configurations the tuning sweep tries (those the device cannot run are reported as such).
+fn candidate_tiles() -> Vec<Tile> {
+    let mut v = vec![TILE_LARGE, TILE_TALL, TILE_MEDIUM, TILE_SMALL];
+    for (bm, bn, bk, tm, tn) in [
+        (128, 128, 16, 8, 8),
+        (128, 64, 16, 8, 4),
+        (64, 128, 16, 4, 8),
+        (64, 64, 32, 4, 4),
+        (128, 128, 32, 8, 8),
+        (128, 256, 8, 8, 8),
+        (256, 128, 8, 8, 8),
+        (64, 64, 16, 4, 8),
+        (128, 64, 8, 8, 8),
+        (64, 128, 8, 8, 8),
+    ] {
+        let t = Tile { bm, bn, bk, tm, tn };
+        if t.is_valid() && !v.contains(&t) {
+            v.push(t);
+        }
+    }
+    v
+}
+
+fn train_bench(be: &Backend, a: &TrainBenchArgs) -> Result<()> {
+    let cfg = GptConfig {
+        vocab_size: a.vocab,
+        block_size: a.block_size,
+        n_layer: a.n_layer,
+        n_head: a.n_head,
+        n_embd: a.n_embd,
+        dropout: a.dropout,
+    };
+    cfg.validate().map_err(anyhow::Error::msg)?;
+    let params = Layout::new(&cfg).init(&cfg, 1);
+    let t0 = Instant::now();
+    let mut tr = Trainer::new(be, &cfg, a.batch, &params, None, OptimConfig::default())?;
+    println!(
+        "config: {} layers, {} heads, {} wide, block {}, batch {}, dropout {} — {:.2}M parameters (set up in {:.2}s)",
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.n_embd,
+        cfg.block_size,
+        a.batch,
+        cfg.dropout,
+        cfg.num_params() as f64 / 1e6,
+        t0.elapsed().as_secs_f64()
+    );
+    let mut rng = SeedRng::new(2);
+    let tokens = a.batch * cfg.block_size;
+    let mut batch = || {
+        let x: Vec<u32> = (0..tokens).map(|_| rng.below(cfg.vocab_size) as u32).collect();
+        let y: Vec<u32> = (0..tokens).map(|_| rng.below(cfg.vocab_size) as u32).collect();
+        (x, y)
+    };
+    for _ in 0..3 {
+        let (x, y) = batch();
+        tr.train_step(be, &x, &y, 1e-3, 1)?;
+    }
+    be.sync()?;
+    let before = be.as_gpu().map(|g| g.counters());
+    let t = Instant::now();
+    for _ in 0..a.iters {
+        let (x, y) = batch();
+        tr.train_step(be, &x, &y, 1e-3, 1)?;
+    }
+    be.sync()?;
+    let sec = t.elapsed().as_secs_f64() / a.iters as f64;
+    let after = be.as_gpu().map(|g| g.counters());
+    let loss = tr.last_loss(be)?;
+    println!(
+        "{:.2} ms/iter, {:.0} tokens/s (last loss {loss:.4})",
+        sec * 1e3,
+        tokens as f64 / sec
+    );
+    if let (Some(b), Some(c)) = (before, after) {
+        println!(
+            "per step: {:.1} submits, {:.1} dispatches, {:.1} readbacks",
+            (c.submits - b.submits) as f64 / a.iters as f64,
+            (c.dispatches - b.dispatches) as f64 / a.iters as f64,
+            (c.readbacks - b.readbacks) as f64 / a.iters as f64
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,236 @@
+//! `tinygpt train`: train the char-level GPT, evaluating and checkpointing as it goes.
+
+use crate::paths;
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+use std::time::Instant;
+use tinygpt_kernels::Backend;
+use tinygpt_models::gpt::checkpoint::{self, CheckpointConfig, TrainState, WeightDtype};
+use tinygpt_models::gpt::{Dataset, GptConfig, Layout, OptimConfig, Trainer, learning_rate};
+
+#[derive(Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// UTF-8 text to train on (default: the bundled Shakespeare).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Checkpoint directory (written whenever the validation loss improves).
+    #[arg(long, default_value = "out/shakespeare-char")]
+    pub out: PathBuf,
+    /// Continue the run saved in this checkpoint directory (same config, same data).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    #[arg(long, default_value_t = 5000)]
+    pub max_iters: usize,
+    /// Evaluate (and checkpoint on improvement) every N iterations.
+    #[arg(long, default_value_t = 250)]
+    pub eval_every: usize,
+    /// Batches per evaluation, for both splits.
+    #[arg(long, default_value_t = 200)]
+    pub eval_iters: usize,
+    /// Read the training loss back every N iterations (each read waits for the device).
+    #[arg(long, default_value_t = 10)]
+    pub log_every: usize,
+    #[arg(long, default_value_t = 64)]
+    pub batch_size: usize,
+    #[arg(long, default_value_t = 256)]
+    pub block_size: usize,
+    #[arg(long, default_value_t = 6)]
+    pub n_layer: usize,
+    #[arg(long, default_value_t = 6)]
+    pub n_head: usize,
+    #[arg(long, default_value_t = 384)]
+    pub n_embd: usize,
+    #[arg(long, default_value_t = 0.2)]
+    pub dropout: f32,
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f32,
+    #[arg(long, default_value_t = 1e-4)]
+    pub min_lr: f32,
+    #[arg(long, default_value_t = 100)]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub grad_clip: f32,
+    #[arg(long, default_value_t = 1337)]
+    pub seed: u64,
+    /// Save every evaluation, not only improvements.
+    #[arg(long)]
+    pub always_save: bool,
+    /// Precision of saved weights (the optimizer state is always f32).
+    #[arg(long, value_parser = ["f32", "f16"], default_value = "f32")]
+    pub save_dtype: String,
+    /// Write a JSON summary of the run here.
+    #[arg(long)]
+    pub summary: Option<PathBuf>,
+}
+
+fn read_text(path: &PathBuf) -> Result<Vec<u8>> {
+    std::fs::read(path).with_context(|| format!("cannot read the training text {}", path.display()))
+}
+
+pub fn run(be: &Backend, a: &TrainArgs) -> Result<()> {
+    let data_path = a.data.clone().unwrap_or_else(|| paths::bundled(paths::DEFAULT_DATA));
+    let bytes = read_text(&data_path)?;
+    let (cfg, data, params, moments, mut state) = match &a.resume {
+        Some(dir) => {
+            let l = checkpoint::load(dir).with_context(|| format!("cannot resume from {}", dir.display()))?;
+            let text = std::str::from_utf8(&bytes).context("the training text is not UTF-8")?;
+            let data = Dataset::with_vocab(text, l.config.vocab.clone(), l.config.model.block_size)?;
+            let Some((m, v)) = l.optimizer else {
+                bail!("{} has no optimizer state (it is an export, not a training checkpoint)", dir.display());
+            };
+            let state = l.state.unwrap_or_default();
+            (l.config.model, data, l.params, Some((m, v)), state)
+        }
+        None => {
+            let data = Dataset::from_bytes(&bytes, a.block_size)
+                .with_context(|| format!("cannot train on {}", data_path.display()))?;
+            let cfg = GptConfig {
+                vocab_size: data.vocab.len(),
+                block_size: a.block_size,
+                n_layer: a.n_layer,
+                n_head: a.n_head,
+                n_embd: a.n_embd,
+                dropout: a.dropout,
+            };
+            cfg.validate().map_err(anyhow::Error::msg)?;
+            let params = Layout::new(&cfg).init(&cfg, a.seed);
+            let state = TrainState { seed: a.seed, max_iters: a.max_iters, ..Default::default() };
+            (cfg, data, params, None, state)
+        }
+    };
+    let seed = state.seed;
+    let optim = OptimConfig { weight_decay: a.weight_decay, grad_clip: a.grad_clip, ..OptimConfig::default() };
+    let t_setup = Instant::now();
+    let mut tr = Trainer::new(
+        be,
+        &cfg,
+        a.batch_size,
+        &params,
+        moments.as_ref().map(|(m, v)| (m.as_slice(), v.as_slice(), state.step)),
+        optim,
+    )?;
+    eprintln!(
+        "training {:.2}M parameters ({} layers, {} heads, {} wide, block {}) on {} — {} train / {} val characters, vocabulary {}; set up in {:.2}s",
+        cfg.num_params() as f64 / 1e6,
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.n_embd,
+        cfg.block_size,
+        be.describe(),
+        data.train.len(),
+        data.val.len(),
+        data.vocab.len(),
+        t_setup.elapsed().as_secs_f64()
+    );
+    let ckpt_cfg = CheckpointConfig {
+        model: cfg.clone(),
+        vocab: data.vocab.clone(),
+        provenance: serde_json::json!({
+            "data": data_path.display().to_string(),
+            "trained_with": format!("tinygpt {}", env!("CARGO_PKG_VERSION")),
+            "device": be.describe(),
+            "batch_size": a.batch_size,
+            "lr": a.lr, "min_lr": a.min_lr, "warmup": a.warmup,
+        }),
+    };
+    let dtype = if a.save_dtype == "f16" { WeightDtype::F16 } else { WeightDtype::F32 };
+    let tokens_per_iter = a.batch_size * cfg.block_size;
+    let start = state.step as usize;
+    let pb = ProgressBar::new(a.max_iters as u64);
+    pb.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} iters · {msg} · ETA {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    pb.set_position(start as u64);
+    let t0 = Instant::now();
+    let mut timed_iters = 0usize;
+    let mut train_time = 0.0f64;
+    let mut last_loss = f32::NAN;
+    for it in start..a.max_iters {
+        let (x, y) = data.batch(false, seed, it as u64, a.batch_size, cfg.block_size);
+        let lr = learning_rate(it, a.warmup, a.max_iters, a.lr, a.min_lr);
+        let ts = Instant::now();
+        tr.train_step(be, &x, &y, lr, seed as u32)?;
+        let log = (it + 1) % a.log_every.max(1) == 0 || it + 1 == a.max_iters;
+        if log {
+            last_loss = tr.last_loss(be)?;
+            if !last_loss.is_finite() {
+                bail!("the training loss became {last_loss} at iteration {}; lower --lr", it + 1);
+            }
+            state.train_losses.push((it + 1, last_loss));
+        }
+        if it > start {
+            timed_iters += 1;
+        }
+        train_time += ts.elapsed().as_secs_f64();
+        let tps = tokens_per_iter as f64 * (it + 1 - start) as f64 / t0.elapsed().as_secs_f64();
+        pb.set_message(format!("loss {last_loss:.4} · {:.0} tokens/s · lr {lr:.2e}", tps));
+        pb.inc(1);
+        // Without a terminal the bar is hidden; log a line now and then instead.
+        if pb.is_hidden() && log && (it + 1) % (a.log_every.max(1) * 10) == 0 {
+            eprintln!("iter {}: loss {last_loss:.4}, {tps:.0} tokens/s, lr {lr:.2e}", it + 1);
+        }
+        state.step = tr.step;
+        if (it + 1) % a.eval_every.max(1) == 0 || it + 1 == a.max_iters {
+            let val = evaluate(be, &mut tr, &data, seed, a, true)?;
+            state.val_losses.push((it + 1, val));
+            let improved = state.best_val.is_none_or(|b| val < b);
+            let line = format!(
+                "iter {}: train loss {last_loss:.4}, val loss {val:.4}{}",
+                it + 1,
+                if improved { " (best so far, saved)" } else { "" }
+            );
+            if pb.is_hidden() {
+                eprintln!("{line}");
+            } else {
+                pb.println(line);
+            }
+            if improved {
+                state.best_val = Some(val);
+                state.best_iter = Some(it + 1);
+            }
+            if improved || a.always_save {
+                let (p, m, v) = tr.state(be)?;
+                checkpoint::save(&a.out, &ckpt_cfg, &p, dtype, Some((&m, &v)), Some(&state))
+                    .with_context(|| format!("saving the checkpoint to {}", a.out.display()))?;
+            }
+        }
+    }
+    pb.finish_and_clear();
+    let _ = timed_iters;
+    let secs = t0.elapsed().as_secs_f64();
+    let iters = a.max_iters.saturating_sub(start);
+    eprintln!(
+        "done: {iters} iterations in {secs:.1}s ({:.2} ms/iter in steps, {:.0} tokens/s overall); best val loss {} at iter {}; checkpoint in {}",
+        1e3 * train_time / iters.max(1) as f64,
+        (tokens_per_iter * iters) as f64 / secs,
+        state.best_val.map_or("-".into(), |v| format!("{v:.4}")),
+        state.best_iter.map_or("-".into(), |v| v.to_string()),
+        a.out.display()
+    );
+    if let Some(p) = &a.summary {
+        let s = serde_json::json!({
+            "iters": iters, "seconds": secs, "ms_per_iter_steps": 1e3 * train_time / iters.max(1) as f64,
+            "tokens_per_s": (tokens_per_iter * iters) as f64 / secs,
+            "best_val": state.best_val, "best_iter": state.best_iter,
+            "train_losses": state.train_losses, "val_losses": state.val_losses,
+            "device": be.describe(),
+        });
+        std::fs::write(p, serde_json::to_vec_pretty(&s)?)?;
+    }
+    Ok(())
+}
+
+/// Mean loss over `eval_iters` fixed batches of one split (dropout off).
+pub fn evaluate(be: &Backend, tr: &mut Trainer, data: &Dataset, seed: u64, a: &TrainArgs, val: bool) -> Result<f32> {
+    let mut sum = 0.0f64;
+    for i in 0..a.eval_iters.max(1) {
+        let (x, y) = data.batch(val, seed ^ 0xE7A1, i as u64, a.batch_size, tr.cfg.block_size);
+        sum += tr.eval_loss(be, &x, &y)? as f64;
+    }
+    Ok((sum / a.eval_iters.max(1) as f64) as f32)
+}
