@@ -2,4 +2,5 @@
 
 pub mod chat_template;
 pub mod gpt;
+pub mod sampler;
 pub mod tokenizer;
