@@ -12,18 +12,24 @@ use crate::error::{Result, shape};
 use crate::gpu::{Access, GpuBackend, GpuTensor, Operand, Pipeline, PipelineOptions, segments};
 use crate::ops::common::PRELUDE;
 
-/// Threads per workgroup of the matmul kernels. Small workgroups spread a small matrix (576 rows) over
-/// more compute units; the reduction buffer (R · WG floats) stays at 2 KiB.
-const WG: usize = 64;
+/// Threads per workgroup of the matmul kernels. With WORDS_PER_LANE = 16, 128 was the fastest of the
+/// configurations tried on an H200 (64, 128, 256 threads; 4, 8, 16 words per lane) for the large
+/// matrices, and within noise for the small ones; the reduction buffer (R · WG floats) stays at 4 KiB.
+const WG: usize = 128;
 /// Most rows of x one pass over the weights serves.
 const MAX_R: usize = 8;
+/// Quant words each lane aims to take per row: fewer lanes per row mean shorter reductions and more rows
+/// per workgroup, more words per lane more loads in flight per lane.
+const WORDS_PER_LANE: usize = 16;
 /// Threads per workgroup of the row-lookup kernels (one workgroup per token).
 const GET_ROWS_WG: usize = 64;
 
-/// Threads per weight row: about one block per thread in two rounds, a power of two in 8..=64 (8 ≥ MAX_R,
-/// so the lanes that write the R results exist).
-fn threads_per_row(nb: usize) -> usize {
-    nb.div_ceil(2).next_power_of_two().clamp(MAX_R, 64)
+/// Threads per weight row for rows of `kw` quant words: a power of two in 8..=64 (8 ≥ MAX_R, so the
+/// lanes that write the R results exist; ≤ WG).
+fn threads_per_row(kw: usize) -> usize {
+    kw.div_ceil(WORDS_PER_LANE)
+        .next_power_of_two()
+        .clamp(MAX_R, 64)
 }
 
 /// The matmul pipeline for one variant; the WGSL file gets its constants and `xload` prepended.
@@ -62,10 +68,36 @@ fn matmul_pipeline(
         };
         format!(
             "{PRELUDE}\nconst WG: u32 = {WG}u;\nconst TPR: u32 = {tpr}u;\nconst R: u32 = {r}u;\n\
-             const BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{body}",
-            kind.block()
+             const BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{}",
+            kind.block(),
+            per_row(body, r)
         )
     })
+}
+
+/// Repeats each line of `body` that holds `$r` once per row of x, with `$r` replaced by 0 .. r.
+fn per_row(body: &str, r: usize) -> String {
+    let mut out = String::with_capacity(body.len() * 2);
+    for line in body.lines() {
+        if line.contains("$r") {
+            for i in 0..r {
+                out.push_str(&line.replace("$r", &i.to_string()));
+                out.push('\n');
+            }
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// A grid of `n` workgroups folded into x and y with as few spare groups as possible (`GpuBackend::grid`
+/// fills x to the limit first, which can nearly double the groups launched past 65535).
+fn fold(g: &GpuBackend, n: usize) -> [u32; 3] {
+    let max = g.limits.max_compute_workgroups_per_dimension as usize;
+    let ny = n.div_ceil(max).max(1);
+    [n.div_ceil(ny) as u32, ny as u32, 1]
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -83,8 +115,8 @@ pub(super) fn qmatmul(
     if m == 0 {
         return Ok(());
     }
-    let nb = k / kind.block();
-    let tpr = threads_per_row(nb);
+    let kw = kind.words_per_row(k);
+    let tpr = threads_per_row(kw);
     let rows_per_wg = WG / tpr;
     let max_z = g.limits.max_compute_workgroups_per_dimension as usize;
     let xy = segments(OP, m, &[Operand::rows(tx, ox, k), Operand::rows(ty, oy, n)])?;
@@ -116,12 +148,12 @@ pub(super) fn qmatmul(
             let y_off = xs.places[1].offset + i0 * n;
             for ws in &w.segs {
                 let nseg = ws.len();
-                let mut grid = g.grid(nseg.div_ceil(rows_per_wg));
+                let mut grid = fold(g, nseg.div_ceil(rows_per_wg));
                 grid[2] = z as u32;
                 let (sp, qp) = (&ws.places[0], &ws.places[1]);
                 let mut params = vec![
                     nseg as u32,
-                    nb as u32,
+                    kw as u32,
                     rows as u32,
                     k as u32,
                     n as u32,

@@ -15,7 +15,8 @@
 //! ```
 //!
 //! Numerics: the GPU kernels compute the same f32 sums as the CPU kernels (exact integer quants times f32
-//! activations, one scale multiply per block), so the two agree up to summation order.
+//! activations, each partial sum multiplied by its block's scale: once per block on the CPU, once per quant
+//! word, i.e. per 4 or 8 values, on the GPU), so the two agree up to summation order.
 
 pub mod cpu;
 #[cfg(target_arch = "x86_64")]

@@ -1,17 +1,18 @@
-// y[i, n] = Σ_b (scale[n, b] · Σ_{k in b} q[n, k] · x[i, k] + min[n, b] · Σ_{k in b} x[i, k])  for R rows i
-// of x per pass over the weights: value = scale · q + min, with the min factored out of each block.
+// y[i, n] = Σ_k (scale[n, b] · q[n, k] + min[n, b]) · x[i, k], b = k / 32, for R rows i of x per pass over
+// the weights; each lane factors its part of a block as scale · Σ q·x + min · Σ x.
 //
-// gpu.rs prepends WG, TPR, R, BLOCK (32), XT and xload as for q8.wgsl; the work split is the same, with one
-// 16-byte load (32 quants), one scale and one min per block. A block's bytes hold two values each, in
-// GGUF's Q4_0 order: byte j (0..16) holds value j in its low nibble and value j + 16 in its high nibble, so
-// word c (0..4) of the block gives values 4c..4c+3 (low nibbles) and 16+4c..16+4c+3 (high nibbles).
-struct Params { n: u32, nb: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, o_s: u32, o_q: u32, o_m: u32 }
+// gpu.rs prepends WG, TPR, R, BLOCK (32), XT and xload, and repeats `$r` lines, as for q8.wgsl; the work
+// split is the same (lane t takes words t, t + TPR, ... of its row), with 8 quants per word. A block's
+// 16 bytes hold two values each, in GGUF's Q4_0 order: byte j holds value j in its low nibble and value
+// j + 16 in its high nibble, so word c (0..4) of a block holds values 4c..4c+3 (low nibbles) and
+// 16+4c..16+4c+3 (high nibbles): two vec4 reads of x, 64 bytes apart.
+struct Params { n: u32, kw: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, o_s: u32, o_q: u32, o_m: u32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<XT>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 @group(0) @binding(3) var<storage, read> scales: array<f32>;
 @group(0) @binding(4) var<storage, read> mins: array<f32>;
-@group(0) @binding(5) var<storage, read> quants: array<vec4<u32>>;
+@group(0) @binding(5) var<storage, read> quants: array<u32>;
 
 var<workgroup> red: array<f32, R * WG>;
 
@@ -21,45 +22,30 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let lane = lid % TPR;
   let row = group_index(wid, nwg) * (WG / TPR) + lid / TPR;
   let i0 = wid.z * R;
-  var acc: array<f32, R>;
-  for (var r = 0u; r < R; r++) { acc[r] = 0.0; }
+  var acc$r = 0.0;
   if (row < p.n) {
-    var xr: array<u32, R>;
-    for (var r = 0u; r < R; r++) { xr[r] = p.o_x + min(i0 + r, p.m - 1u) * p.k; }
-    // o_q is a word offset at a row start; rows are K/8 words with K a multiple of 32: a vec4 index.
-    let qrow = p.o_q / 4u + row * p.nb;
-    let srow = row * p.nb;
-    for (var b = lane; b < p.nb; b += TPR) {
-      let q = quants[qrow + b];
+    let x$r = p.o_x + min(i0 + $r, p.m - 1u) * p.k;
+    let qrow = p.o_q + row * p.kw;
+    let srow = row * (p.kw / 4u);
+    for (var w = lane; w < p.kw; w += TPR) {
+      let b = w / 4u;
+      let xi = b * 32u + (w % 4u) * 4u;
       let s = scales[p.o_s + srow + b];
       let mn = mins[p.o_m + srow + b];
-      var lo: array<vec4<f32>, 4>;
-      var hi: array<vec4<f32>, 4>;
-      for (var c = 0u; c < 4u; c++) {
-        let bytes = vec4<u32>(q[c]) >> vec4<u32>(0u, 8u, 16u, 24u);
-        lo[c] = vec4<f32>(bytes & vec4<u32>(15u));
-        hi[c] = vec4<f32>((bytes >> vec4<u32>(4u)) & vec4<u32>(15u));
-      }
-      for (var r = 0u; r < R; r++) {
-        let xb = xr[r] + b * 32u;
-        var t = vec4<f32>(0.0);
-        var sx = vec4<f32>(0.0);
-        for (var c = 0u; c < 4u; c++) {
-          let xa = xload(xb + 4u * c);
-          let xc = xload(xb + 16u + 4u * c);
-          t = fma(lo[c], xa, t);
-          t = fma(hi[c], xc, t);
-          sx = sx + (xa + xc);
-        }
-        acc[r] = acc[r] + (s * ((t.x + t.y) + (t.z + t.w)) + mn * ((sx.x + sx.y) + (sx.z + sx.w)));
-      }
+      // Byte j of the word in lane j; its low nibble, then its high nibble (0..15, exact in f32).
+      let u = vec4<u32>(quants[qrow + w]) >> vec4<u32>(0u, 8u, 16u, 24u);
+      let lo = vec4<f32>(u & vec4<u32>(15u));
+      let hi = vec4<f32>((u >> vec4<u32>(4u)) & vec4<u32>(15u));
+      let xa$r = xload(x$r + xi);
+      let xc$r = xload(x$r + xi + 16u);
+      acc$r = acc$r + (s * (dot(lo, xa$r) + dot(hi, xc$r)) + mn * dot(xa$r + xc$r, vec4<f32>(1.0)));
     }
   }
-  for (var r = 0u; r < R; r++) { red[r * WG + lid] = acc[r]; }
+  red[$r * WG + lid] = acc$r;
   workgroupBarrier();
   for (var h = TPR / 2u; h > 0u; h = h >> 1u) {
     if (lane < h) {
-      for (var r = 0u; r < R; r++) { red[r * WG + lid] = red[r * WG + lid] + red[r * WG + lid + h]; }
+      red[$r * WG + lid] = red[$r * WG + lid] + red[$r * WG + lid + h];
     }
     workgroupBarrier();
   }

@@ -1,28 +1,33 @@
-// y[i, n] = Σ_b scale[n, b] · Σ_{k in block b} q[n, k] · x[i, k]  for R rows i of x per pass over the weights.
+// y[i, n] = Σ_k scale[n, k / BLOCK] · q[n, k] · x[i, k]  for R rows i of x per pass over the weights.
 //
 // gpu.rs prepends: WG (threads per workgroup), TPR (threads per weight row, a power of two, ≥ R),
 // R (rows of x per pass), BLOCK (16 or 32 quants per scale), XT and xload(i) = x[i..i + 4] for i a
-// multiple of 4 (from an f32 binding, or a vec4 binding when x's offset is 16-byte aligned).
+// multiple of 4 (from an f32 binding, or a vec4 binding when x's offset is 16-byte aligned). It also
+// repeats every line that holds `$r` R times, with `$r` = 0 .. R-1: one accumulator per row of x, as
+// plain variables (drivers keep them in registers; indexed private arrays can end up in local memory).
 //
-// Work split: each workgroup takes WG / TPR consecutive weight rows, TPR consecutive threads per row:
+// Work split: each workgroup takes WG / TPR consecutive weight rows, TPR consecutive threads per row, and
+// lane t of a row takes the row's quant words t, t + TPR, t + 2·TPR, ... (4 quants each):
 //
-//   lid:   0 .. TPR-1 | TPR .. 2·TPR-1 | ...
-//   row:   r0         | r0 + 1         | ...
-//   lane t of a row takes its blocks t, t + TPR, t + 2·TPR, ...: BLOCK/16 loads of 16 bytes each
-//   (vec4<u32>) and one f32 scale per block; lanes side by side read one contiguous span of the row.
+//   lid:    0     1     2    ...  TPR-1 | TPR   ...
+//   row:    r0    r0    r0   ...  r0    | r0+1  ...
+//   words:  0     1     2    ...  TPR-1 |  0    ...     then TPR, TPR+1, ... on the next round
 //
-// Each block's four-wide sub-total Σ q·x is f32, multiplied by the block's scale once; lanes then sum
-// their R partials in workgroup memory (a tree over the TPR lanes of a row) and lane i writes y row i.
+// so one load instruction of a row's lanes reads TPR consecutive words of quants (4·TPR bytes) and one
+// contiguous span of x (16·TPR bytes): both coalesced. (Giving each lane a whole block instead makes the
+// lanes' x reads 64-128 bytes apart; that measured half the bandwidth on an H200.) Each word's four
+// products are summed in f32 and that sub-total is multiplied by its block's scale once; the TPR lanes of
+// a row then sum their partials in workgroup memory (a tree) and lane i writes y row i.
 // Workgroup z takes rows z·R .. z·R + R of x; rows past p.m repeat the last one and are not written.
-struct Params { n: u32, nb: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, o_s: u32, o_q: u32 }
+struct Params { n: u32, kw: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, o_s: u32, o_q: u32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<XT>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 @group(0) @binding(3) var<storage, read> scales: array<f32>;
-@group(0) @binding(4) var<storage, read> quants: array<vec4<u32>>;
+@group(0) @binding(4) var<storage, read> quants: array<u32>;
 
-// 16-byte loads per block.
-const VPB: u32 = BLOCK / 16u;
+// Quant words per block.
+const WPB: u32 = BLOCK / 4u;
 var<workgroup> red: array<f32, R * WG>;
 
 // The four signed bytes of a little-endian word as f32. Byte j is shifted to the top of the i32, then back
@@ -38,37 +43,22 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let lane = lid % TPR;
   let row = group_index(wid, nwg) * (WG / TPR) + lid / TPR;
   let i0 = wid.z * R;
-  var acc: array<f32, R>;
-  for (var r = 0u; r < R; r++) { acc[r] = 0.0; }
+  var acc$r = 0.0;
   if (row < p.n) {
-    var xr: array<u32, R>;
-    for (var r = 0u; r < R; r++) { xr[r] = p.o_x + min(i0 + r, p.m - 1u) * p.k; }
-    // o_q is a word offset at a row start, and rows are K/4 words with K a multiple of 16: a vec4 index.
-    let qrow = p.o_q / 4u + row * p.nb * VPB;
-    let srow = p.o_s + row * p.nb;
-    for (var b = lane; b < p.nb; b += TPR) {
-      let s = scales[srow + b];
-      var w: array<vec4<f32>, 4u * VPB>;
-      for (var v = 0u; v < VPB; v++) {
-        let q = quants[qrow + b * VPB + v];
-        w[4u * v] = sext(q.x);
-        w[4u * v + 1u] = sext(q.y);
-        w[4u * v + 2u] = sext(q.z);
-        w[4u * v + 3u] = sext(q.w);
-      }
-      for (var r = 0u; r < R; r++) {
-        let xb = xr[r] + b * BLOCK;
-        var t = vec4<f32>(0.0);
-        for (var j = 0u; j < 4u * VPB; j++) { t = fma(w[j], xload(xb + 4u * j), t); }
-        acc[r] = fma(s, (t.x + t.y) + (t.z + t.w), acc[r]);
-      }
+    let x$r = p.o_x + min(i0 + $r, p.m - 1u) * p.k;
+    let qrow = p.o_q + row * p.kw;
+    let srow = p.o_s + row * (p.kw / WPB);
+    for (var w = lane; w < p.kw; w += TPR) {
+      let s = scales[srow + w / WPB];
+      let q = sext(quants[qrow + w]);
+      acc$r = fma(s, dot(q, xload(x$r + 4u * w)), acc$r);
     }
   }
-  for (var r = 0u; r < R; r++) { red[r * WG + lid] = acc[r]; }
+  red[$r * WG + lid] = acc$r;
   workgroupBarrier();
   for (var h = TPR / 2u; h > 0u; h = h >> 1u) {
     if (lane < h) {
-      for (var r = 0u; r < R; r++) { red[r * WG + lid] = red[r * WG + lid] + red[r * WG + lid + h]; }
+      red[$r * WG + lid] = red[$r * WG + lid] + red[$r * WG + lid + h];
     }
     workgroupBarrier();
   }
