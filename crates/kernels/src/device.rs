@@ -170,6 +170,26 @@ pub async fn open(opts: &DeviceOptions) -> Result<(Backend, Option<String>)> {
     if opts.backend == BackendChoice::Cpu {
         return Ok((Backend::Cpu(CpuBackend::new(opts.cpu_threads)), None));
     }
+    if opts.backend == BackendChoice::Auto && opts.adapter.is_none() {
+        // A software rasterizer (lavapipe, llvmpipe, WARP) runs our kernels correctly but several
+        // times slower than the CPU backend's SIMD code, so `auto` takes it only when asked by name.
+        let list = adapters().await;
+        if !list.is_empty()
+            && list
+                .iter()
+                .all(|a| a.get_info().device_type == wgpu::DeviceType::Cpu)
+        {
+            let names: Vec<String> = list.iter().map(|a| a.get_info().name).collect();
+            return Ok((
+                Backend::Cpu(CpuBackend::new(opts.cpu_threads)),
+                Some(format!(
+                    "only a software GPU adapter is available ({}); the CPU backend is faster, so it is \
+                     used (pass --backend gpu to run the WGSL kernels on the software adapter)",
+                    names.join(", ")
+                )),
+            ));
+        }
+    }
     match open_gpu(opts).await {
         Ok(g) => Ok((Backend::Gpu(g), None)),
         Err(e) if opts.backend == BackendChoice::Auto && opts.adapter.is_none() => Ok((

@@ -28,7 +28,8 @@ impl DeviceArgs {
             adapter: self.adapter.clone(),
             low_end: self.low_end,
             max_binding_override: None,
-            cpu_threads: self.threads,
+            // The whole program already runs inside a pool of `--threads` threads (see main).
+            cpu_threads: None,
         }
     }
 

@@ -2,6 +2,7 @@
 
 mod bench;
 mod device;
+mod generate;
 mod paths;
 mod train;
 
@@ -25,14 +26,35 @@ enum Cmd {
     Adapters,
     /// Train the character-level GPT (default: nanoGPT's shakespeare-char recipe on the bundled text).
     Train(train::TrainArgs),
+    /// Sample from a trained char-level GPT (default: the bundled Shakespeare model).
+    Generate(generate::GenerateArgs),
+    /// Validation loss of a trained char-level GPT.
+    Eval(generate::EvalArgs),
     /// Benchmarks: per-op throughput and training throughput.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
 }
 
 fn main() {
+    // Mesa's Vulkan loader tries to reach a Wayland compositor while wgpu probes adapters and prints
+    // "XDG_RUNTIME_DIR is invalid" on headless machines; pointing it at the temp dir keeps the output
+    // clean. Safe: nothing else runs yet (no threads), as `set_var` requires.
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
+    }
     let cli = Cli::parse();
-    if let Err(e) = run(cli) {
+    // Everything runs inside one rayon pool: the CPU backend's ops then split work across it without
+    // handing each call over from an outside thread (which costs microseconds per op, and a decode
+    // step makes hundreds of them).
+    let mut pool = rayon::ThreadPoolBuilder::new();
+    if let Some(n) = cli.device.threads {
+        pool = pool.num_threads(n);
+    }
+    let result = match pool.build() {
+        Ok(p) => p.install(|| run(cli)),
+        Err(_) => run(cli),
+    };
+    if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
@@ -53,6 +75,14 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Train(a) => {
             let be = cli.device.open()?;
             train::run(&be, a)
+        }
+        Cmd::Generate(a) => {
+            let be = cli.device.open()?;
+            generate::generate(&be, a)
+        }
+        Cmd::Eval(a) => {
+            let be = cli.device.open()?;
+            generate::eval(&be, a)
         }
         Cmd::Bench(b) => {
             let be = cli.device.open()?;

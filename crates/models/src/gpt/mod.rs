@@ -4,10 +4,12 @@
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod infer;
 pub mod layout;
 pub mod train;
 
 pub use config::GptConfig;
 pub use data::{CharVocab, DataError, Dataset};
+pub use infer::GptRunner;
 pub use layout::Layout;
 pub use train::{OptimConfig, Trainer, learning_rate};

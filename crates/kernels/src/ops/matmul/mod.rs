@@ -302,6 +302,7 @@ pub(crate) fn gpu_matmul(
     if g.m == 0 || g.n == 0 || g.batches() == 0 {
         return Ok(());
     }
+    let forced = tile.is_some();
     let tile = tile.unwrap_or_else(|| choose_tile(g));
     if tile.shared_bytes() > gb.limits.max_compute_workgroup_storage_size
         || tile.threads() > gb.limits.max_compute_invocations_per_workgroup
@@ -332,6 +333,31 @@ pub(crate) fn gpu_matmul(
     let [ea, eb, ec] = g.extents();
     let max_z = gb.limits.max_compute_workgroups_per_dimension as usize;
     let single = ta.chunks.len() == 1 && tb.chunks.len() == 1 && tc.chunks.len() == 1;
+    if single && g.m <= 8 && g.batches() == 1 && !g.trans_a && g.trans_b && !forced {
+        let (ba, la) = locate(ta, oa, oa + ea.max(1) - 1, "A")?;
+        let (bb, lb) = locate(tb, ob, ob + eb.max(1) - 1, "B")?;
+        let (bc, lc) = locate(tc, oc, oc + ec.max(1) - 1, "C")?;
+        let pipe = crate::ops::common::kernel(
+            gb,
+            "gemv_nt",
+            include_str!("gemv.wgsl"),
+            &[Access::Read, Access::Read, Access::ReadWrite],
+        )?;
+        let p = [
+            g.m as u32,
+            g.n as u32,
+            g.k as u32,
+            g.lda as u32,
+            g.ldb as u32,
+            g.ldc as u32,
+            la as u32,
+            lb as u32,
+            lc as u32,
+            g.alpha.to_bits(),
+            g.beta.to_bits(),
+        ];
+        return gb.dispatch(&pipe, &p, &[&ba, &bb, &bc], gb.grid(g.n.div_ceil(8)));
+    }
     if single && g.batches() <= max_z {
         let (ba, la) = locate(ta, oa, oa + ea.max(1) - 1, "A")?;
         let (bb, lb) = locate(tb, ob, ob + eb.max(1) - 1, "B")?;

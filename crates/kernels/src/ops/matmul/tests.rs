@@ -68,6 +68,18 @@ fn gpu_large_tile_with_alpha_accumulate_and_padding() {
 }
 
 #[test]
+fn gpu_decode_rows_take_the_gemv_kernel_and_match() {
+    let Some(be) = gpu_backend(None) else { return };
+    let mut rng = SeedRng::new(7);
+    for (m, n, k) in [(1, 1536, 384), (2, 67, 1536), (8, 259, 40), (5, 1, 1)] {
+        for g in [Gemm::nt(m, n, k), Gemm::nt(m, n, k).lda(k + 3).ldc(n + 1).alpha(0.5).accumulate()] {
+            let (a, b, c0, want) = case(&mut rng, &g);
+            assert_nmse(&format!("gemv {g:?}"), &want, &run(&be, &g, &a, &b, &c0, [1; 3]), BOUND);
+        }
+    }
+}
+
+#[test]
 fn batched_attention_shaped_products() {
     // Scores = Q Kᵀ per (sequence, head), read straight out of a fused QKV tensor [B*T, 3C].
     let (bsz, t, h, hd) = (3, 9, 2, 4);
