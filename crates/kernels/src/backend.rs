@@ -193,7 +193,12 @@ impl<'a> TMut<'a> {
             }),
         }
     }
-    pub(crate) fn cpu_u32(&mut self, op: &'static str, what: &str, len: usize) -> Result<&mut [u32]> {
+    pub(crate) fn cpu_u32(
+        &mut self,
+        op: &'static str,
+        what: &str,
+        len: usize,
+    ) -> Result<&mut [u32]> {
         Ok(bytemuck::cast_slice_mut(self.cpu(op, what, len)?))
     }
     pub(crate) fn gpu(&self, op: &'static str, what: &str, len: usize) -> Result<&GpuTensor> {
@@ -228,7 +233,11 @@ impl Backend {
                     "{} ({}, {}){}",
                     i.name,
                     i.backend,
-                    if i.driver_info.is_empty() { &i.driver } else { &i.driver_info },
+                    if i.driver_info.is_empty() {
+                        &i.driver
+                    } else {
+                        &i.driver_info
+                    },
                     if i.low_end { ", low-end profile" } else { "" }
                 )
             }

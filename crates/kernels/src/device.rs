@@ -26,7 +26,9 @@ impl std::str::FromStr for BackendChoice {
             "auto" => Ok(Self::Auto),
             "cpu" => Ok(Self::Cpu),
             "gpu" => Ok(Self::Gpu),
-            other => Err(format!("unknown backend {other:?}: expected cpu, gpu or auto")),
+            other => Err(format!(
+                "unknown backend {other:?}: expected cpu, gpu or auto"
+            )),
         }
     }
 }
@@ -122,7 +124,9 @@ pub async fn list_adapters() -> Vec<AdapterSummary> {
 
 fn choose(list: Vec<wgpu::Adapter>, query: Option<&str>) -> Result<wgpu::Adapter> {
     if list.is_empty() {
-        return Err(Error::NoAdapter("wgpu found no adapter on any backend".into()));
+        return Err(Error::NoAdapter(
+            "wgpu found no adapter on any backend".into(),
+        ));
     }
     let Some(q) = query else {
         let mut list = list;
@@ -134,7 +138,10 @@ fn choose(list: Vec<wgpu::Adapter>, query: Option<&str>) -> Result<wgpu::Adapter
         .enumerate()
         .map(|(i, a)| {
             let s = summary(i, a);
-            format!("  [{}] {} ({}, {})", s.index, s.name, s.backend, s.device_type)
+            format!(
+                "  [{}] {} ({}, {})",
+                s.index, s.name, s.backend, s.device_type
+            )
         })
         .collect::<Vec<_>>()
         .join("\n");
@@ -194,7 +201,9 @@ pub async fn open(opts: &DeviceOptions) -> Result<(Backend, Option<String>)> {
         Ok(g) => Ok((Backend::Gpu(g), None)),
         Err(e) if opts.backend == BackendChoice::Auto && opts.adapter.is_none() => Ok((
             Backend::Cpu(CpuBackend::new(opts.cpu_threads)),
-            Some(format!("no usable GPU adapter ({e}); running on the CPU backend")),
+            Some(format!(
+                "no usable GPU adapter ({e}); running on the CPU backend"
+            )),
         )),
         Err(e) => Err(e),
     }

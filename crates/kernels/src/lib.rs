@@ -5,6 +5,7 @@ pub mod backend;
 pub mod cpu;
 pub mod device;
 pub mod error;
+pub mod gate;
 pub mod gpu;
 pub mod ops;
 pub mod quant;

@@ -187,6 +187,19 @@ pub fn check_twin(
     split_bytes: Option<u64>,
     f: impl Fn(&Backend, &mut [Tensor]) -> crate::Result<()>,
 ) -> Vec<Vec<f32>> {
+    check_twin_with(name, bound, args, split_bytes, &[], f)
+}
+
+/// [`check_twin`] with fast paths switched on in the GPU backends (tests of a fast path's kernels).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn check_twin_with(
+    name: &str,
+    bound: f64,
+    args: &[Arg],
+    split_bytes: Option<u64>,
+    paths: &[crate::gate::PathId],
+    f: impl Fn(&Backend, &mut [Tensor]) -> crate::Result<()>,
+) -> Vec<Vec<f32>> {
     let run = |be: &Backend| -> Vec<Vec<f32>> {
         let mut ts: Vec<Tensor> = args
             .iter()
@@ -198,7 +211,10 @@ pub fn check_twin(
             .unwrap_or_else(|e| panic!("{name}: allocating on {}: {e}", be.kind()));
         f(be, &mut ts).unwrap_or_else(|e| panic!("{name} on {}: {e}", be.kind()));
         ts.iter()
-            .map(|t| be.to_vec(t).unwrap_or_else(|e| panic!("{name}: reading back: {e}")))
+            .map(|t| {
+                be.to_vec(t)
+                    .unwrap_or_else(|e| panic!("{name}: reading back: {e}"))
+            })
             .collect()
     };
     let want = run(&cpu_backend());
@@ -212,14 +228,26 @@ pub fn check_twin(
         gpus.push(("gpu split", g));
     }
     for (label, be) in &gpus {
+        if let Some(g) = be.as_gpu() {
+            paths.iter().for_each(|p| g.set_path_active(*p, true));
+        }
         let got = run(be);
         for (i, a) in args.iter().enumerate() {
             if a.words {
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&want[i]), bits(&got[i]), "{name} [{label}] tensor {i} (words)");
+                assert_eq!(
+                    bits(&want[i]),
+                    bits(&got[i]),
+                    "{name} [{label}] tensor {i} (words)"
+                );
                 continue;
             }
-            assert_nmse(&format!("{name} [{label}] tensor {i}"), &want[i], &got[i], bound);
+            assert_nmse(
+                &format!("{name} [{label}] tensor {i}"),
+                &want[i],
+                &got[i],
+                bound,
+            );
             if a.data.is_none() {
                 assert!(
                     want[i].iter().all(|x| x.is_finite()),

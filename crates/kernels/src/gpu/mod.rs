@@ -83,6 +83,9 @@ pub struct GpuBackend {
     counters: Cell<GpuCounters>,
     next_pipeline_id: Cell<u64>,
     scratch: RefCell<HashMap<&'static str, GpuTensor>>,
+    /// Fast paths whose gates passed (bit i = `PathId::ALL[i]`).
+    active_paths: Cell<u32>,
+    planted_fault: Cell<Option<crate::gate::Fault>>,
 }
 
 #[derive(Hash, PartialEq, Eq)]
@@ -138,7 +141,9 @@ impl GpuBackend {
             });
         }
         let features = device.features();
-        let binding = limits.max_storage_buffer_binding_size.min(limits.max_buffer_size);
+        let binding = limits
+            .max_storage_buffer_binding_size
+            .min(limits.max_buffer_size);
         let max_chunk_bytes = opts
             .max_binding_override
             .map_or(binding, |o| o.min(binding))
@@ -198,6 +203,8 @@ impl GpuBackend {
             counters: Cell::default(),
             next_pipeline_id: Cell::new(0),
             scratch: RefCell::default(),
+            active_paths: Cell::new(0),
+            planted_fault: Cell::new(None),
         })
     }
 
@@ -209,6 +216,39 @@ impl GpuBackend {
     /// Whether the device was opened with `f`.
     pub fn has_feature(&self, f: wgpu::Features) -> bool {
         self.features.contains(f)
+    }
+
+    /// Whether fast path `p` passed its gate and is in use.
+    pub fn path_active(&self, p: crate::gate::PathId) -> bool {
+        self.active_paths.get() & p.bit() != 0
+    }
+
+    /// Turns fast path `p` on or off (the numerics gate does this; tests and the token gate too).
+    pub fn set_path_active(&self, p: crate::gate::PathId, on: bool) {
+        let b = self.active_paths.get();
+        self.active_paths
+            .set(if on { b | p.bit() } else { b & !p.bit() });
+    }
+
+    /// The fast paths in use, in registry order.
+    pub fn active_paths(&self) -> Vec<crate::gate::PathId> {
+        crate::gate::PathId::ALL
+            .into_iter()
+            .filter(|p| self.path_active(*p))
+            .collect()
+    }
+
+    /// Swaps broken kernels in (or back out with `None`) for every pipeline built from now on: the
+    /// test-only way to prove the numerics gate rejects each kind of fault. Clears the pipeline cache.
+    pub fn plant_fault(&self, fault: Option<crate::gate::Fault>) {
+        self.planted_fault.set(fault);
+        self.pipelines.borrow_mut().clear();
+        self.bind_groups.borrow_mut().clear();
+    }
+
+    /// The fault planted by [`GpuBackend::plant_fault`], if any.
+    pub fn planted_fault(&self) -> Option<crate::gate::Fault> {
+        self.planted_fault.get()
     }
 
     /// Submits and dispatches so far (benchmarks print the per-step figures).
@@ -291,7 +331,12 @@ impl GpuBackend {
             )));
         }
         // Grow geometrically so a slowly growing need does not reallocate every call.
-        let t = self.alloc(len.max(1024).next_power_of_two().min((self.max_chunk_bytes / 4) as usize), 1)?;
+        let t = self.alloc(
+            len.max(1024)
+                .next_power_of_two()
+                .min((self.max_chunk_bytes / 4) as usize),
+            1,
+        )?;
         self.scratch.borrow_mut().insert(slot, t.clone());
         Ok(t)
     }
@@ -539,7 +584,9 @@ impl GpuBackend {
             opts,
             &source(),
         )?);
-        self.pipelines.borrow_mut().insert(key.to_string(), p.clone());
+        self.pipelines
+            .borrow_mut()
+            .insert(key.to_string(), p.clone());
         Ok(p)
     }
 }
@@ -553,5 +600,9 @@ pub fn fmt_bytes(b: u64) -> String {
         v /= 1024.0;
         i += 1;
     }
-    if i == 0 { format!("{b} B") } else { format!("{v:.1} {}", UNITS[i]) }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[i])
+    }
 }

@@ -111,7 +111,11 @@ impl Segment {
 }
 
 /// Cuts `0..units` into segments; see the module docs.
-pub(crate) fn segments(op: &'static str, units: usize, operands: &[Operand<'_>]) -> Result<Vec<Segment>> {
+pub(crate) fn segments(
+    op: &'static str,
+    units: usize,
+    operands: &[Operand<'_>],
+) -> Result<Vec<Segment>> {
     let mut cuts = vec![0, units];
     for (k, o) in operands.iter().enumerate() {
         if o.per_unit == 0 {

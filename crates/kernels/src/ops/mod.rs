@@ -3,21 +3,23 @@
 
 pub(crate) mod common;
 
-pub mod add;
 pub mod adamw;
+pub mod add;
 pub mod attention;
 pub mod cross_entropy;
 pub mod dropout;
 pub mod embedding;
+pub mod fill;
 pub mod gelu;
 pub mod glu;
-pub mod fill;
 pub mod matmul;
+pub mod matmul_coop;
+pub mod matmul_f16;
 pub mod norm;
-pub mod softmax;
 pub mod quant_matmul;
 pub mod reduce;
 pub mod rope;
+pub mod softmax;
 
 #[cfg(test)]
 mod tests;

@@ -18,7 +18,9 @@ fn fill_copy_add_match_their_twins() {
             Arg::out(n + 3, 1),
         ];
         let out = check_twin("add", 0.0, &args, Some(1024), |be: &Backend, t| {
-            let [ta, tb, tc, td, te] = t else { unreachable!() };
+            let [ta, tb, tc, td, te] = t else {
+                unreachable!()
+            };
             add::add(be, (&*ta).into(), (&*tb).into(), tc.into(), n, -0.5)?;
             add::add_assign(be, td.into(), (&*tb).into(), n, 2.0)?;
             fill::fill(be, te.into(), n + 3, 7.0)?;

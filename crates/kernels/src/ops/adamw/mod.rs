@@ -94,7 +94,13 @@ pub fn adamw(
                 g,
                 "adamw",
                 include_str!("adamw.wgsl"),
-                &[Access::ReadWrite, Access::Read, Access::ReadWrite, Access::ReadWrite, Access::Read],
+                &[
+                    Access::ReadWrite,
+                    Access::Read,
+                    Access::ReadWrite,
+                    Access::ReadWrite,
+                    Access::Read,
+                ],
             )?;
             let extra = [
                 h.lr.to_bits(),
@@ -125,7 +131,11 @@ mod tests {
         let bc1 = 1.0 - (h.beta1 as f64).powi(h.step as i32);
         let bc2 = 1.0 - (h.beta2 as f64).powi(h.step as i32);
         let p = p * (1.0 - h.lr as f64 * h.weight_decay as f64);
-        (p - h.lr as f64 / bc1 * m / (v.sqrt() / bc2.sqrt() + h.eps as f64), m, v)
+        (
+            p - h.lr as f64 / bc1 * m / (v.sqrt() / bc2.sqrt() + h.eps as f64),
+            m,
+            v,
+        )
     }
 
     #[test]
@@ -136,7 +146,14 @@ mod tests {
         let gr = rng.vec(n, -1.0, 1.0);
         let m = rng.vec(n, -0.1, 0.1);
         let v = rng.vec(n, 0.0, 0.1);
-        let h = AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1, step: 7 };
+        let h = AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 7,
+        };
         let norm_sq: f32 = 9.0; // ‖g‖ = 3, clip to 1 → scale ≈ 1/3
         let args = [
             Arg::data(p.clone(), 1),
@@ -146,14 +163,39 @@ mod tests {
             Arg::data(vec![norm_sq], 1),
         ];
         let out = check_twin("adamw", 1e-12, &args, Some(4096), |be, t| {
-            let [tp, tg, tm, tv, tn] = t else { unreachable!() };
-            let clip = Clip { norm_sq: (&*tn).into(), max_norm: 1.0 };
-            adamw(be, tp.into(), (&*tg).into(), tm.into(), tv.into(), n, &h, Some(clip))
+            let [tp, tg, tm, tv, tn] = t else {
+                unreachable!()
+            };
+            let clip = Clip {
+                norm_sq: (&*tn).into(),
+                max_norm: 1.0,
+            };
+            adamw(
+                be,
+                tp.into(),
+                (&*tg).into(),
+                tm.into(),
+                tv.into(),
+                n,
+                &h,
+                Some(clip),
+            )
         });
         let scale = 1.0 / (3.0 + 1e-6);
         for i in 0..n {
-            let (pw, mw, vw) = torch_step(p[i] as f64, gr[i] as f64, m[i] as f64, v[i] as f64, &h, scale);
-            assert!((out[0][i] as f64 - pw).abs() < 1e-6, "p[{i}] {} vs {pw}", out[0][i]);
+            let (pw, mw, vw) = torch_step(
+                p[i] as f64,
+                gr[i] as f64,
+                m[i] as f64,
+                v[i] as f64,
+                &h,
+                scale,
+            );
+            assert!(
+                (out[0][i] as f64 - pw).abs() < 1e-6,
+                "p[{i}] {} vs {pw}",
+                out[0][i]
+            );
             assert!((out[2][i] as f64 - mw).abs() < 1e-6);
             assert!((out[3][i] as f64 - vw).abs() < 1e-6);
         }

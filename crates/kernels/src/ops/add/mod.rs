@@ -9,7 +9,14 @@ use rayon::prelude::*;
 const PAR_MIN: usize = 1 << 16;
 
 /// out = a + scale·b over `n` elements.
-pub fn add(be: &Backend, a: TRef<'_>, b: TRef<'_>, mut out: TMut<'_>, n: usize, scale: f32) -> Result<()> {
+pub fn add(
+    be: &Backend,
+    a: TRef<'_>,
+    b: TRef<'_>,
+    mut out: TMut<'_>,
+    n: usize,
+    scale: f32,
+) -> Result<()> {
     match be {
         Backend::Cpu(c) => {
             let (a, b) = (a.cpu("add", "a", n)?, b.cpu("add", "b", n)?);
@@ -34,13 +41,27 @@ pub fn add(be: &Backend, a: TRef<'_>, b: TRef<'_>, mut out: TMut<'_>, n: usize, 
                 include_str!("add.wgsl"),
                 &[Access::Read, Access::Read, Access::ReadWrite],
             )?;
-            run(g, "add", &pipe, n, &ops, &[scale.to_bits()], Grid::Threads(256))
+            run(
+                g,
+                "add",
+                &pipe,
+                n,
+                &ops,
+                &[scale.to_bits()],
+                Grid::Threads(256),
+            )
         }
     }
 }
 
 /// out += scale·b over `n` elements (residual connections, gradient accumulation).
-pub fn add_assign(be: &Backend, mut out: TMut<'_>, b: TRef<'_>, n: usize, scale: f32) -> Result<()> {
+pub fn add_assign(
+    be: &Backend,
+    mut out: TMut<'_>,
+    b: TRef<'_>,
+    n: usize,
+    scale: f32,
+) -> Result<()> {
     match be {
         Backend::Cpu(c) => {
             let b = b.cpu("add_assign", "b", n)?;
@@ -64,7 +85,15 @@ pub fn add_assign(be: &Backend, mut out: TMut<'_>, b: TRef<'_>, n: usize, scale:
                 include_str!("add_assign.wgsl"),
                 &[Access::Read, Access::ReadWrite],
             )?;
-            run(g, "add_assign", &pipe, n, &ops, &[scale.to_bits()], Grid::Threads(256))
+            run(
+                g,
+                "add_assign",
+                &pipe,
+                n,
+                &ops,
+                &[scale.to_bits()],
+                Grid::Threads(256),
+            )
         }
     }
 }

@@ -69,14 +69,24 @@ pub fn attention_forward(
         .lda(3 * c)
         .ldb(3 * c)
         .alpha(s.scale())
-        .batched([s.batch, s.heads], s.qkv_stride(), s.qkv_stride(), s.p_stride());
+        .batched(
+            [s.batch, s.heads],
+            s.qkv_stride(),
+            s.qkv_stride(),
+            s.p_stride(),
+        );
     matmul(be, qkv, qkv.shift(c), probs.reborrow(), &scores)?;
-    softmax(be, probs.reborrow(), SoftmaxShape::causal(s.batch * s.heads * t, t))?;
-    let mix = Gemm::nn(t, hd, t)
-        .lda(t)
-        .ldb(3 * c)
-        .ldc(c)
-        .batched([s.batch, s.heads], s.p_stride(), s.qkv_stride(), s.y_stride());
+    softmax(
+        be,
+        probs.reborrow(),
+        SoftmaxShape::causal(s.batch * s.heads * t, t),
+    )?;
+    let mix = Gemm::nn(t, hd, t).lda(t).ldb(3 * c).ldc(c).batched(
+        [s.batch, s.heads],
+        s.p_stride(),
+        s.qkv_stride(),
+        s.y_stride(),
+    );
     let v = qkv.shift(2 * c);
     match (drop, dropped) {
         (Some((p, seed)), Some(mut d)) if p > 0.0 => {
@@ -108,17 +118,20 @@ pub fn attention_backward(
 ) -> Result<()> {
     let (t, c, hd) = (s.t, s.c(), s.head_dim);
     // dP' = dY Vᵀ (gradient of the probabilities the product saw).
-    let dp = Gemm::nt(t, t, hd)
-        .lda(c)
-        .ldb(3 * c)
-        .batched([s.batch, s.heads], s.y_stride(), s.qkv_stride(), s.p_stride());
+    let dp = Gemm::nt(t, t, hd).lda(c).ldb(3 * c).batched(
+        [s.batch, s.heads],
+        s.y_stride(),
+        s.qkv_stride(),
+        s.p_stride(),
+    );
     matmul(be, dy, qkv.shift(2 * c), scratch.reborrow(), &dp)?;
     // dV = P'ᵀ dY.
-    let dv = Gemm::tn(t, hd, t)
-        .lda(t)
-        .ldb(c)
-        .ldc(3 * c)
-        .batched([s.batch, s.heads], s.p_stride(), s.y_stride(), s.qkv_stride());
+    let dv = Gemm::tn(t, hd, t).lda(t).ldb(c).ldc(3 * c).batched(
+        [s.batch, s.heads],
+        s.p_stride(),
+        s.y_stride(),
+        s.qkv_stride(),
+    );
     let mut dropped = dropped;
     let use_drop = matches!(drop, Some((p, _)) if p > 0.0);
     {
@@ -137,21 +150,42 @@ pub fn attention_backward(
         _ => scratch.reborrow(),
     };
     let mut ds = ds;
-    softmax_backward(be, probs, ds.reborrow(), SoftmaxShape::causal(s.batch * s.heads * t, t))?;
+    softmax_backward(
+        be,
+        probs,
+        ds.reborrow(),
+        SoftmaxShape::causal(s.batch * s.heads * t, t),
+    )?;
     // dQ = dS K / √d and dK = dSᵀ Q / √d.
     let dq = Gemm::nn(t, hd, t)
         .lda(t)
         .ldb(3 * c)
         .ldc(3 * c)
         .alpha(s.scale())
-        .batched([s.batch, s.heads], s.p_stride(), s.qkv_stride(), s.qkv_stride());
-    matmul(be, ds.as_ref(), qkv.shift(c), dqkv.t.at_mut(dqkv.offset()), &dq)?;
+        .batched(
+            [s.batch, s.heads],
+            s.p_stride(),
+            s.qkv_stride(),
+            s.qkv_stride(),
+        );
+    matmul(
+        be,
+        ds.as_ref(),
+        qkv.shift(c),
+        dqkv.t.at_mut(dqkv.offset()),
+        &dq,
+    )?;
     let dk = Gemm::tn(t, hd, t)
         .lda(t)
         .ldb(3 * c)
         .ldc(3 * c)
         .alpha(s.scale())
-        .batched([s.batch, s.heads], s.p_stride(), s.qkv_stride(), s.qkv_stride());
+        .batched(
+            [s.batch, s.heads],
+            s.p_stride(),
+            s.qkv_stride(),
+            s.qkv_stride(),
+        );
     matmul(be, ds.as_ref(), qkv, dqkv.t.at_mut(dqkv.offset() + c), &dk)
 }
 
@@ -179,17 +213,31 @@ pub struct DecodeShape {
 }
 
 /// out = softmax(scale · q Kᵀ, causal[, window]) V for each query row and head.
-pub fn attend(be: &Backend, q: TRef<'_>, k: TRef<'_>, v: TRef<'_>, mut out: TMut<'_>, s: DecodeShape) -> Result<()> {
+pub fn attend(
+    be: &Backend,
+    q: TRef<'_>,
+    k: TRef<'_>,
+    v: TRef<'_>,
+    mut out: TMut<'_>,
+    s: DecodeShape,
+) -> Result<()> {
     if s.kv_heads == 0 || s.heads % s.kv_heads != 0 || s.head_dim == 0 || s.head_dim > 512 {
         return Err(Error::Shape {
             op: "attend",
-            msg: format!("heads {} must be a multiple of kv_heads {}; head_dim 1..=512", s.heads, s.kv_heads),
+            msg: format!(
+                "heads {} must be a multiple of kv_heads {}; head_dim 1..=512",
+                s.heads, s.kv_heads
+            ),
         });
     }
     if s.kv_len < s.q_pos0 + s.rows {
         return Err(Error::Shape {
             op: "attend",
-            msg: format!("the cache holds {} rows; the queries reach position {}", s.kv_len, s.q_pos0 + s.rows),
+            msg: format!(
+                "the cache holds {} rows; the queries reach position {}",
+                s.kv_len,
+                s.q_pos0 + s.rows
+            ),
         });
     }
     let span = |rows: usize, ld: usize, w: usize| if rows == 0 { 0 } else { (rows - 1) * ld + w };
@@ -201,7 +249,11 @@ pub fn attend(be: &Backend, q: TRef<'_>, k: TRef<'_>, v: TRef<'_>, mut out: TMut
     let group = s.heads / s.kv_heads;
     match be {
         Backend::Cpu(c) => {
-            let (qs, ks, vs) = (q.cpu("attend", "q", nq)?, k.cpu("attend", "k", nkv)?, v.cpu("attend", "v", nkv)?);
+            let (qs, ks, vs) = (
+                q.cpu("attend", "q", nq)?,
+                k.cpu("attend", "k", nkv)?,
+                v.cpu("attend", "v", nkv)?,
+            );
             let os = out.cpu("attend", "out", no)?;
             let results: Vec<(usize, Vec<f32>)> = c.install(|| {
                 (0..s.rows * s.heads)
@@ -211,12 +263,17 @@ pub fn attend(be: &Backend, q: TRef<'_>, k: TRef<'_>, v: TRef<'_>, mut out: TMut
                         let kvh = h / group;
                         let qpos = s.q_pos0 + r;
                         let last = (qpos + 1).min(s.kv_len);
-                        let first = if s.window > 0 { (qpos + 1).saturating_sub(s.window) } else { 0 };
+                        let first = if s.window > 0 {
+                            (qpos + 1).saturating_sub(s.window)
+                        } else {
+                            0
+                        };
                         let qr = &qs[r * s.ld_q + h * s.head_dim..][..s.head_dim];
                         let mut sc: Vec<f32> = (first..last)
                             .map(|j| {
                                 let kr = &ks[j * s.ld_kv + kvh * s.head_dim..][..s.head_dim];
-                                let mut x = qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * s.scale;
+                                let mut x =
+                                    qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * s.scale;
                                 if s.softcap > 0.0 {
                                     x = s.softcap * (x / s.softcap).clamp(-15.0, 15.0).tanh();
                                 }
@@ -248,10 +305,11 @@ pub fn attend(be: &Backend, q: TRef<'_>, k: TRef<'_>, v: TRef<'_>, mut out: TMut
         Backend::Gpu(g) => {
             let place = |t: TRef<'_>, n: usize, what: &str| -> Result<(wgpu::Buffer, usize)> {
                 let tt = t.gpu("attend", "operand", n)?;
-                let sg = segments("attend", 1, &[Operand::whole(tt, t.offset(), n.max(1))]).map_err(|_| Error::Shape {
-                    op: "attend",
-                    msg: format!("{what} must lie in one buffer"),
-                })?;
+                let sg = segments("attend", 1, &[Operand::whole(tt, t.offset(), n.max(1))])
+                    .map_err(|_| Error::Shape {
+                        op: "attend",
+                        msg: format!("{what} must lie in one buffer"),
+                    })?;
                 Ok((sg[0].places[0].buffer.clone(), sg[0].places[0].offset))
             };
             let (bq, oq) = place(q, nq, "q")?;
@@ -262,7 +320,13 @@ pub fn attend(be: &Backend, q: TRef<'_>, k: TRef<'_>, v: TRef<'_>, mut out: TMut
                 g,
                 "attend",
                 include_str!("attend.wgsl"),
-                &[Access::Read, Access::Read, Access::Read, Access::ReadWrite, Access::ReadWrite],
+                &[
+                    Access::Read,
+                    Access::Read,
+                    Access::Read,
+                    Access::ReadWrite,
+                    Access::ReadWrite,
+                ],
             )?;
             // Score scratch: rows · heads · kv_len, in as many dispatches as one binding needs.
             let max = (g.max_chunk_bytes() / 4) as usize;

@@ -2,7 +2,12 @@ use super::*;
 use crate::testing::{Arg, SeedRng, assert_nmse, check_twin, cpu_backend};
 
 fn shape() -> AttnShape {
-    AttnShape { batch: 3, t: 7, heads: 2, head_dim: 5 }
+    AttnShape {
+        batch: 3,
+        t: 7,
+        heads: 2,
+        head_dim: 5,
+    }
 }
 
 #[test]
@@ -24,14 +29,42 @@ fn training_attention_matches_twin_with_and_without_dropout() {
         ];
         // Chunks of 210 floats: one sequence of QKV (210) per buffer, two of probabilities (98 each).
         check_twin("attention", 1e-10, &args, Some(4 * 210), |be, t| {
-            let [tq, ty, tp, td, tdy, tdq, tsc] = t else { unreachable!() };
-            let dropped = if drop.is_some() { Some(TMut::from(&mut *td)) } else { None };
-            attention_forward(be, (&*tq).into(), ty.into(), (&mut *tp).into(), dropped, s, drop)?;
+            let [tq, ty, tp, td, tdy, tdq, tsc] = t else {
+                unreachable!()
+            };
+            let dropped = if drop.is_some() {
+                Some(TMut::from(&mut *td))
+            } else {
+                None
+            };
+            attention_forward(
+                be,
+                (&*tq).into(),
+                ty.into(),
+                (&mut *tp).into(),
+                dropped,
+                s,
+                drop,
+            )?;
             if drop.is_none() {
                 crate::ops::fill::fill(be, td.into(), s.probs_len(), 0.0)?;
             }
-            let dropped = if drop.is_some() { Some(TMut::from(&mut *td)) } else { None };
-            attention_backward(be, (&*tq).into(), (&*tp).into(), dropped, (&*tdy).into(), tdq.into(), tsc.into(), s, drop)
+            let dropped = if drop.is_some() {
+                Some(TMut::from(&mut *td))
+            } else {
+                None
+            };
+            attention_backward(
+                be,
+                (&*tq).into(),
+                (&*tp).into(),
+                dropped,
+                (&*tdy).into(),
+                tdq.into(),
+                tsc.into(),
+                s,
+                drop,
+            )
         });
     }
 }
@@ -42,13 +75,27 @@ fn forward_cpu(qkv: &[f32], s: AttnShape) -> Vec<f32> {
     let tq = be.from_f32(qkv, 1).unwrap();
     let mut ty = be.zeros(s.batch * s.t * c, 1).unwrap();
     let mut tp = be.zeros(s.probs_len(), 1).unwrap();
-    attention_forward(&be, (&tq).into(), (&mut ty).into(), (&mut tp).into(), None, s, None).unwrap();
+    attention_forward(
+        &be,
+        (&tq).into(),
+        (&mut ty).into(),
+        (&mut tp).into(),
+        None,
+        s,
+        None,
+    )
+    .unwrap();
     be.to_vec(&ty).unwrap()
 }
 
 #[test]
 fn training_attention_backward_matches_finite_differences() {
-    let s = AttnShape { batch: 2, t: 4, heads: 2, head_dim: 3 };
+    let s = AttnShape {
+        batch: 2,
+        t: 4,
+        heads: 2,
+        head_dim: 3,
+    };
     let (c, n) = (s.heads * s.head_dim, s.batch * s.t);
     let mut rng = SeedRng::new(91);
     let qkv = rng.vec(n * 3 * c, -1.0, 1.0);
@@ -57,19 +104,49 @@ fn training_attention_backward_matches_finite_differences() {
     let tq = be.from_f32(&qkv, 1).unwrap();
     let mut ty = be.zeros(n * c, 1).unwrap();
     let mut tp = be.zeros(s.probs_len(), 1).unwrap();
-    attention_forward(&be, (&tq).into(), (&mut ty).into(), (&mut tp).into(), None, s, None).unwrap();
+    attention_forward(
+        &be,
+        (&tq).into(),
+        (&mut ty).into(),
+        (&mut tp).into(),
+        None,
+        s,
+        None,
+    )
+    .unwrap();
     let tr = be.from_f32(&r, 1).unwrap();
     let mut tdq = be.zeros(n * 3 * c, 1).unwrap();
     let mut tsc = be.zeros(s.probs_len(), 1).unwrap();
-    attention_backward(&be, (&tq).into(), (&tp).into(), None, (&tr).into(), (&mut tdq).into(), (&mut tsc).into(), s, None).unwrap();
+    attention_backward(
+        &be,
+        (&tq).into(),
+        (&tp).into(),
+        None,
+        (&tr).into(),
+        (&mut tdq).into(),
+        (&mut tsc).into(),
+        s,
+        None,
+    )
+    .unwrap();
     let g = be.to_vec(&tdq).unwrap();
-    let f = |x: &[f32]| forward_cpu(x, s).iter().zip(&r).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>();
+    let f = |x: &[f32]| {
+        forward_cpu(x, s)
+            .iter()
+            .zip(&r)
+            .map(|(a, b)| *a as f64 * *b as f64)
+            .sum::<f64>()
+    };
     for i in 0..qkv.len() {
         let (mut p, mut m) = (qkv.clone(), qkv.clone());
         p[i] += 1e-2;
         m[i] -= 1e-2;
         let fd = (f(&p) - f(&m)) / 2e-2;
-        assert!((fd - g[i] as f64).abs() < 2e-3, "dqkv[{i}]: fd {fd} vs {}", g[i]);
+        assert!(
+            (fd - g[i] as f64).abs() < 2e-3,
+            "dqkv[{i}]: fd {fd} vs {}",
+            g[i]
+        );
     }
 }
 
@@ -77,7 +154,12 @@ fn training_attention_backward_matches_finite_differences() {
 fn kv_cache_attention_matches_training_attention() {
     // The same heads through the cache kernel (one query row at a time, as decoding does, and all rows
     // at once, as prefill does) give the training path's output.
-    let s = AttnShape { batch: 1, t: 9, heads: 3, head_dim: 8 };
+    let s = AttnShape {
+        batch: 1,
+        t: 9,
+        heads: 3,
+        head_dim: 8,
+    };
     let c = s.heads * s.head_dim;
     let mut rng = SeedRng::new(92);
     let qkv = rng.vec(s.t * 3 * c, -1.0, 1.0);
@@ -101,13 +183,39 @@ fn kv_cache_attention_matches_training_attention() {
             softcap: 0.0,
         };
         let mut out = crate::testing::poisoned(be, s.t * c, 1).unwrap();
-        attend(be, tq.at(0), tq.at(c), tq.at(2 * c), (&mut out).into(), d(s.t, 0)).unwrap();
-        assert_nmse(&format!("{} prefill", be.kind()), &want, &be.to_vec(&out).unwrap(), 1e-10);
+        attend(
+            be,
+            tq.at(0),
+            tq.at(c),
+            tq.at(2 * c),
+            (&mut out).into(),
+            d(s.t, 0),
+        )
+        .unwrap();
+        assert_nmse(
+            &format!("{} prefill", be.kind()),
+            &want,
+            &be.to_vec(&out).unwrap(),
+            1e-10,
+        );
         let mut out = crate::testing::poisoned(be, s.t * c, 1).unwrap();
         for p in 0..s.t {
-            attend(be, tq.at(p * 3 * c), tq.at(c), tq.at(2 * c), out.at_mut(p * c), d(1, p)).unwrap();
+            attend(
+                be,
+                tq.at(p * 3 * c),
+                tq.at(c),
+                tq.at(2 * c),
+                out.at_mut(p * c),
+                d(1, p),
+            )
+            .unwrap();
         }
-        assert_nmse(&format!("{} decode", be.kind()), &want, &be.to_vec(&out).unwrap(), 1e-10);
+        assert_nmse(
+            &format!("{} decode", be.kind()),
+            &want,
+            &be.to_vec(&out).unwrap(),
+            1e-10,
+        );
     }
 }
 
@@ -137,7 +245,14 @@ fn grouped_query_sliding_window_softcap_decode_matches_twin() {
     ];
     let out = check_twin("attend", 1e-10, &args, None, |be, t| {
         let [tq, tk, tv, to] = t else { unreachable!() };
-        attend(be, (&*tq).into(), (&*tk).into(), (&*tv).into(), to.into(), s)
+        attend(
+            be,
+            (&*tq).into(),
+            (&*tk).into(),
+            (&*tv).into(),
+            to.into(),
+            s,
+        )
     });
     // Padding between output rows is untouched.
     assert_eq!(out[3][heads * hd], 0.5);

@@ -35,7 +35,10 @@ pub fn cross_entropy(
             let t = targets.cpu_u32("cross_entropy", "targets", rows)?;
             let l = losses.cpu("cross_entropy", "losses", rows)?;
             let mut dl = dlogits;
-            let d = dl.as_mut().map(|d| d.cpu("cross_entropy", "dlogits", n)).transpose()?;
+            let d = dl
+                .as_mut()
+                .map(|d| d.cpu("cross_entropy", "dlogits", n))
+                .transpose()?;
             c.install(|| {
                 let row = |r: usize, lr: &mut f32, dr: Option<&mut [f32]>| {
                     let xr = &x[r * vocab..][..vocab];
@@ -62,7 +65,10 @@ pub fn cross_entropy(
                         .zip(d.par_chunks_mut(vocab))
                         .enumerate()
                         .for_each(|(r, (lr, dr))| row(r, lr, Some(dr))),
-                    None => l.par_iter_mut().enumerate().for_each(|(r, lr)| row(r, lr, None)),
+                    None => l
+                        .par_iter_mut()
+                        .enumerate()
+                        .for_each(|(r, lr)| row(r, lr, None)),
                 }
             });
             Ok(())
@@ -77,16 +83,37 @@ pub fn cross_entropy(
                 }
             };
             let ops = [
-                Operand::rows(logits.gpu("cross_entropy", "logits", n)?, logits.offset(), vocab),
-                Operand::rows(targets.gpu("cross_entropy", "targets", rows)?, targets.offset(), 1),
-                Operand::rows(losses.gpu("cross_entropy", "losses", rows)?, losses.offset(), 1),
-                if per == 0 { Operand::whole(td, od, 1) } else { Operand::rows(td, od, per) },
+                Operand::rows(
+                    logits.gpu("cross_entropy", "logits", n)?,
+                    logits.offset(),
+                    vocab,
+                ),
+                Operand::rows(
+                    targets.gpu("cross_entropy", "targets", rows)?,
+                    targets.offset(),
+                    1,
+                ),
+                Operand::rows(
+                    losses.gpu("cross_entropy", "losses", rows)?,
+                    losses.offset(),
+                    1,
+                ),
+                if per == 0 {
+                    Operand::whole(td, od, 1)
+                } else {
+                    Operand::rows(td, od, per)
+                },
             ];
             let pipe = kernel(
                 g,
                 "cross_entropy",
                 include_str!("cross_entropy.wgsl"),
-                &[Access::Read, Access::Read, Access::ReadWrite, Access::ReadWrite],
+                &[
+                    Access::Read,
+                    Access::Read,
+                    Access::ReadWrite,
+                    Access::ReadWrite,
+                ],
             )?;
             let extra = [vocab as u32, grad_scale.to_bits(), dlogits.is_some() as u32];
             run(g, "cross_entropy", &pipe, rows, &ops, &extra, Grid::Groups)
@@ -115,11 +142,37 @@ mod tests {
                 Arg::out(rows * vocab, vocab),
                 Arg::out(rows, 1),
             ];
-            let out = check_twin("cross_entropy", 1e-11, &args, Some((vocab as u64 * 8).max(512)), |be, ts| {
-                let [tx, tt, tl, td, tl2] = ts else { unreachable!() };
-                cross_entropy(be, (&*tx).into(), (&*tt).into(), tl.into(), Some(td.into()), rows, vocab, 0.5)?;
-                cross_entropy(be, (&*tx).into(), (&*tt).into(), tl2.into(), None, rows, vocab, 0.5)
-            });
+            let out = check_twin(
+                "cross_entropy",
+                1e-11,
+                &args,
+                Some((vocab as u64 * 8).max(512)),
+                |be, ts| {
+                    let [tx, tt, tl, td, tl2] = ts else {
+                        unreachable!()
+                    };
+                    cross_entropy(
+                        be,
+                        (&*tx).into(),
+                        (&*tt).into(),
+                        tl.into(),
+                        Some(td.into()),
+                        rows,
+                        vocab,
+                        0.5,
+                    )?;
+                    cross_entropy(
+                        be,
+                        (&*tx).into(),
+                        (&*tt).into(),
+                        tl2.into(),
+                        None,
+                        rows,
+                        vocab,
+                        0.5,
+                    )
+                },
+            );
             assert_eq!(out[2], out[4]);
             if rows > 2 {
                 assert_eq!(out[2][1], 0.0);
@@ -136,15 +189,34 @@ mod tests {
                 let tx = be.from_f32(x, 1).unwrap();
                 let tt = be.from_u32(&t, 1).unwrap();
                 let mut tl = be.zeros(rows, 1).unwrap();
-                cross_entropy(&be, (&tx).into(), (&tt).into(), (&mut tl).into(), None, rows, vocab, 1.0).unwrap();
-                be.to_vec(&tl).unwrap().iter().map(|&v| v as f64).sum::<f64>() * 0.5
+                cross_entropy(
+                    &be,
+                    (&tx).into(),
+                    (&tt).into(),
+                    (&mut tl).into(),
+                    None,
+                    rows,
+                    vocab,
+                    1.0,
+                )
+                .unwrap();
+                be.to_vec(&tl)
+                    .unwrap()
+                    .iter()
+                    .map(|&v| v as f64)
+                    .sum::<f64>()
+                    * 0.5
             };
             for i in (0..x.len()).step_by((x.len() / 20).max(1)) {
                 let (mut xp, mut xm) = (x.clone(), x.clone());
                 xp[i] += 1e-2;
                 xm[i] -= 1e-2;
                 let fd = (f(&xp) - f(&xm)) / 2e-2;
-                assert!((fd - out[3][i] as f64).abs() < 1e-3, "d[{i}]: fd {fd} vs {}", out[3][i]);
+                assert!(
+                    (fd - out[3][i] as f64).abs() < 1e-3,
+                    "d[{i}]: fd {fd} vs {}",
+                    out[3][i]
+                );
             }
         }
     }

@@ -31,7 +31,14 @@ fn threshold(p: f32) -> u32 {
 
 /// y = dropout(x) over `n` elements with drop probability `p` (also the backward pass: dx =
 /// dropout(dy) with the same seed). `seed` should differ per layer, site and step.
-pub fn dropout(be: &Backend, x: TRef<'_>, mut y: TMut<'_>, n: usize, p: f32, seed: u32) -> Result<()> {
+pub fn dropout(
+    be: &Backend,
+    x: TRef<'_>,
+    mut y: TMut<'_>,
+    n: usize,
+    p: f32,
+    seed: u32,
+) -> Result<()> {
     if !(0.0..1.0).contains(&p) {
         return Err(Error::Shape {
             op: "dropout",
@@ -49,7 +56,11 @@ pub fn dropout(be: &Backend, x: TRef<'_>, mut y: TMut<'_>, n: usize, p: f32, see
                     .zip(xs)
                     .enumerate()
                     .for_each(|(i, (y, &x))| {
-                        *y = if keep(i as u32, seed, th) { x * scale } else { 0.0 }
+                        *y = if keep(i as u32, seed, th) {
+                            x * scale
+                        } else {
+                            0.0
+                        }
                     })
             });
             Ok(())
@@ -59,8 +70,21 @@ pub fn dropout(be: &Backend, x: TRef<'_>, mut y: TMut<'_>, n: usize, p: f32, see
                 Operand::rows(x.gpu("dropout", "x", n)?, x.offset(), 1),
                 Operand::rows(y.gpu("dropout", "y", n)?, y.offset(), 1),
             ];
-            let pipe = kernel(g, "dropout", include_str!("dropout.wgsl"), &[Access::Read, Access::ReadWrite])?;
-            run(g, "dropout", &pipe, n, &ops, &[th, seed, scale.to_bits()], Grid::Threads(256))
+            let pipe = kernel(
+                g,
+                "dropout",
+                include_str!("dropout.wgsl"),
+                &[Access::Read, Access::ReadWrite],
+            )?;
+            run(
+                g,
+                "dropout",
+                &pipe,
+                n,
+                &ops,
+                &[th, seed, scale.to_bits()],
+                Grid::Threads(256),
+            )
         }
     }
 }
@@ -94,14 +118,22 @@ pub fn dropout_add(
                     .zip(rs.par_iter().zip(xs))
                     .enumerate()
                     .for_each(|(i, (o, (&r, &x)))| {
-                        *o = r + if keep(i as u32, seed, th) { x * scale } else { 0.0 }
+                        *o = r + if keep(i as u32, seed, th) {
+                            x * scale
+                        } else {
+                            0.0
+                        }
                     })
             });
             Ok(())
         }
         Backend::Gpu(g) => {
             let ops = [
-                Operand::rows(residual.gpu("dropout_add", "residual", n)?, residual.offset(), 1),
+                Operand::rows(
+                    residual.gpu("dropout_add", "residual", n)?,
+                    residual.offset(),
+                    1,
+                ),
                 Operand::rows(x.gpu("dropout_add", "x", n)?, x.offset(), 1),
                 Operand::rows(out.gpu("dropout_add", "out", n)?, out.offset(), 1),
             ];
@@ -111,7 +143,15 @@ pub fn dropout_add(
                 include_str!("dropout_add.wgsl"),
                 &[Access::Read, Access::Read, Access::ReadWrite],
             )?;
-            run(g, "dropout_add", &pipe, n, &ops, &[th, seed, scale.to_bits()], Grid::Threads(256))
+            run(
+                g,
+                "dropout_add",
+                &pipe,
+                n,
+                &ops,
+                &[th, seed, scale.to_bits()],
+                Grid::Threads(256),
+            )
         }
     }
 }
@@ -141,7 +181,11 @@ mod tests {
         let tx = be.from_f32(&x, 1).unwrap();
         let mut ty = be.zeros(n, 1).unwrap();
         dropout(&be, (&tx).into(), (&mut ty).into(), n, 0.2, 1235).unwrap();
-        assert_ne!(be.to_vec(&ty).unwrap(), out[1], "another seed must give another mask");
+        assert_ne!(
+            be.to_vec(&ty).unwrap(),
+            out[1],
+            "another seed must give another mask"
+        );
     }
 
     #[test]
@@ -149,7 +193,12 @@ mod tests {
         let mut rng = SeedRng::new(23);
         let n = 5000;
         let (r, x) = (rng.vec(n, -1.0, 1.0), rng.vec(n, -1.0, 1.0));
-        let args = [Arg::data(r.clone(), 1), Arg::data(x.clone(), 1), Arg::out(n, 1), Arg::out(n, 1)];
+        let args = [
+            Arg::data(r.clone(), 1),
+            Arg::data(x.clone(), 1),
+            Arg::out(n, 1),
+            Arg::out(n, 1),
+        ];
         let out = check_twin("dropout_add", 0.0, &args, Some(4096), |be, t| {
             let [tr, tx, to, td] = t else { unreachable!() };
             dropout_add(be, (&*tr).into(), (&*tx).into(), to.into(), n, 0.3, 77)?;

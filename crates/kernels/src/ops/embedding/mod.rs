@@ -31,7 +31,12 @@ pub struct Positions<'a> {
 }
 
 /// Row ranges of a (possibly split) table: (first row, end row, buffer, element offset of first row).
-fn table_chunks(t: &GpuTensor, off: usize, rows: usize, dim: usize) -> Result<Vec<(usize, usize, wgpu::Buffer, usize)>> {
+fn table_chunks(
+    t: &GpuTensor,
+    off: usize,
+    rows: usize,
+    dim: usize,
+) -> Result<Vec<(usize, usize, wgpu::Buffer, usize)>> {
     let mut out = Vec::new();
     let mut r = 0;
     while r < rows {
@@ -80,13 +85,19 @@ pub fn embedding(
         Backend::Cpu(c) => {
             let ids = ids.cpu_u32("embedding", "ids", n)?;
             let tab = table.cpu("embedding", "table", s.vocab * d)?;
-            let ps = pos.map(|p| p.table.cpu("embedding", "positions", p.rows * d)).transpose()?;
+            let ps = pos
+                .map(|p| p.table.cpu("embedding", "positions", p.rows * d))
+                .transpose()?;
             let o = out.cpu("embedding", "out", n * d)?;
             c.install(|| {
                 o.par_chunks_mut(d.max(1)).enumerate().for_each(|(i, row)| {
                     let id = ids[i] as usize;
                     for (cc, v) in row.iter_mut().enumerate() {
-                        *v = if id < s.vocab { s.scale * tab[id * d + cc] } else { 0.0 };
+                        *v = if id < s.vocab {
+                            s.scale * tab[id * d + cc]
+                        } else {
+                            0.0
+                        };
                     }
                     if let (Some(pt), Some(p)) = (ps, &pos) {
                         let pr = &pt[(i % p.period + p.pos0) * d..][..d];
@@ -100,7 +111,13 @@ pub fn embedding(
             let tt = table.gpu("embedding", "table", s.vocab * d)?;
             let dummy;
             let (tp, op, has, period, pos0) = match &pos {
-                Some(p) => (p.table.gpu("embedding", "positions", p.rows * d)?, p.table.offset(), 1, p.period, p.pos0),
+                Some(p) => (
+                    p.table.gpu("embedding", "positions", p.rows * d)?,
+                    p.table.offset(),
+                    1,
+                    p.period,
+                    p.pos0,
+                ),
                 None => {
                     dummy = g.scratch("dummy", 1)?;
                     (&dummy, 0, 0, 1, 0)
@@ -112,8 +129,15 @@ pub fn embedding(
                 include_str!("forward.wgsl"),
                 &[Access::Read, Access::ReadWrite, Access::Read, Access::Read],
             )?;
-            let pos_span = if has == 1 { pos.map_or(1, |p| p.rows * d) } else { 1 };
-            for (k, (r0, r1, buf, local)) in table_chunks(tt, table.offset(), s.vocab, d)?.into_iter().enumerate() {
+            let pos_span = if has == 1 {
+                pos.map_or(1, |p| p.rows * d)
+            } else {
+                1
+            };
+            for (k, (r0, r1, buf, local)) in table_chunks(tt, table.offset(), s.vocab, d)?
+                .into_iter()
+                .enumerate()
+            {
                 // The table chunk's buffer stands in as a one-chunk tensor for the segment plumbing.
                 let chunk = GpuTensor::single(buf, (r1 - r0) * d + local);
                 let ops = [
@@ -173,7 +197,11 @@ impl GradIndex {
         if ids.len() > self.max_tokens {
             return Err(Error::Shape {
                 op: "embedding_backward",
-                msg: format!("{} tokens exceed the index's {}", ids.len(), self.max_tokens),
+                msg: format!(
+                    "{} tokens exceed the index's {}",
+                    ids.len(),
+                    self.max_tokens
+                ),
             });
         }
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.vocab) {
@@ -233,7 +261,9 @@ pub fn embedding_backward(
                     .map(|k| {
                         let mut acc = vec![0.0f32; d];
                         for &j in &order[offs[k] as usize..offs[k + 1] as usize] {
-                            acc.iter_mut().zip(&dos[j as usize * d..][..d]).for_each(|(a, b)| *a += b);
+                            acc.iter_mut()
+                                .zip(&dos[j as usize * d..][..d])
+                                .for_each(|(a, b)| *a += b);
                         }
                         (uniq[k] as usize, acc)
                     })
@@ -243,7 +273,10 @@ pub fn embedding_backward(
                 dt.fill(0.0);
             }
             for (id, acc) in rows {
-                dt[id * d..][..d].iter_mut().zip(acc).for_each(|(t, a)| *t += s.scale * a);
+                dt[id * d..][..d]
+                    .iter_mut()
+                    .zip(acc)
+                    .for_each(|(t, a)| *t += s.scale * a);
             }
             if let Some((mut dp, period)) = dpos {
                 let dps = dp.cpu("embedding_backward", "dpos", period * d)?;
@@ -263,7 +296,11 @@ pub fn embedding_backward(
         }
         Backend::Gpu(g) => {
             let td = dout.gpu("embedding_backward", "dout", n * d)?;
-            let dsegs = crate::gpu::segments("embedding_backward", 1, &[Operand::whole(td, dout.offset(), n * d)])?;
+            let dsegs = crate::gpu::segments(
+                "embedding_backward",
+                1,
+                &[Operand::whole(td, dout.offset(), n * d)],
+            )?;
             let (dbuf, doff) = (&dsegs[0].places[0].buffer, dsegs[0].places[0].offset);
             if !accumulate {
                 crate::ops::fill::fill(be, dtable.reborrow(), s.vocab * d, 0.0)?;
@@ -273,7 +310,13 @@ pub fn embedding_backward(
                 g,
                 "embedding_backward",
                 include_str!("backward.wgsl"),
-                &[Access::Read, Access::Read, Access::Read, Access::Read, Access::ReadWrite],
+                &[
+                    Access::Read,
+                    Access::Read,
+                    Access::Read,
+                    Access::Read,
+                    Access::ReadWrite,
+                ],
             )?;
             let gi = |t: &Tensor| t.gpu().expect("gpu index").chunks[0].buffer.clone();
             let (ub, ob, rb) = (gi(&index.uniq), gi(&index.offsets), gi(&index.order));
@@ -297,7 +340,12 @@ pub fn embedding_backward(
                     1,
                     s.scale.to_bits(),
                 ];
-                g.dispatch(&pipe, &params, &[&ub, &ob, &rb, dbuf, &buf], g.grid(u1 - u0))?;
+                g.dispatch(
+                    &pipe,
+                    &params,
+                    &[&ub, &ob, &rb, dbuf, &buf],
+                    g.grid(u1 - u0),
+                )?;
             }
             if let Some((dp, period)) = dpos {
                 let tp = dp.gpu("embedding_backward", "dpos", period * d)?;
@@ -308,9 +356,20 @@ pub fn embedding_backward(
                     &[Access::Read, Access::ReadWrite],
                 )?;
                 let doperand = GpuTensor::single(dbuf.clone(), doff + n * d);
-                let ops = [Operand::whole(&doperand, doff, n * d), Operand::rows(tp, dp.offset(), 1)];
+                let ops = [
+                    Operand::whole(&doperand, doff, n * d),
+                    Operand::rows(tp, dp.offset(), 1),
+                ];
                 let extra = [d as u32, n as u32, period as u32];
-                run(g, "embedding_backward", &pipe, period * d, &ops, &extra, Grid::Threads(256))?;
+                run(
+                    g,
+                    "embedding_backward",
+                    &pipe,
+                    period * d,
+                    &ops,
+                    &extra,
+                    Grid::Threads(256),
+                )?;
             }
             Ok(())
         }

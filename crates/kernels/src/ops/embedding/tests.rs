@@ -12,7 +12,12 @@ fn embedding_forward_and_backward_match_twin() {
     let pos = rng.vec(8 * dim, -1.0, 1.0);
     let dout = rng.vec(n * dim, -1.0, 1.0);
     let dtab0 = rng.vec(vocab * dim, -1.0, 1.0);
-    let s = EmbedShape { tokens: n, vocab, dim, scale: 1.5 };
+    let s = EmbedShape {
+        tokens: n,
+        vocab,
+        dim,
+        scale: 1.5,
+    };
     let args = [
         Arg::words(&ids, 1),
         Arg::data(tab, dim),
@@ -26,12 +31,34 @@ fn embedding_forward_and_backward_match_twin() {
     // Chunks of 600 elements: the table (888) splits at row 25, so lookups and scatter-adds cross
     // buffers; the token gradients (552) stay in one buffer, as the backward pass requires.
     let out = check_twin("embedding", 1e-12, &args, Some(2400), |be, t| {
-        let [ti, tt, tp, to, td, tdt, tdp, tdt2] = t else { unreachable!() };
-        let positions = Positions { table: (&*tp).into(), rows: 8, period, pos0: 2 };
-        embedding(be, (&*ti).into(), (&*tt).into(), Some(positions), to.into(), s)?;
+        let [ti, tt, tp, to, td, tdt, tdp, tdt2] = t else {
+            unreachable!()
+        };
+        let positions = Positions {
+            table: (&*tp).into(),
+            rows: 8,
+            period,
+            pos0: 2,
+        };
+        embedding(
+            be,
+            (&*ti).into(),
+            (&*tt).into(),
+            Some(positions),
+            to.into(),
+            s,
+        )?;
         let mut index = GradIndex::new(be, n, vocab)?;
         index.set(be, &ids)?;
-        embedding_backward(be, &index, (&*td).into(), tdt.into(), Some((tdp.into(), period)), s, false)?;
+        embedding_backward(
+            be,
+            &index,
+            (&*td).into(),
+            tdt.into(),
+            Some((tdp.into(), period)),
+            s,
+            false,
+        )?;
         embedding_backward(be, &index, (&*td).into(), tdt2.into(), None, s, true)
     });
     // Row 3 and row 7 share an id: that table row's gradient is scale * (dout[3] + dout[7] + others).
@@ -39,7 +66,9 @@ fn embedding_forward_and_backward_match_twin() {
     let mut want = vec![0.0f32; dim];
     for (i, &t) in ids.iter().enumerate() {
         if t as usize == id {
-            want.iter_mut().zip(&dout[i * dim..][..dim]).for_each(|(w, d)| *w += 1.5 * d);
+            want.iter_mut()
+                .zip(&dout[i * dim..][..dim])
+                .for_each(|(w, d)| *w += 1.5 * d);
         }
     }
     for c in 0..dim {

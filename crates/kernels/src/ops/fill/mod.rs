@@ -20,7 +20,15 @@ pub fn fill_bits(be: &Backend, mut out: TMut<'_>, n: usize, bits: u32) -> Result
         Backend::Gpu(g) => {
             let t = out.gpu("fill", "out", n)?;
             let pipe = kernel(g, "fill", include_str!("fill.wgsl"), &[Access::ReadWrite])?;
-            run(g, "fill", &pipe, n, &[Operand::rows(t, out.offset(), 1)], &[bits], Grid::Threads(256))
+            run(
+                g,
+                "fill",
+                &pipe,
+                n,
+                &[Operand::rows(t, out.offset(), 1)],
+                &[bits],
+                Grid::Threads(256),
+            )
         }
     }
 }
@@ -41,7 +49,10 @@ pub fn copy(be: &Backend, src: TRef<'_>, mut dst: TMut<'_>, n: usize) -> Result<
                 include_str!("copy.wgsl"),
                 &[Access::Read, Access::ReadWrite],
             )?;
-            let ops = [Operand::rows(ts, src.offset(), 1), Operand::rows(td, dst.offset(), 1)];
+            let ops = [
+                Operand::rows(ts, src.offset(), 1),
+                Operand::rows(td, dst.offset(), 1),
+            ];
             run(g, "copy", &pipe, n, &ops, &[], Grid::Threads(256))
         }
     }

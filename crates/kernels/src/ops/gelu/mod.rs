@@ -34,11 +34,23 @@ pub fn gelu(be: &Backend, x: TRef<'_>, y: TMut<'_>, n: usize) -> Result<()> {
 }
 
 /// dx = dy · gelu'(x) over `n` elements.
-pub fn gelu_backward(be: &Backend, x: TRef<'_>, dy: TRef<'_>, dx: TMut<'_>, n: usize) -> Result<()> {
+pub fn gelu_backward(
+    be: &Backend,
+    x: TRef<'_>,
+    dy: TRef<'_>,
+    dx: TMut<'_>,
+    n: usize,
+) -> Result<()> {
     launch(be, x, Some(dy), dx, n)
 }
 
-fn launch(be: &Backend, x: TRef<'_>, dy: Option<TRef<'_>>, mut out: TMut<'_>, n: usize) -> Result<()> {
+fn launch(
+    be: &Backend,
+    x: TRef<'_>,
+    dy: Option<TRef<'_>>,
+    mut out: TMut<'_>,
+    n: usize,
+) -> Result<()> {
     match be {
         Backend::Cpu(c) => {
             let xs = x.cpu("gelu", "x", n)?;
@@ -76,7 +88,15 @@ fn launch(be: &Backend, x: TRef<'_>, dy: Option<TRef<'_>>, mut out: TMut<'_>, n:
                 Operand::rows(td, od, 1),
                 Operand::rows(to, out.offset(), 1),
             ];
-            run(g, "gelu", &pipe, n, &ops, &[dy.is_some() as u32], Grid::Threads(256))
+            run(
+                g,
+                "gelu",
+                &pipe,
+                n,
+                &ops,
+                &[dy.is_some() as u32],
+                Grid::Threads(256),
+            )
         }
     }
 }
@@ -94,7 +114,12 @@ mod tests {
         x[0] = 40.0; // far in the tail: must stay finite
         x[1] = -40.0;
         let dy = rng.vec(n, -1.0, 1.0);
-        let args = [Arg::data(x.clone(), 1), Arg::data(dy.clone(), 1), Arg::out(n, 1), Arg::out(n, 1)];
+        let args = [
+            Arg::data(x.clone(), 1),
+            Arg::data(dy.clone(), 1),
+            Arg::out(n, 1),
+            Arg::out(n, 1),
+        ];
         let out = check_twin("gelu", 1e-12, &args, Some(4096), |be, t| {
             let [tx, td, ty, tg] = t else { unreachable!() };
             gelu(be, (&*tx).into(), ty.into(), n)?;
@@ -105,7 +130,8 @@ mod tests {
         // Backward against central differences of the forward twin (in f64 around f32 inputs).
         for i in 2..200 {
             let h = 1e-3f32;
-            let fd = (gelu_scalar(x[i] + h) as f64 - gelu_scalar(x[i] - h) as f64) / (2.0 * h as f64);
+            let fd =
+                (gelu_scalar(x[i] + h) as f64 - gelu_scalar(x[i] - h) as f64) / (2.0 * h as f64);
             let an = out[3][i] as f64 / dy[i] as f64;
             assert!((fd - an).abs() < 2e-3, "x={} fd={fd} analytic={an}", x[i]);
         }

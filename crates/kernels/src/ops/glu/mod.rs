@@ -28,7 +28,14 @@ pub fn act_scalar(a: Activation, x: f32) -> (f32, f32) {
 }
 
 /// out = act(gate) · up over `n` elements.
-pub fn glu(be: &Backend, act: Activation, gate: TRef<'_>, up: TRef<'_>, mut out: TMut<'_>, n: usize) -> Result<()> {
+pub fn glu(
+    be: &Backend,
+    act: Activation,
+    gate: TRef<'_>,
+    up: TRef<'_>,
+    mut out: TMut<'_>,
+    n: usize,
+) -> Result<()> {
     match be {
         Backend::Cpu(c) => {
             let (g, u) = (gate.cpu("glu", "gate", n)?, up.cpu("glu", "up", n)?);
@@ -106,7 +113,13 @@ pub fn glu_backward(
     }
 }
 
-fn launch(gb: &crate::gpu::GpuBackend, ops: &[Operand<'_>], n: usize, act: Activation, backward: bool) -> Result<()> {
+fn launch(
+    gb: &crate::gpu::GpuBackend,
+    ops: &[Operand<'_>],
+    n: usize,
+    act: Activation,
+    backward: bool,
+) -> Result<()> {
     // The forward pass binds `out` twice (binding 5 unused); wgpu allows one buffer in two writable
     // bindings of one dispatch only if they do not overlap in use, so the forward variant declares it
     // read-only-free: we bind the same buffer but the kernel never touches out2 in the forward pass.
@@ -114,13 +127,27 @@ fn launch(gb: &crate::gpu::GpuBackend, ops: &[Operand<'_>], n: usize, act: Activ
         gb,
         if backward { "glu_bwd" } else { "glu" },
         include_str!("glu.wgsl"),
-        &[Access::Read, Access::Read, Access::Read, Access::ReadWrite, Access::ReadWrite],
+        &[
+            Access::Read,
+            Access::Read,
+            Access::Read,
+            Access::ReadWrite,
+            Access::ReadWrite,
+        ],
     )?;
     let a = match act {
         Activation::Silu => 0,
         Activation::Gelu => 1,
     };
-    run(gb, "glu", &pipe, n, ops, &[a, backward as u32], Grid::Threads(256))
+    run(
+        gb,
+        "glu",
+        &pipe,
+        n,
+        ops,
+        &[a, backward as u32],
+        Grid::Threads(256),
+    )
 }
 
 #[cfg(test)]
@@ -145,15 +172,30 @@ mod tests {
                 Arg::out(n, 1),
             ];
             let out = check_twin("glu", 1e-12, &args, Some(2048), |be, t| {
-                let [tg, tu, td, to, tdg, tdu] = t else { unreachable!() };
+                let [tg, tu, td, to, tdg, tdu] = t else {
+                    unreachable!()
+                };
                 glu(be, act, (&*tg).into(), (&*tu).into(), to.into(), n)?;
-                glu_backward(be, act, (&*tg).into(), (&*tu).into(), (&*td).into(), tdg.into(), tdu.into(), n)
+                glu_backward(
+                    be,
+                    act,
+                    (&*tg).into(),
+                    (&*tu).into(),
+                    (&*td).into(),
+                    tdg.into(),
+                    tdu.into(),
+                    n,
+                )
             });
             for i in 0..100 {
                 let h = 1e-3f32;
                 let f = |x: f32| act_scalar(act, x).0 as f64 * u[i] as f64;
                 let fd = (f(g[i] + h) - f(g[i] - h)) / (2.0 * h as f64) * d[i] as f64;
-                assert!((fd - out[4][i] as f64).abs() < 5e-3, "{act:?} dgate fd {fd} vs {}", out[4][i]);
+                assert!(
+                    (fd - out[4][i] as f64).abs() < 5e-3,
+                    "{act:?} dgate fd {fd} vs {}",
+                    out[4][i]
+                );
                 let fdu = act_scalar(act, g[i]).0 * d[i];
                 assert!((fdu - out[5][i]).abs() < 1e-5);
             }

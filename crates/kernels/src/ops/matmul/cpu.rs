@@ -9,8 +9,16 @@ pub(crate) fn gemm(a: &[f32], b: &[f32], c: &mut [f32], g: &Gemm) {
     if g.m == 0 || g.n == 0 || g.batches() == 0 {
         return;
     }
-    let (a_rs, a_cs) = if g.trans_a { (1, g.lda as isize) } else { (g.lda as isize, 1) };
-    let (b_rs, b_cs) = if g.trans_b { (1, g.ldb as isize) } else { (g.ldb as isize, 1) };
+    let (a_rs, a_cs) = if g.trans_a {
+        (1, g.lda as isize)
+    } else {
+        (g.lda as isize, 1)
+    };
+    let (b_rs, b_cs) = if g.trans_b {
+        (1, g.ldb as isize)
+    } else {
+        (g.ldb as isize, 1)
+    };
     let one = |z1: usize, z2: usize, c: *mut f32, par: gemm::Parallelism| {
         let ao = z1 * g.stride_a[0] + z2 * g.stride_a[1];
         let bo = z1 * g.stride_b[0] + z2 * g.stride_b[1];
@@ -64,7 +72,12 @@ pub(crate) fn gemm(a: &[f32], b: &[f32], c: &mut [f32], g: &Gemm) {
             let (z1, z2) = (z / g.batch[1], z % g.batch[1]);
             let off = z1 * g.stride_c[0] + z2 * g.stride_c[1];
             // SAFETY: see above; `off` is this entry's own block of C.
-            one(z1, z2, unsafe { cp.get().add(off) }, gemm::Parallelism::None);
+            one(
+                z1,
+                z2,
+                unsafe { cp.get().add(off) },
+                gemm::Parallelism::None,
+            );
         });
     }
 }
@@ -91,12 +104,24 @@ pub fn gemm_reference(a: &[f32], b: &[f32], c: &mut [f32], g: &Gemm) {
                 for j in 0..g.n {
                     let mut s = 0.0f64;
                     for l in 0..g.k {
-                        let av = if g.trans_a { a[ao + l * g.lda + i] } else { a[ao + i * g.lda + l] };
-                        let bv = if g.trans_b { b[bo + j * g.ldb + l] } else { b[bo + l * g.ldb + j] };
+                        let av = if g.trans_a {
+                            a[ao + l * g.lda + i]
+                        } else {
+                            a[ao + i * g.lda + l]
+                        };
+                        let bv = if g.trans_b {
+                            b[bo + j * g.ldb + l]
+                        } else {
+                            b[bo + l * g.ldb + j]
+                        };
                         s += av as f64 * bv as f64;
                     }
                     let ci = co + i * g.ldc + j;
-                    let old = if g.beta == 0.0 { 0.0 } else { g.beta as f64 * c[ci] as f64 };
+                    let old = if g.beta == 0.0 {
+                        0.0
+                    } else {
+                        g.beta as f64 * c[ci] as f64
+                    };
                     c[ci] = (g.alpha as f64 * s + old) as f32;
                 }
             }

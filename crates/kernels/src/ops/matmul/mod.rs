@@ -17,6 +17,7 @@ use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, GpuBackend, GpuTensor, PipelineOptions};
 pub use cpu::gemm_reference;
+pub use wgsl::GemmOpts;
 pub use wgsl::Tile;
 use wgsl::gemm_source;
 
@@ -125,8 +126,16 @@ impl Gemm {
                 (self.batch[0] - 1) * s[0] + (self.batch[1] - 1) * s[1] + (rows - 1) * ld + cols
             }
         };
-        let (ar, ac) = if self.trans_a { (self.k, self.m) } else { (self.m, self.k) };
-        let (br, bc) = if self.trans_b { (self.n, self.k) } else { (self.k, self.n) };
+        let (ar, ac) = if self.trans_a {
+            (self.k, self.m)
+        } else {
+            (self.m, self.k)
+        };
+        let (br, bc) = if self.trans_b {
+            (self.n, self.k)
+        } else {
+            (self.k, self.n)
+        };
         [
             last(ar, ac, self.lda, self.stride_a),
             last(br, bc, self.ldb, self.stride_b),
@@ -140,7 +149,7 @@ impl Gemm {
             if self.trans_b { self.k } else { self.n },
         );
         let bad = |msg: String| Err(Error::Shape { op: "matmul", msg });
-        if self.lda < ac.max(1) || self.ldb < bc.max(1) || self.ldc < self.n.max(1) {
+        if self.lda < ac || self.ldb < bc || self.ldc < self.n {
             return bad(format!(
                 "leading dimensions too small: lda {} (needs >= {ac}), ldb {} (needs >= {bc}), ldc {} (needs >= {})",
                 self.lda, self.ldb, self.ldc, self.n
@@ -180,7 +189,19 @@ pub fn matmul_with_tile(
             let ta = a.gpu("matmul", "A", ea)?;
             let tb = b.gpu("matmul", "B", eb)?;
             let tc = c.gpu("matmul", "C", ec)?;
-            gpu_matmul(gb, (ta, a.offset()), (tb, b.offset()), (tc, c.offset()), g, tile)
+            let choice = KernelChoice {
+                subgroups: gb.path_active(crate::gate::PathId::Subgroups),
+                ..KernelChoice::default()
+            };
+            gpu_matmul(
+                gb,
+                (ta, a.offset()),
+                (tb, b.offset()),
+                (tc, c.offset()),
+                g,
+                tile,
+                choice,
+            )
         }
     }
 }
@@ -226,7 +247,12 @@ fn choose_tile(g: &Gemm) -> Tile {
     order
         .into_iter()
         .find(|&t| groups(t) >= 512)
-        .unwrap_or_else(|| order.into_iter().max_by_key(|&t| groups(t)).unwrap_or(TILE_SMALL))
+        .unwrap_or_else(|| {
+            order
+                .into_iter()
+                .max_by_key(|&t| groups(t))
+                .unwrap_or(TILE_SMALL)
+        })
 }
 
 fn params(g: &Gemm, offs: [usize; 3], m: usize, n: usize, k: usize, beta: f32) -> Vec<u32> {
@@ -291,6 +317,15 @@ fn ranges(mut cut: Vec<usize>, len: usize) -> Vec<(usize, usize)> {
     cut.windows(2).map(|w| (w[0], w[1])).collect()
 }
 
+/// Which kernel family a product runs on: the canonical f32 kernels, or a fast path's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct KernelChoice {
+    /// B is packed f16 (offsets, strides and `ldb` in f16 elements).
+    pub b_f16: bool,
+    pub shader_f16: bool,
+    pub subgroups: bool,
+}
+
 pub(crate) fn gpu_matmul(
     gb: &GpuBackend,
     (ta, oa): (&GpuTensor, usize),
@@ -298,6 +333,7 @@ pub(crate) fn gpu_matmul(
     (tc, oc): (&GpuTensor, usize),
     g: &Gemm,
     tile: Option<Tile>,
+    choice: KernelChoice,
 ) -> Result<()> {
     if g.m == 0 || g.n == 0 || g.batches() == 0 {
         return Ok(());
@@ -316,32 +352,74 @@ pub(crate) fn gpu_matmul(
             gb.limits.max_compute_invocations_per_workgroup
         )));
     }
-    let pipe = pipeline(gb, tile, g.trans_a, g.trans_b)?;
-    let dispatch = |bufs: [&wgpu::Buffer; 3], offs: [usize; 3], m: usize, n: usize, k: usize, beta: f32, zs: usize| {
-        let p = params(g, offs, m, n, k, beta);
-        gb.dispatch(
-            &pipe,
-            &p,
-            &bufs,
-            [
-                n.div_ceil(tile.bn as usize) as u32,
-                m.div_ceil(tile.bm as usize) as u32,
-                zs as u32,
-            ],
-        )
+    let opts = GemmOpts {
+        trans_a: g.trans_a,
+        trans_b: g.trans_b,
+        b_f16: choice.b_f16,
+        shader_f16: choice.shader_f16,
+        fault: gb.planted_fault(),
     };
     let [ea, eb, ec] = g.extents();
     let max_z = gb.limits.max_compute_workgroups_per_dimension as usize;
     let single = ta.chunks.len() == 1 && tb.chunks.len() == 1 && tc.chunks.len() == 1;
+    // Packed-f16 B counts f16 elements while its tensor counts u32 words: find the words, then express
+    // the offset inside the buffer in f16 elements again.
+    let locate =
+        |t: &GpuTensor, first: usize, last: usize, what: &str| -> Result<(wgpu::Buffer, usize)> {
+            if choice.b_f16 && what == "B" {
+                let (b, w) = locate(t, first / 2, last / 2, what)?;
+                Ok((b, 2 * w + first % 2))
+            } else {
+                locate(t, first, last, what)
+            }
+        };
+    if g.k == 0 {
+        // An empty sum: C = beta · C. The kernels read nothing from A and B then; a dummy buffer stands
+        // in for the empty tensors (which own no element to bind at).
+        let dummy = gb.scratch("dummy", 1)?;
+        let (bc, lc) = locate(tc, oc, oc + ec.max(1) - 1, "C")?;
+        let pipe = pipeline(
+            gb,
+            TILE_SMALL,
+            GemmOpts {
+                trans_a: g.trans_a,
+                trans_b: g.trans_b,
+                ..GemmOpts::default()
+            },
+        )?;
+        let p = params(g, [0, 0, lc], g.m, g.n, 0, g.beta);
+        let d = &dummy.chunks[0].buffer;
+        return gb.dispatch(
+            &pipe,
+            &p,
+            &[d, d, &bc],
+            [
+                g.n.div_ceil(32) as u32,
+                g.m.div_ceil(32) as u32,
+                g.batches() as u32,
+            ],
+        );
+    }
+    if choice.b_f16 && tb.chunks.len() != 1 {
+        return Err(Error::Shape {
+            op: "matmul",
+            msg: "an f16-packed weight must lie in one buffer".into(),
+        });
+    }
     if single && g.m <= 8 && g.batches() == 1 && !g.trans_a && g.trans_b && !forced {
         let (ba, la) = locate(ta, oa, oa + ea.max(1) - 1, "A")?;
         let (bb, lb) = locate(tb, ob, ob + eb.max(1) - 1, "B")?;
         let (bc, lc) = locate(tc, oc, oc + ec.max(1) - 1, "C")?;
-        let pipe = crate::ops::common::kernel(
-            gb,
-            "gemv_nt",
-            include_str!("gemv.wgsl"),
+        let key = format!(
+            "gemv_{}{}",
+            opts.key(),
+            if choice.subgroups { "_sg" } else { "" }
+        );
+        let pipe = gb.pipeline(
+            &key,
             &[Access::Read, Access::Read, Access::ReadWrite],
+            PipelineOptions::default(),
+            || wgsl::gemv_source(opts, choice.subgroups),
         )?;
         let p = [
             g.m as u32,
@@ -358,11 +436,39 @@ pub(crate) fn gpu_matmul(
         ];
         return gb.dispatch(&pipe, &p, &[&ba, &bb, &bc], gb.grid(g.n.div_ceil(8)));
     }
+    let pipe = pipeline(gb, tile, opts)?;
+    let dispatch = |bufs: [&wgpu::Buffer; 3],
+                    offs: [usize; 3],
+                    m: usize,
+                    n: usize,
+                    k: usize,
+                    beta: f32,
+                    zs: usize| {
+        let p = params(g, offs, m, n, k, beta);
+        gb.dispatch(
+            &pipe,
+            &p,
+            &bufs,
+            [
+                n.div_ceil(tile.bn as usize) as u32,
+                m.div_ceil(tile.bm as usize) as u32,
+                zs as u32,
+            ],
+        )
+    };
     if single && g.batches() <= max_z {
         let (ba, la) = locate(ta, oa, oa + ea.max(1) - 1, "A")?;
         let (bb, lb) = locate(tb, ob, ob + eb.max(1) - 1, "B")?;
         let (bc, lc) = locate(tc, oc, oc + ec.max(1) - 1, "C")?;
-        return dispatch([&ba, &bb, &bc], [la, lb, lc], g.m, g.n, g.k, g.beta, g.batches());
+        return dispatch(
+            [&ba, &bb, &bc],
+            [la, lb, lc],
+            g.m,
+            g.n,
+            g.k,
+            g.beta,
+            g.batches(),
+        );
     }
     if g.batches() > 1 {
         // One outer batch entry at a time; each must lie in one buffer per operand.
@@ -387,7 +493,15 @@ pub(crate) fn gpu_matmul(
                     g.batch[1]
                 )));
             }
-            dispatch([&ba, &bb, &bc], [la, lb, lc], g.m, g.n, g.k, g.beta, g.batch[1])?;
+            dispatch(
+                [&ba, &bb, &bc],
+                [la, lb, lc],
+                g.m,
+                g.n,
+                g.k,
+                g.beta,
+                g.batch[1],
+            )?;
         }
         return Ok(());
     }
@@ -404,21 +518,37 @@ pub(crate) fn gpu_matmul(
         cuts(tb, ob, g.ldb, g.k, &mut kc);
     }
     cuts(tc, oc, g.ldc, g.m, &mut mc);
-    let k_ranges = if g.k == 0 { vec![(0, 0)] } else { ranges(kc, g.k) };
+    let k_ranges = if g.k == 0 {
+        vec![(0, 0)]
+    } else {
+        ranges(kc, g.k)
+    };
     let n_ranges = ranges(nc, g.n);
     for &(m0, m1) in &ranges(mc, g.m) {
         for &(n0, n1) in &n_ranges {
             for (ki, &(k0, k1)) in k_ranges.iter().enumerate() {
                 let (m, n, k) = (m1 - m0, n1 - n0, k1 - k0);
                 let (a_first, a_last) = if g.trans_a {
-                    (oa + k0 * g.lda + m0, oa + (k1.max(k0 + 1) - 1) * g.lda + m1 - 1)
+                    (
+                        oa + k0 * g.lda + m0,
+                        oa + (k1.max(k0 + 1) - 1) * g.lda + m1 - 1,
+                    )
                 } else {
-                    (oa + m0 * g.lda + k0, oa + (m1 - 1) * g.lda + k1.max(k0 + 1) - 1)
+                    (
+                        oa + m0 * g.lda + k0,
+                        oa + (m1 - 1) * g.lda + k1.max(k0 + 1) - 1,
+                    )
                 };
                 let (b_first, b_last) = if g.trans_b {
-                    (ob + n0 * g.ldb + k0, ob + (n1 - 1) * g.ldb + k1.max(k0 + 1) - 1)
+                    (
+                        ob + n0 * g.ldb + k0,
+                        ob + (n1 - 1) * g.ldb + k1.max(k0 + 1) - 1,
+                    )
                 } else {
-                    (ob + k0 * g.ldb + n0, ob + (k1.max(k0 + 1) - 1) * g.ldb + n1 - 1)
+                    (
+                        ob + k0 * g.ldb + n0,
+                        ob + (k1.max(k0 + 1) - 1) * g.ldb + n1 - 1,
+                    )
                 };
                 let c_first = oc + m0 * g.ldc + n0;
                 let c_last = oc + (m1 - 1) * g.ldc + n1 - 1;
@@ -436,21 +566,67 @@ pub(crate) fn gpu_matmul(
 fn pipeline(
     gb: &GpuBackend,
     tile: Tile,
-    trans_a: bool,
-    trans_b: bool,
+    opts: GemmOpts,
 ) -> Result<std::rc::Rc<crate::gpu::Pipeline>> {
-    let key = format!(
-        "gemm_{}{}_{}",
-        if trans_a { 't' } else { 'n' },
-        if trans_b { 't' } else { 'n' },
-        tile.key()
-    );
+    let key = format!("gemm_{}_{}", opts.key(), tile.key());
     gb.pipeline(
         &key,
         &[Access::Read, Access::Read, Access::ReadWrite],
         PipelineOptions::default(),
-        || gemm_source(tile, trans_a, trans_b),
+        || gemm_source(tile, opts),
     )
+}
+
+/// The subgroup path's gate at one shape: the decode kernel (m <= 8) reducing with `subgroupAdd`, and
+/// the tiled kernel otherwise (unchanged by the path), against the CPU twin.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn gate_evaluate_subgroups(
+    be: &Backend,
+    c: &crate::gate::GateCase,
+    seed: u64,
+) -> Result<crate::gate::CaseOutput> {
+    use crate::gate::paths::{gpu_of, guarded_output, inputs, read_guarded, reference};
+    let g = gpu_of(be)?;
+    let (x, w) = inputs(c, seed);
+    let (tx, tw) = (be.from_f32(&x, 1)?, be.from_f32(&w, 1)?);
+    let out = guarded_output(be, c)?;
+    let choice = KernelChoice {
+        subgroups: true,
+        ..KernelChoice::default()
+    };
+    let gpu = |t: &crate::Tensor| {
+        t.gpu()
+            .cloned()
+            .ok_or_else(|| Error::Gpu("gate tensors live on the GPU".into()))
+    };
+    let (ta, tb, tc) = (gpu(&tx)?, gpu(&tw)?, gpu(&out)?);
+    gpu_matmul(
+        g,
+        (&ta, 0),
+        (&tb, 0),
+        (&tc, 0),
+        &Gemm::nt(c.m, c.n, c.k),
+        None,
+        choice,
+    )?;
+    let (fast, guard_intact) = read_guarded(be, &out, c)?;
+    Ok(crate::gate::CaseOutput {
+        reference: reference(c, &x, &w),
+        fast,
+        guard_intact,
+    })
+}
+
+#[cfg(target_arch = "wasm32")]
+pub fn gate_evaluate_subgroups(
+    _: &Backend,
+    _: &crate::gate::GateCase,
+    _: u64,
+) -> Result<crate::gate::CaseOutput> {
+    Err(Error::Shape {
+        op: "gate",
+        msg: "gates run asynchronously on the web".into(),
+    })
 }
 
 #[cfg(test)]

@@ -27,17 +27,33 @@ fn case(rng: &mut SeedRng, g: &Gemm) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)
 }
 
 fn all_layouts(m: usize, n: usize, k: usize) -> [Gemm; 4] {
-    [Gemm::nn(m, n, k), Gemm::nt(m, n, k), Gemm::tn(m, n, k), Gemm::tt(m, n, k)]
+    [
+        Gemm::nn(m, n, k),
+        Gemm::nt(m, n, k),
+        Gemm::tn(m, n, k),
+        Gemm::tt(m, n, k),
+    ]
 }
 
 #[test]
 fn cpu_twin_matches_reference_at_odd_sizes() {
     let be = cpu_backend();
     let mut rng = SeedRng::new(1);
-    for &(m, n, k) in &[(1, 1, 1), (3, 5, 7), (17, 33, 65), (64, 1, 128), (130, 67, 3)] {
+    for &(m, n, k) in &[
+        (1, 1, 1),
+        (3, 5, 7),
+        (17, 33, 65),
+        (64, 1, 128),
+        (130, 67, 3),
+    ] {
         for g in all_layouts(m, n, k) {
             let (a, b, c0, want) = case(&mut rng, &g);
-            assert_nmse(&format!("cpu {g:?}"), &want, &run(&be, &g, &a, &b, &c0, [1; 3]), BOUND);
+            assert_nmse(
+                &format!("cpu {g:?}"),
+                &want,
+                &run(&be, &g, &a, &b, &c0, [1; 3]),
+                BOUND,
+            );
         }
     }
 }
@@ -46,10 +62,22 @@ fn cpu_twin_matches_reference_at_odd_sizes() {
 fn gpu_matches_reference_at_odd_sizes() {
     let Some(be) = gpu_backend(None) else { return };
     let mut rng = SeedRng::new(2);
-    for &(m, n, k) in &[(1, 1, 1), (3, 5, 7), (17, 33, 65), (64, 1, 128), (130, 67, 3), (129, 257, 40)] {
+    for &(m, n, k) in &[
+        (1, 1, 1),
+        (3, 5, 7),
+        (17, 33, 65),
+        (64, 1, 128),
+        (130, 67, 3),
+        (129, 257, 40),
+    ] {
         for g in all_layouts(m, n, k) {
             let (a, b, c0, want) = case(&mut rng, &g);
-            assert_nmse(&format!("gpu {g:?}"), &want, &run(&be, &g, &a, &b, &c0, [1; 3]), BOUND);
+            assert_nmse(
+                &format!("gpu {g:?}"),
+                &want,
+                &run(&be, &g, &a, &b, &c0, [1; 3]),
+                BOUND,
+            );
         }
     }
 }
@@ -59,12 +87,27 @@ fn gpu_large_tile_with_alpha_accumulate_and_padding() {
     let Some(be) = gpu_backend(None) else { return };
     let mut rng = SeedRng::new(3);
     // Big enough for the 128x128 tile; leading dimensions wider than the matrices; C accumulates.
-    let g = Gemm::nt(300, 260, 70).lda(75).ldb(72).ldc(263).alpha(0.5).accumulate();
+    let g = Gemm::nt(300, 260, 70)
+        .lda(75)
+        .ldb(72)
+        .ldc(263)
+        .alpha(0.5)
+        .accumulate();
     let (a, b, c0, want) = case(&mut rng, &g);
-    assert_nmse("gpu padded", &want, &run(&be, &g, &a, &b, &c0, [1; 3]), BOUND);
+    assert_nmse(
+        "gpu padded",
+        &want,
+        &run(&be, &g, &a, &b, &c0, [1; 3]),
+        BOUND,
+    );
     let g = Gemm::tn(260, 300, 129).alpha(-2.0);
     let (a, b, c0, want) = case(&mut rng, &g);
-    assert_nmse("gpu tn large", &want, &run(&be, &g, &a, &b, &c0, [1; 3]), BOUND);
+    assert_nmse(
+        "gpu tn large",
+        &want,
+        &run(&be, &g, &a, &b, &c0, [1; 3]),
+        BOUND,
+    );
 }
 
 #[test]
@@ -72,9 +115,21 @@ fn gpu_decode_rows_take_the_gemv_kernel_and_match() {
     let Some(be) = gpu_backend(None) else { return };
     let mut rng = SeedRng::new(7);
     for (m, n, k) in [(1, 1536, 384), (2, 67, 1536), (8, 259, 40), (5, 1, 1)] {
-        for g in [Gemm::nt(m, n, k), Gemm::nt(m, n, k).lda(k + 3).ldc(n + 1).alpha(0.5).accumulate()] {
+        for g in [
+            Gemm::nt(m, n, k),
+            Gemm::nt(m, n, k)
+                .lda(k + 3)
+                .ldc(n + 1)
+                .alpha(0.5)
+                .accumulate(),
+        ] {
             let (a, b, c0, want) = case(&mut rng, &g);
-            assert_nmse(&format!("gemv {g:?}"), &want, &run(&be, &g, &a, &b, &c0, [1; 3]), BOUND);
+            assert_nmse(
+                &format!("gemv {g:?}"),
+                &want,
+                &run(&be, &g, &a, &b, &c0, [1; 3]),
+                BOUND,
+            );
         }
     }
 }
@@ -84,11 +139,12 @@ fn batched_attention_shaped_products() {
     // Scores = Q Kᵀ per (sequence, head), read straight out of a fused QKV tensor [B*T, 3C].
     let (bsz, t, h, hd) = (3, 9, 2, 4);
     let c = h * hd;
-    let g = Gemm::nt(t, t, hd)
-        .lda(3 * c)
-        .ldb(3 * c)
-        .alpha(0.5)
-        .batched([bsz, h], [t * 3 * c, hd], [t * 3 * c, hd], [h * t * t, t * t]);
+    let g = Gemm::nt(t, t, hd).lda(3 * c).ldb(3 * c).alpha(0.5).batched(
+        [bsz, h],
+        [t * 3 * c, hd],
+        [t * 3 * c, hd],
+        [h * t * t, t * t],
+    );
     let mut rng = SeedRng::new(4);
     let qkv = rng.vec(bsz * t * 3 * c, -1.0, 1.0);
     let ec = g.extents()[2];
@@ -100,14 +156,21 @@ fn batched_attention_shaped_products() {
         let tq = be.from_f32(&qkv, t * 3 * c).unwrap();
         let mut ts = poisoned(be, ec, t * t).unwrap();
         matmul(be, tq.at(0), tq.at(c), (&mut ts).into(), &g).unwrap();
-        assert_nmse(&format!("{} batched", be.kind()), &want, &be.to_vec(&ts).unwrap(), BOUND);
+        assert_nmse(
+            &format!("{} batched", be.kind()),
+            &want,
+            &be.to_vec(&ts).unwrap(),
+            BOUND,
+        );
     }
 }
 
 #[test]
 fn gpu_splits_tensors_larger_than_a_binding() {
     // Chunks of 4 KiB (1024 floats) force every operand across several buffers.
-    let Some(be) = gpu_backend(Some(4096)) else { return };
+    let Some(be) = gpu_backend(Some(4096)) else {
+        return;
+    };
     let mut rng = SeedRng::new(5);
     for g in [
         Gemm::nn(70, 40, 50),
@@ -117,11 +180,7 @@ fn gpu_splits_tensors_larger_than_a_binding() {
         Gemm::nt(50, 60, 30).accumulate(),
     ] {
         let (a, b, c0, want) = case(&mut rng, &g);
-        let units = [
-            if g.trans_a { g.lda } else { g.lda },
-            g.ldb,
-            g.ldc,
-        ];
+        let units = [if g.trans_a { g.lda } else { g.lda }, g.ldb, g.ldc];
         let got = run(&be, &g, &a, &b, &c0, units);
         assert_nmse(&format!("split {g:?}"), &want, &got, BOUND);
     }
@@ -143,7 +202,10 @@ fn gpu_weight_larger_than_the_real_binding_limit() {
     let w = rng.vec(n * k, -0.1, 0.1);
     let g = Gemm::nt(m, n, k);
     let tw = be.from_f32(&w, k).unwrap();
-    assert!(tw.gpu().unwrap().num_chunks() > 1, "the weight should need several buffers");
+    assert!(
+        tw.gpu().unwrap().num_chunks() > 1,
+        "the weight should need several buffers"
+    );
     let tx = be.from_f32(&x, k).unwrap();
     let mut ty = poisoned(&be, m * n, n).unwrap();
     matmul(&be, (&tx).into(), (&tw).into(), (&mut ty).into(), &g).unwrap();
@@ -163,17 +225,29 @@ fn bad_shapes_are_errors_not_panics() {
     let b = be.zeros(10, 1).unwrap();
     let mut c = be.zeros(10, 1).unwrap();
     // Too few elements for a 4x4x4 product.
-    let e = matmul(&be, (&a).into(), (&b).into(), (&mut c).into(), &Gemm::nn(4, 4, 4));
+    let e = matmul(
+        &be,
+        (&a).into(),
+        (&b).into(),
+        (&mut c).into(),
+        &Gemm::nn(4, 4, 4),
+    );
     assert!(matches!(e, Err(Error::Shape { .. })), "{e:?}");
     // Leading dimension smaller than the row.
-    let e = matmul(&be, (&a).into(), (&b).into(), (&mut c).into(), &Gemm::nn(2, 2, 3).lda(2));
+    let e = matmul(
+        &be,
+        (&a).into(),
+        (&b).into(),
+        (&mut c).into(),
+        &Gemm::nn(2, 2, 3).lda(2),
+    );
     assert!(matches!(e, Err(Error::Shape { .. })), "{e:?}");
 }
 
 mod fuzz {
     use super::*;
-    use proptest::prelude::*;
     use crate::testing::SeedRng;
+    use proptest::prelude::*;
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 24, .. ProptestConfig::default() })]

@@ -34,7 +34,10 @@ impl Tile {
         (self.bm + self.bn) * self.bk * 4
     }
     pub fn key(&self) -> String {
-        format!("{}x{}x{}_{}x{}", self.bm, self.bn, self.bk, self.tm, self.tn)
+        format!(
+            "{}x{}x{}_{}x{}",
+            self.bm, self.bn, self.bk, self.tm, self.tn
+        )
     }
     /// Whether the tile's shape is one the generator supports.
     pub fn is_valid(&self) -> bool {
@@ -45,6 +48,34 @@ impl Tile {
             && (self.bn * self.bk) % t == 0
             && self.bm % self.tm == 0
             && self.bn % self.tn == 0
+    }
+}
+
+/// Kernel variants beyond the tile shape.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct GemmOpts {
+    pub trans_a: bool,
+    pub trans_b: bool,
+    /// B holds f16 values packed two per u32 (`pack2x16float`); its offsets, strides and leading
+    /// dimension count f16 elements. Accumulation stays f32.
+    pub b_f16: bool,
+    /// Stage the tiles in workgroup memory as f16 and multiply f16 operands (`enable f16`), adding the
+    /// products into f32 accumulators.
+    pub shader_f16: bool,
+    /// A deliberately broken variant, for proving the numerics gate catches it.
+    pub fault: Option<crate::gate::Fault>,
+}
+
+impl GemmOpts {
+    pub fn key(&self) -> String {
+        format!(
+            "{}{}{}{}{}",
+            if self.trans_a { 't' } else { 'n' },
+            if self.trans_b { 't' } else { 'n' },
+            if self.b_f16 { "_bf16" } else { "" },
+            if self.shader_f16 { "_sf16" } else { "" },
+            self.fault.map_or(String::new(), |f| format!("_fault{f:?}"))
+        )
     }
 }
 
@@ -59,13 +90,22 @@ const PARAMS: &str = "struct Params {
 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> A: array<f32>;
-@group(0) @binding(2) var<storage, read> B: array<f32>;
+@group(0) @binding(2) var<storage, read> B: array<BT>;
 @group(0) @binding(3) var<storage, read_write> C: array<f32>;
 ";
 
 /// WGSL for C = alpha * op(A) op(B) + beta * C with the given tile and transposes.
-pub fn gemm_source(t: Tile, trans_a: bool, trans_b: bool) -> String {
+pub fn gemm_source(t: Tile, o: GemmOpts) -> String {
+    use crate::gate::Fault;
     assert!(t.is_valid(), "invalid GEMM tile {t:?}");
+    let (trans_a, trans_b) = (o.trans_a, o.trans_b);
+    // Element type of the workgroup tiles and of the accumulators (f16 accumulation is a planted fault).
+    let st = if o.shader_f16 { "f16" } else { "f32" };
+    let acc_t = if o.fault == Some(Fault::F16Accumulation) {
+        "f16"
+    } else {
+        "f32"
+    };
     let nt = t.threads();
     let (gm, gn) = (t.tm / 4, t.tn / 4); // 4-groups per thread in each direction
     let (sm, sn) = (t.bm / gm, t.bn / gn); // distance between a thread's groups
@@ -73,14 +113,27 @@ pub fn gemm_source(t: Tile, trans_a: bool, trans_b: bool) -> String {
     let b_per = t.bn * t.bk / nt;
     let mut s = String::new();
     let w = &mut s;
+    if o.shader_f16 || acc_t == "f16" {
+        let _ = writeln!(w, "enable f16;");
+    }
+    let _ = writeln!(w, "alias BT = {};", if o.b_f16 { "u32" } else { "f32" });
+    let _ = writeln!(w, "alias ST = {st};\nalias AccT = {acc_t};");
     let _ = writeln!(w, "{PARAMS}");
     let _ = writeln!(
         w,
         "const BM: u32 = {}u; const BN: u32 = {}u; const BK: u32 = {}u; const NT: u32 = {nt}u;",
         t.bm, t.bn, t.bk
     );
-    let _ = writeln!(w, "var<workgroup> As: array<vec4<f32>, {}>;", t.bm * t.bk / 4);
-    let _ = writeln!(w, "var<workgroup> Bs: array<vec4<f32>, {}>;", t.bn * t.bk / 4);
+    let _ = writeln!(
+        w,
+        "var<workgroup> As: array<vec4<ST>, {}>;",
+        t.bm * t.bk / 4
+    );
+    let _ = writeln!(
+        w,
+        "var<workgroup> Bs: array<vec4<ST>, {}>;",
+        t.bn * t.bk / 4
+    );
     let _ = writeln!(
         w,
         "@compute @workgroup_size({nt})
@@ -144,9 +197,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             } else {
                 format!("b_base + ({k0} + lb_k{i}) * p.ldb + col0 + lb_n{i}")
             };
+            let load = if o.b_f16 {
+                format!("{{ let e = {idx}; rb{i} = unpack2x16float(B[e >> 1u])[e & 1u]; }}")
+            } else {
+                format!("rb{i} = B[{idx}];")
+            };
             let _ = writeln!(
                 w,
-                "    rb{i} = 0.0; if (col0 + lb_n{i} < p.n && {k0} + lb_k{i} < p.k) {{ rb{i} = B[{idx}]; }}"
+                "    rb{i} = 0.0; if (col0 + lb_n{i} < p.n && {k0} + lb_k{i} < p.k) {{ {load} }}"
             );
         }
     };
@@ -158,7 +216,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     for i in 0..t.tm {
         for g in 0..gn {
-            let _ = writeln!(w, "  var acc{i}_{g} = vec4<f32>(0.0);");
+            let _ = writeln!(w, "  var acc{i}_{g} = vec4<AccT>(0.0);");
         }
     }
     let _ = writeln!(w, "  {{");
@@ -169,13 +227,13 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for i in 0..a_per {
         let _ = writeln!(
             w,
-            "    As[la_k{i} * (BM / 4u) + la_m{i} / 4u][la_m{i} % 4u] = ra{i};"
+            "    As[la_k{i} * (BM / 4u) + la_m{i} / 4u][la_m{i} % 4u] = ST(ra{i});"
         );
     }
     for i in 0..b_per {
         let _ = writeln!(
             w,
-            "    Bs[lb_k{i} * (BN / 4u) + lb_n{i} / 4u][lb_n{i} % 4u] = rb{i};"
+            "    Bs[lb_k{i} * (BN / 4u) + lb_n{i} / 4u][lb_n{i} % 4u] = ST(rb{i});"
         );
     }
     let _ = writeln!(w, "    workgroupBarrier();");
@@ -205,10 +263,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 let i = gi * 4 + c;
                 let comp = ["x", "y", "z", "w"][c as usize];
                 for g in 0..gn {
-                    let _ = writeln!(
-                        w,
-                        "    acc{i}_{g} = fma(vec4<f32>(a{kk}_{gi}.{comp}), b{kk}_{g}, acc{i}_{g});"
-                    );
+                    let line = if o.shader_f16 {
+                        // f16 operands, product rounded to f16, added into the accumulator.
+                        format!(
+                            "    acc{i}_{g} = acc{i}_{g} + vec4<AccT>(vec4<f16>(a{kk}_{gi}.{comp}) * b{kk}_{g});"
+                        )
+                    } else {
+                        format!(
+                            "    acc{i}_{g} = fma(vec4<AccT>(AccT(a{kk}_{gi}.{comp})), vec4<AccT>(b{kk}_{g}), acc{i}_{g});"
+                        )
+                    };
+                    let _ = writeln!(w, "{line}");
                 }
             }
         }
@@ -225,7 +290,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     let comp = ["x", "y", "z", "w"][j as usize];
                     let _ = writeln!(
                         w,
-                        "      {{ let cc = col0 + {}u + tc * 4u + {j}u; if (cc < p.n) {{ let ci = c_base + r * p.ldc + cc; var v = p.alpha * acc{i}_{g}.{comp}; if (p.beta != 0.0) {{ v = v + p.beta * C[ci]; }} C[ci] = v; }} }}",
+                        "      {{ let cc = col0 + {}u + tc * 4u + {j}u; if (cc < p.n) {{ let ci = c_base + r * p.ldc + cc; var v = p.alpha * f32(acc{i}_{g}.{comp}); if (p.beta != 0.0) {{ v = v + p.beta * C[ci]; }} C[ci] = v; }} }}",
                         g * sn
                     );
                 }
@@ -233,6 +298,150 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let _ = writeln!(w, "    }} }}");
         }
     }
+    match o.fault {
+        // One element past the last row of C: memory the product does not own.
+        Some(Fault::OutOfBoundsWrite) => {
+            let _ = writeln!(
+                w,
+                "  if (lid == 0u && wid.x == 0u && wid.y == 0u && wid.z == 0u) {{ C[c_base + p.m * p.ldc] = 1.0; }}"
+            );
+        }
+        Some(Fault::NanOutput) => {
+            let _ = writeln!(
+                w,
+                "  if (lid == 0u && wid.x == 0u && wid.y == 0u && wid.z == 0u) {{ C[c_base] = bitcast<f32>(0x7fc00000u); }}"
+            );
+        }
+        _ => {}
+    }
     let _ = writeln!(w, "}}");
     s
 }
+
+/// WGSL for y = alpha · x · Wᵀ + beta · y over up to 8 rows of x (decoding): one W row per 32-thread
+/// slice, eight slices per workgroup, each slice striding along K (coalesced, W read once for every x
+/// row), partial sums meeting in workgroup memory behind one barrier — or, with subgroups, summed by
+/// `subgroupAdd` first so only one value per subgroup goes through workgroup memory.
+pub fn gemv_source(o: GemmOpts, subgroups: bool) -> String {
+    use crate::gate::Fault;
+    let st = if o.shader_f16 { "f16" } else { "f32" };
+    let acc_t = if o.fault == Some(Fault::F16Accumulation) {
+        "f16"
+    } else {
+        "f32"
+    };
+    let mut s = String::new();
+    let w = &mut s;
+    if o.shader_f16 || acc_t == "f16" {
+        let _ = writeln!(w, "enable f16;");
+    }
+    let _ = writeln!(
+        w,
+        "alias BT = {};\nalias ST = {st};\nalias AccT = {acc_t};",
+        if o.b_f16 { "u32" } else { "f32" }
+    );
+    // Directives (`enable`) must come first, so the shared prelude goes in here, after them.
+    let _ = writeln!(w, "{}", crate::ops::common::PRELUDE);
+    let _ = writeln!(w, "{}", GEMV_PARAMS);
+    let wload = if o.b_f16 {
+        "unpack2x16float(B[(wb + k) >> 1u])[(wb + k) & 1u]"
+    } else {
+        "B[wb + k]"
+    };
+    let term = if o.shader_f16 {
+        "AccT(ST(A[p.a_off + i * p.lda + k]) * ST(wv))"
+    } else {
+        "AccT(A[p.a_off + i * p.lda + k] * wv)"
+    };
+    let sg_params = if subgroups {
+        ", @builtin(subgroup_invocation_id) sgi: u32, @builtin(subgroup_size) sgs: u32"
+    } else {
+        ""
+    };
+    let _ = writeln!(
+        w,
+        "var<workgroup> part: array<f32, 2048>;
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32{sg_params}) {{
+  let slice = lid / 32u;
+  let lane = lid % 32u;
+  let col = group_index(wid, nwg) * 8u + slice;
+  var acc = array<AccT, 8>(AccT(0), AccT(0), AccT(0), AccT(0), AccT(0), AccT(0), AccT(0), AccT(0));
+  if (col < p.n) {{
+    let wb = p.b_off + col * p.ldb;
+    for (var k = lane; k < p.k; k = k + 32u) {{
+      let wv = {wload};
+      for (var i = 0u; i < 8u; i = i + 1u) {{
+        if (i < p.m) {{ acc[i] = acc[i] + {term}; }}
+      }}
+    }}
+  }}"
+    );
+    if subgroups {
+        // Each subgroup (at most 32 lanes, all in one slice) sums its lanes; its first lane posts the sum.
+        let _ = writeln!(
+            w,
+            "  for (var i = 0u; i < 8u; i = i + 1u) {{
+    let t = subgroupAdd(f32(acc[i]));
+    if (sgi == 0u) {{ part[i * 256u + lid / sgs] = t; }}
+  }}
+  workgroupBarrier();
+  let per = 32u / sgs;
+  if (lid < 64u) {{
+    let i = lid / 8u;
+    let s = lid % 8u;
+    let c = group_index(wid, nwg) * 8u + s;
+    if (i < p.m && c < p.n) {{
+      var sum = 0.0;
+      for (var l = 0u; l < per; l = l + 1u) {{ sum = sum + part[i * 256u + s * per + l]; }}"
+        );
+    } else {
+        let _ = writeln!(
+            w,
+            "  for (var i = 0u; i < 8u; i = i + 1u) {{ part[i * 256u + lid] = f32(acc[i]); }}
+  workgroupBarrier();
+  if (lid < 64u) {{
+    let i = lid / 8u;
+    let s = lid % 8u;
+    let c = group_index(wid, nwg) * 8u + s;
+    if (i < p.m && c < p.n) {{
+      var sum = 0.0;
+      for (var l = 0u; l < 32u; l = l + 1u) {{ sum = sum + part[i * 256u + s * 32u + l]; }}"
+        );
+    }
+    let _ = writeln!(
+        w,
+        "      let ci = p.c_off + i * p.ldc + c;
+      var v = p.alpha * sum;
+      if (p.beta != 0.0) {{ v = v + p.beta * C[ci]; }}
+      C[ci] = v;
+    }}
+  }}"
+    );
+    match o.fault {
+        Some(Fault::OutOfBoundsWrite) => {
+            let _ = writeln!(
+                w,
+                "  if (lid == 0u && group_index(wid, nwg) == 0u) {{ C[p.c_off + p.m * p.ldc] = 1.0; }}"
+            );
+        }
+        Some(Fault::NanOutput) => {
+            let _ = writeln!(
+                w,
+                "  workgroupBarrier();\n  if (lid == 0u && group_index(wid, nwg) == 0u) {{ C[p.c_off] = bitcast<f32>(0x7fc00000u); }}"
+            );
+        }
+        _ => {}
+    }
+    let _ = writeln!(w, "}}");
+    s
+}
+
+const GEMV_PARAMS: &str = "struct Params { m: u32, n: u32, k: u32, lda: u32, ldb: u32, ldc: u32, a_off: u32, b_off: u32, c_off: u32, alpha: f32, beta: f32 }
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> A: array<f32>;
+@group(0) @binding(2) var<storage, read> B: array<BT>;
+@group(0) @binding(3) var<storage, read_write> C: array<f32>;
+";

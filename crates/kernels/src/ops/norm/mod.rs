@@ -30,7 +30,10 @@ fn check(s: &NormShape) -> Result<()> {
     if s.cols == 0 || !(s.eps >= 0.0) {
         return Err(Error::Shape {
             op: "norm",
-            msg: format!("needs cols > 0 and eps >= 0, got cols {} eps {}", s.cols, s.eps),
+            msg: format!(
+                "needs cols > 0 and eps >= 0, got cols {} eps {}",
+                s.cols, s.eps
+            ),
         });
     }
     Ok(())
@@ -94,7 +97,13 @@ pub fn norm_forward(
                 g,
                 "norm_forward",
                 include_str!("forward.wgsl"),
-                &[Access::Read, Access::Read, Access::ReadWrite, Access::ReadWrite, Access::ReadWrite],
+                &[
+                    Access::Read,
+                    Access::Read,
+                    Access::ReadWrite,
+                    Access::ReadWrite,
+                    Access::ReadWrite,
+                ],
             )?;
             let extra = [cols as u32, s.eps.to_bits(), (kind == NormKind::Rms) as u32];
             run(g, "norm_forward", &pipe, rows, &ops, &extra, Grid::Groups)
@@ -178,7 +187,19 @@ pub fn norm_backward(
             }
             Ok(())
         }
-        Backend::Gpu(g) => gpu_backward(g, kind, x, w, dy, stats, dx, dw, s, accumulate_dx, accumulate_dw),
+        Backend::Gpu(g) => gpu_backward(
+            g,
+            kind,
+            x,
+            w,
+            dy,
+            stats,
+            dx,
+            dw,
+            s,
+            accumulate_dx,
+            accumulate_dw,
+        ),
     }
 }
 
@@ -222,7 +243,11 @@ fn gpu_backward(
             Access::ReadWrite,
         ],
     )?;
-    let extra = [cols as u32, (kind == NormKind::Rms) as u32, accumulate_dx as u32];
+    let extra = [
+        cols as u32,
+        (kind == NormKind::Rms) as u32,
+        accumulate_dx as u32,
+    ];
     run(g, "norm_backward", &pipe, rows, &ops, &extra, Grid::Groups)?;
 
     // dw in two stages through a scratch buffer of per-block partial sums.
@@ -241,7 +266,13 @@ fn gpu_backward(
         g,
         "norm_backward_dw_partial",
         include_str!("backward_dw_partial.wgsl"),
-        &[Access::Read, Access::Read, Access::Read, Access::Read, Access::ReadWrite],
+        &[
+            Access::Read,
+            Access::Read,
+            Access::Read,
+            Access::Read,
+            Access::ReadWrite,
+        ],
     )?;
     let mut block0 = 0usize;
     for sg in &segs {
@@ -264,7 +295,12 @@ fn gpu_backward(
             &sg.places[3].buffer,
             pbuf,
         ];
-        g.dispatch(&p1, &params, &bufs, [cols.div_ceil(64) as u32, nb as u32, 1])?;
+        g.dispatch(
+            &p1,
+            &params,
+            &bufs,
+            [cols.div_ceil(64) as u32, nb as u32, 1],
+        )?;
         block0 += nb;
     }
     let p2 = kernel(
@@ -274,8 +310,19 @@ fn gpu_backward(
         &[Access::Read, Access::ReadWrite],
     )?;
     let tdw = dw.gpu("norm_backward", "dw", cols)?;
-    let ops = [Operand::whole(&part, 0, blocks * cols), Operand::rows(tdw, dw.offset(), 1)];
-    run(g, "norm_backward", &p2, cols, &ops, &[blocks as u32, accumulate_dw as u32], Grid::Threads(256))
+    let ops = [
+        Operand::whole(&part, 0, blocks * cols),
+        Operand::rows(tdw, dw.offset(), 1),
+    ];
+    run(
+        g,
+        "norm_backward",
+        &p2,
+        cols,
+        &ops,
+        &[blocks as u32, accumulate_dw as u32],
+        Grid::Threads(256),
+    )
 }
 
 #[cfg(test)]

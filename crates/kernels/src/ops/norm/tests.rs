@@ -3,12 +3,20 @@ use crate::testing::{Arg, SeedRng, check_twin, cpu_backend};
 
 fn run_both(kind: NormKind, rows: usize, cols: usize, split: Option<u64>, seed: u64) {
     let mut rng = SeedRng::new(seed);
-    let x: Vec<f32> = rng.vec(rows * cols, -2.0, 2.0).iter().map(|v| v + 0.5).collect();
+    let x: Vec<f32> = rng
+        .vec(rows * cols, -2.0, 2.0)
+        .iter()
+        .map(|v| v + 0.5)
+        .collect();
     let w = rng.vec(cols, 0.5, 1.5);
     let dy = rng.vec(rows * cols, -1.0, 1.0);
     let dx0 = rng.vec(rows * cols, -1.0, 1.0);
     let dw0 = rng.vec(cols, -1.0, 1.0);
-    let s = NormShape { rows, cols, eps: 1e-5 };
+    let s = NormShape {
+        rows,
+        cols,
+        eps: 1e-5,
+    };
     let args = [
         Arg::data(x, cols),
         Arg::data(w, cols),
@@ -20,12 +28,52 @@ fn run_both(kind: NormKind, rows: usize, cols: usize, split: Option<u64>, seed: 
         Arg::data(dx0, cols),
         Arg::data(dw0, cols),
     ];
-    check_twin(&format!("{kind:?} norm {rows}x{cols}"), 1e-10, &args, split, |be, t| {
-        let [tx, tw, ty, ts, tdy, tdx, tdw, tdx2, tdw2] = t else { unreachable!() };
-        norm_forward(be, kind, (&*tx).into(), (&*tw).into(), ty.into(), (&mut *ts).into(), s)?;
-        norm_backward(be, kind, (&*tx).into(), (&*tw).into(), (&*tdy).into(), (&*ts).into(), tdx.into(), tdw.into(), s, false, false)?;
-        norm_backward(be, kind, (&*tx).into(), (&*tw).into(), (&*tdy).into(), (&*ts).into(), tdx2.into(), tdw2.into(), s, true, true)
-    });
+    check_twin(
+        &format!("{kind:?} norm {rows}x{cols}"),
+        1e-10,
+        &args,
+        split,
+        |be, t| {
+            let [tx, tw, ty, ts, tdy, tdx, tdw, tdx2, tdw2] = t else {
+                unreachable!()
+            };
+            norm_forward(
+                be,
+                kind,
+                (&*tx).into(),
+                (&*tw).into(),
+                ty.into(),
+                (&mut *ts).into(),
+                s,
+            )?;
+            norm_backward(
+                be,
+                kind,
+                (&*tx).into(),
+                (&*tw).into(),
+                (&*tdy).into(),
+                (&*ts).into(),
+                tdx.into(),
+                tdw.into(),
+                s,
+                false,
+                false,
+            )?;
+            norm_backward(
+                be,
+                kind,
+                (&*tx).into(),
+                (&*tw).into(),
+                (&*tdy).into(),
+                (&*ts).into(),
+                tdx2.into(),
+                tdw2.into(),
+                s,
+                true,
+                true,
+            )
+        },
+    );
 }
 
 #[test]
@@ -44,27 +92,71 @@ fn loss(kind: NormKind, x: &[f32], w: &[f32], r: &[f32], s: NormShape) -> f64 {
     let (tx, tw) = (be.from_f32(x, 1).unwrap(), be.from_f32(w, 1).unwrap());
     let mut ty = be.zeros(x.len(), 1).unwrap();
     let mut ts = be.zeros(2 * s.rows, 1).unwrap();
-    norm_forward(&be, kind, (&tx).into(), (&tw).into(), (&mut ty).into(), (&mut ts).into(), s).unwrap();
-    be.to_vec(&ty).unwrap().iter().zip(r).map(|(a, b)| *a as f64 * *b as f64).sum()
+    norm_forward(
+        &be,
+        kind,
+        (&tx).into(),
+        (&tw).into(),
+        (&mut ty).into(),
+        (&mut ts).into(),
+        s,
+    )
+    .unwrap();
+    be.to_vec(&ty)
+        .unwrap()
+        .iter()
+        .zip(r)
+        .map(|(a, b)| *a as f64 * *b as f64)
+        .sum()
 }
 
 #[test]
 fn norm_backward_matches_finite_differences() {
     for kind in [NormKind::Layer, NormKind::Rms] {
         let (rows, cols) = (3, 9);
-        let s = NormShape { rows, cols, eps: 1e-5 };
+        let s = NormShape {
+            rows,
+            cols,
+            eps: 1e-5,
+        };
         let mut rng = SeedRng::new(5);
         let x = rng.vec(rows * cols, -1.0, 1.0);
         let w = rng.vec(cols, 0.5, 1.5);
         let r = rng.vec(rows * cols, -1.0, 1.0);
         let be = cpu_backend();
-        let (tx, tw, tr) = (be.from_f32(&x, 1).unwrap(), be.from_f32(&w, 1).unwrap(), be.from_f32(&r, 1).unwrap());
+        let (tx, tw, tr) = (
+            be.from_f32(&x, 1).unwrap(),
+            be.from_f32(&w, 1).unwrap(),
+            be.from_f32(&r, 1).unwrap(),
+        );
         let mut ty = be.zeros(rows * cols, 1).unwrap();
         let mut ts = be.zeros(2 * rows, 1).unwrap();
         let mut tdx = be.zeros(rows * cols, 1).unwrap();
         let mut tdw = be.zeros(cols, 1).unwrap();
-        norm_forward(&be, kind, (&tx).into(), (&tw).into(), (&mut ty).into(), (&mut ts).into(), s).unwrap();
-        norm_backward(&be, kind, (&tx).into(), (&tw).into(), (&tr).into(), (&ts).into(), (&mut tdx).into(), (&mut tdw).into(), s, false, false).unwrap();
+        norm_forward(
+            &be,
+            kind,
+            (&tx).into(),
+            (&tw).into(),
+            (&mut ty).into(),
+            (&mut ts).into(),
+            s,
+        )
+        .unwrap();
+        norm_backward(
+            &be,
+            kind,
+            (&tx).into(),
+            (&tw).into(),
+            (&tr).into(),
+            (&ts).into(),
+            (&mut tdx).into(),
+            (&mut tdw).into(),
+            s,
+            false,
+            false,
+        )
+        .unwrap();
         let (dx, dw) = (be.to_vec(&tdx).unwrap(), be.to_vec(&tdw).unwrap());
         let h = 1e-2f32;
         for i in 0..x.len() {
@@ -72,14 +164,22 @@ fn norm_backward_matches_finite_differences() {
             xp[i] += h;
             xm[i] -= h;
             let fd = (loss(kind, &xp, &w, &r, s) - loss(kind, &xm, &w, &r, s)) / (2.0 * h as f64);
-            assert!((fd - dx[i] as f64).abs() < 2e-3 * (1.0 + fd.abs()), "{kind:?} dx[{i}]: fd {fd} vs {}", dx[i]);
+            assert!(
+                (fd - dx[i] as f64).abs() < 2e-3 * (1.0 + fd.abs()),
+                "{kind:?} dx[{i}]: fd {fd} vs {}",
+                dx[i]
+            );
         }
         for i in 0..cols {
             let (mut wp, mut wm) = (w.clone(), w.clone());
             wp[i] += h;
             wm[i] -= h;
             let fd = (loss(kind, &x, &wp, &r, s) - loss(kind, &x, &wm, &r, s)) / (2.0 * h as f64);
-            assert!((fd - dw[i] as f64).abs() < 2e-3 * (1.0 + fd.abs()), "{kind:?} dw[{i}]: fd {fd} vs {}", dw[i]);
+            assert!(
+                (fd - dw[i] as f64).abs() < 2e-3 * (1.0 + fd.abs()),
+                "{kind:?} dw[{i}]: fd {fd} vs {}",
+                dw[i]
+            );
         }
     }
 }

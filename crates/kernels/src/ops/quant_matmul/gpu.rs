@@ -58,7 +58,12 @@ fn matmul_pipeline(
             ],
         ),
     };
-    let key = format!("{name}_t{tpr}_r{r}_{}", if xvec { "xv4" } else { "xf32" });
+    let fault = g.planted_fault();
+    let key = format!(
+        "{name}_t{tpr}_r{r}_{}{}",
+        if xvec { "xv4" } else { "xf32" },
+        fault.map_or(String::new(), |f| format!("_fault{f:?}"))
+    );
     g.pipeline(&key, bindings, PipelineOptions::default(), || {
         // x[i..i + 4] for i a multiple of 4: one 16-byte load when the view is 16-byte aligned, else four.
         let (xt, xload) = if xvec {
@@ -66,13 +71,41 @@ fn matmul_pipeline(
         } else {
             ("f32", "return vec4<f32>(x[i], x[i + 1u], x[i + 2u], x[i + 3u]);")
         };
-        format!(
+        let src = format!(
             "{PRELUDE}\nconst WG: u32 = {WG}u;\nconst TPR: u32 = {tpr}u;\nconst R: u32 = {r}u;\n\
              const BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{}",
             kind.block(),
             per_row(body, r)
-        )
+        );
+        plant(src, fault)
     })
+}
+
+/// Rewrites a matmul kernel's source into a planted fault's broken variant (tests of the gate only).
+fn plant(src: String, fault: Option<crate::gate::Fault>) -> String {
+    use crate::gate::Fault;
+    let tail = |src: String, code: &str| match src.rfind('}') {
+        Some(i) => format!("{}{code}\n}}\n", &src[..i]),
+        None => src,
+    };
+    match fault {
+        None | Some(Fault::F16Accumulation) => src,
+        // Zero-extends the bytes: negative quants become 128..255.
+        Some(Fault::SignExtensionDropped) => src.replace(
+            "vec4<f32>((vec4<i32>(bitcast<i32>(w)) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u))",
+            "vec4<f32>((vec4<u32>(w) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u))",
+        ),
+        // The scale index wraps after 64 blocks, i.e. from K = 2048 on (block 32).
+        Some(Fault::BlockIndexAtK2048) => src.replace("scales[srow + w / WPB]", "scales[srow + (w / WPB) % 64u]"),
+        Some(Fault::OutOfBoundsWrite) => tail(
+            src,
+            "  if (lid == 0u && group_index(wid, nwg) == 0u && wid.z == 0u) { y[p.o_y + p.m * p.ldy] = 1.0; }",
+        ),
+        Some(Fault::NanOutput) => tail(
+            src,
+            "  workgroupBarrier();\n  if (lid == 0u && group_index(wid, nwg) == 0u && wid.z == 0u) { y[p.o_y] = bitcast<f32>(0x7fc00000u); }",
+        ),
+    }
 }
 
 /// Repeats each line of `body` that holds `$r` once per row of x, with `$r` replaced by 0 .. r.

@@ -29,6 +29,8 @@ use std::ops::Range;
 
 use crate::backend::{Backend, TMut, TRef, Tensor};
 use crate::error::{Error, Result, shape};
+use crate::gate::paths::{gpu_of, guarded_output, inputs, read_guarded, reference};
+use crate::gate::{CaseOutput, GateCase, PathId};
 use crate::gpu::{GpuTensor, Operand, Segment, segments};
 use crate::quant::{Q4Matrix, Q8Matrix};
 
@@ -140,6 +142,9 @@ pub(crate) struct GpuParts {
 enum QStore {
     Cpu(QuantSource),
     Gpu(GpuParts),
+    /// The quantized kernels have not passed their gate on this device: the canonical f32 path, the
+    /// dequantized matrix (split at whole rows like any tensor).
+    GpuDense(Tensor),
 }
 
 /// A block-quantized weight matrix (N = `rows` output features, K = `cols` input features) resident on
@@ -154,7 +159,9 @@ pub struct QMatrix {
 const OP_UPLOAD: &str = "qmatrix";
 
 impl QMatrix {
-    /// Puts `src` on `be`: moved as is onto the CPU backend, copied into split tensors on the GPU.
+    /// Puts `src` on `be`: moved as is onto the CPU backend, copied into split tensors on the GPU — as
+    /// blocks when the quantized kernels passed their gate ([`PathId::QuantMatmul`]), else dequantized
+    /// to f32 (the canonical path the gate compares against).
     pub fn upload(be: &Backend, src: impl Into<QuantSource>) -> Result<QMatrix> {
         let src = src.into();
         src.validate()?;
@@ -163,6 +170,13 @@ impl QMatrix {
         let words = kind.words_per_row(cols);
         let store = match be {
             Backend::Cpu(_) => QStore::Cpu(src),
+            Backend::Gpu(g) if !g.path_active(PathId::QuantMatmul) => {
+                let dense = match &src {
+                    QuantSource::Q8(m) => m.dequantize(),
+                    QuantSource::Q4(m) => m.dequantize(),
+                };
+                QStore::GpuDense(be.from_f32(&dense, cols)?)
+            }
             Backend::Gpu(_) => {
                 let (scales, mins, quants) = match &src {
                     QuantSource::Q8(m) => (
@@ -227,7 +241,7 @@ impl QMatrix {
     pub fn backend_kind(&self) -> &'static str {
         match self.store {
             QStore::Cpu(_) => "cpu",
-            QStore::Gpu(_) => "gpu",
+            QStore::Gpu(_) | QStore::GpuDense(_) => "gpu",
         }
     }
 
@@ -236,7 +250,13 @@ impl QMatrix {
         match &self.store {
             QStore::Cpu(_) => 1,
             QStore::Gpu(p) => p.quants.gpu().map_or(1, |t| t.num_chunks()),
+            QStore::GpuDense(t) => t.gpu().map_or(1, |t| t.num_chunks()),
         }
+    }
+
+    /// Whether the matrix is held as blocks (false: dequantized, the quantized kernels being gated off).
+    pub fn is_quantized(&self) -> bool {
+        !matches!(self.store, QStore::GpuDense(_))
     }
 
     /// Bytes held (device memory on the GPU, host memory on the CPU), for memory reports.
@@ -249,6 +269,7 @@ impl QMatrix {
             QStore::Gpu(p) => {
                 p.scales.bytes() + p.quants.bytes() + p.mins.as_ref().map_or(0, |t| t.bytes())
             }
+            QStore::GpuDense(t) => t.bytes(),
         }
     }
 
@@ -286,6 +307,7 @@ impl QMatrix {
                 mins: m.mins[rows.start * nb..rows.end * nb].to_vec(),
                 quants: m.quants[rows.start * words..rows.end * words].to_vec(),
             }),
+            QStore::GpuDense(t) => return be.read_f32(t.at(rows.start * k), n * k).await,
             QStore::Gpu(p) => {
                 let scales = be.read_f32(p.scales.at(rows.start * nb), n * nb).await?;
                 let quants = be
@@ -354,6 +376,9 @@ pub fn qmatmul(be: &Backend, x: TRef<'_>, w: &QMatrix, mut y: TMut<'_>, m: usize
             });
             Ok(())
         }
+        (Backend::Gpu(_), QStore::GpuDense(t)) => {
+            crate::ops::matmul::matmul(be, x, t.at(0), y, &crate::ops::matmul::Gemm::nt(m, n, k))
+        }
         (Backend::Gpu(g), QStore::Gpu(parts)) => {
             let tx = x.gpu(OP, "x", xl)?;
             let ty = y.gpu(OP, "y", yl)?;
@@ -412,6 +437,15 @@ pub fn qget_rows(
             });
             Ok(())
         }
+        (Backend::Gpu(_), QStore::GpuDense(t)) => {
+            let s = crate::ops::embedding::EmbedShape {
+                tokens: n,
+                vocab: w.rows,
+                dim: k,
+                scale,
+            };
+            crate::ops::embedding::embedding(be, ids, t.at(0), None, out, s)
+        }
         (Backend::Gpu(g), QStore::Gpu(parts)) => {
             let ti = ids.gpu(OP, "ids", n)?;
             let to = out.gpu(OP, "out", ol)?;
@@ -428,6 +462,118 @@ pub fn qget_rows(
             )
         }
         _ => Err(mismatch(OP, w, be)),
+    }
+}
+
+/// The quantized-matmul gate at one shape: the Q8 (block 32) and Q4 kernels against the f32 product
+/// with their own dequantized weights (the twin); the worse of the two is what the gate sees.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn gate_evaluate(be: &Backend, c: &GateCase, seed: u64) -> Result<CaseOutput> {
+    let g = gpu_of(be)?;
+    let (x, w) = inputs(c, seed);
+    let q8 = quantize_q8_32(&w, c.n, c.k);
+    let q4 = quantize_q4(&w, c.n, c.k);
+    let was = g.path_active(PathId::QuantMatmul);
+    // Upload as blocks whatever the current verdict: this is the kernel under test.
+    g.set_path_active(PathId::QuantMatmul, true);
+    let run = |src: QuantSource| -> Result<(Vec<f32>, Vec<f32>, bool)> {
+        let dense = match &src {
+            QuantSource::Q8(m) => m.dequantize(),
+            QuantSource::Q4(m) => m.dequantize(),
+        };
+        let wm = QMatrix::upload(be, src)?;
+        let tx = be.from_f32(&x, 1)?;
+        let mut out = guarded_output(be, c)?;
+        qmatmul(be, (&tx).into(), &wm, (&mut out).into(), c.m)?;
+        let (fast, guard) = read_guarded(be, &out, c)?;
+        Ok((reference(c, &x, &dense), fast, guard))
+    };
+    let r8 = run(QuantSource::Q8(q8));
+    let r4 = r8.as_ref().ok().map(|_| run(QuantSource::Q4(q4)));
+    g.set_path_active(PathId::QuantMatmul, was);
+    let (ref8, fast8, guard8) = r8?;
+    let (ref4, fast4, guard4) = r4.expect("ran after a successful Q8 run")?;
+    // Report whichever kernel is further from its twin.
+    let m8 = crate::gate::measure(c, &ref8, &fast8, guard8);
+    let m4 = crate::gate::measure(c, &ref4, &fast4, guard4);
+    let worse8 = !m8.pass || (m4.pass && m8.mean_rel >= m4.mean_rel);
+    Ok(if worse8 {
+        CaseOutput {
+            reference: ref8,
+            fast: fast8,
+            guard_intact: guard8,
+        }
+    } else {
+        CaseOutput {
+            reference: ref4,
+            fast: fast4,
+            guard_intact: guard4,
+        }
+    })
+}
+
+#[cfg(target_arch = "wasm32")]
+pub fn gate_evaluate(_: &Backend, _: &GateCase, _: u64) -> Result<CaseOutput> {
+    Err(shape("gate", "gates run asynchronously on the web"))
+}
+
+/// Symmetric 8-bit quantization per block of 32 (Q8_0's rule), straight into the kernel layout.
+fn quantize_q8_32(w: &[f32], rows: usize, cols: usize) -> Q8Matrix {
+    let mut scales = Vec::with_capacity(w.len() / 32);
+    let mut bytes = Vec::with_capacity(w.len());
+    for b in w.chunks(32) {
+        let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        scales.push(d);
+        bytes.extend(
+            b.iter()
+                .map(|v| (v * id).round().clamp(-128.0, 127.0) as i8 as u8),
+        );
+    }
+    let quants = bytes
+        .chunks(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    Q8Matrix {
+        rows,
+        cols,
+        block: 32,
+        scales,
+        quants,
+    }
+}
+
+/// Asymmetric 4-bit quantization per block of 32 (Q4_1's rule), in the kernel layout's nibble order.
+fn quantize_q4(w: &[f32], rows: usize, cols: usize) -> Q4Matrix {
+    let (mut scales, mut mins, mut quants) = (Vec::new(), Vec::new(), Vec::new());
+    for b in w.chunks(32) {
+        let lo = b.iter().fold(f32::MAX, |m, &v| m.min(v));
+        let hi = b.iter().fold(f32::MIN, |m, &v| m.max(v));
+        let d = (hi - lo) / 15.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        scales.push(d);
+        mins.push(lo);
+        let q: Vec<u32> = b
+            .iter()
+            .map(|v| (((v - lo) * id).round() as u32).min(15))
+            .collect();
+        let mut block = [0u8; 16];
+        for j in 0..16 {
+            block[j] = (q[j] | (q[j + 16] << 4)) as u8;
+        }
+        quants.extend(
+            block
+                .chunks(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        );
+    }
+    Q4Matrix {
+        rows,
+        cols,
+        scales,
+        mins,
+        quants,
     }
 }
 

@@ -11,7 +11,8 @@
 //! single wrong scale or quant moves the NMSE by far more than 1e-6).
 
 use super::*;
-use crate::testing::{Arg, SeedRng, assert_nmse, check_twin, cpu_backend, gpu_backend};
+use crate::gate::PathId;
+use crate::testing::{Arg, SeedRng, assert_nmse, check_twin_with, cpu_backend, gpu_backend};
 
 /// GPU vs CPU backend (f32 vs f32, only summation order differs; see the module docs).
 const BOUND: f64 = 1e-11;
@@ -130,14 +131,21 @@ fn matmul_cases(kind: QKind, seed: u64) {
         }
     }
     let name = format!("qmatmul {kind:?}");
-    let out = check_twin(&name, BOUND, &args, Some(SPLIT), |be, t| {
-        for (i, c) in cases.iter().enumerate() {
-            let w = QMatrix::upload(be, c.src.clone())?;
-            let (xs, ys) = t.split_at_mut(2 * i + 1);
-            qmatmul(be, xs[2 * i].at(w.cols()), &w, ys[0].at_mut(w.rows()), c.m)?;
-        }
-        Ok(())
-    });
+    let out = check_twin_with(
+        &name,
+        BOUND,
+        &args,
+        Some(SPLIT),
+        &[PathId::QuantMatmul],
+        |be, t| {
+            for (i, c) in cases.iter().enumerate() {
+                let w = QMatrix::upload(be, c.src.clone())?;
+                let (xs, ys) = t.split_at_mut(2 * i + 1);
+                qmatmul(be, xs[2 * i].at(w.cols()), &w, ys[0].at_mut(w.rows()), c.m)?;
+            }
+            Ok(())
+        },
+    );
     for (i, c) in cases.iter().enumerate() {
         let (n, k, _) = c.src.dims();
         let want = reference(&c.x[k..], &dequantize(&c.src), c.m, n, k);
@@ -190,14 +198,21 @@ fn qmatmul_views_at_unaligned_offsets() {
             cases.push(Case { src, m, x });
         }
     }
-    let out = check_twin("qmatmul at offsets", BOUND, &args, None, |be, t| {
-        for (i, c) in cases.iter().enumerate() {
-            let w = QMatrix::upload(be, c.src.clone())?;
-            let (xs, ys) = t.split_at_mut(2 * i + 1);
-            qmatmul(be, xs[2 * i].at(xo), &w, ys[0].at_mut(yo), c.m)?;
-        }
-        Ok(())
-    });
+    let out = check_twin_with(
+        "qmatmul at offsets",
+        BOUND,
+        &args,
+        None,
+        &[PathId::QuantMatmul],
+        |be, t| {
+            for (i, c) in cases.iter().enumerate() {
+                let w = QMatrix::upload(be, c.src.clone())?;
+                let (xs, ys) = t.split_at_mut(2 * i + 1);
+                qmatmul(be, xs[2 * i].at(xo), &w, ys[0].at_mut(yo), c.m)?;
+            }
+            Ok(())
+        },
+    );
     for (i, c) in cases.iter().enumerate() {
         let (n, k, _) = c.src.dims();
         let want = reference(&c.x[xo..xo + c.m * k], &dequantize(&c.src), c.m, n, k);
@@ -234,14 +249,21 @@ fn qget_rows_matches_twins() {
         o[k..].fill(f32::NAN);
         args.push(Arg::data(o, k));
     }
-    let out = check_twin("qget_rows", 1e-14, &args, Some(SPLIT), |be, t| {
-        let (ti, outs) = t.split_at_mut(1);
-        for (src, o) in srcs.iter().zip(outs) {
-            let w = QMatrix::upload(be, src.clone())?;
-            qget_rows(be, ti[0].at(0), &w, o.at_mut(k), n, scale)?;
-        }
-        Ok(())
-    });
+    let out = check_twin_with(
+        "qget_rows",
+        1e-14,
+        &args,
+        Some(SPLIT),
+        &[PathId::QuantMatmul],
+        |be, t| {
+            let (ti, outs) = t.split_at_mut(1);
+            for (src, o) in srcs.iter().zip(outs) {
+                let w = QMatrix::upload(be, src.clone())?;
+                qget_rows(be, ti[0].at(0), &w, o.at_mut(k), n, scale)?;
+            }
+            Ok(())
+        },
+    );
     for (src, o) in srcs.iter().zip(&out[1..]) {
         let deq = dequantize(src);
         assert!(o[..k].iter().all(|&v| v == 0.5), "guard row");
@@ -269,6 +291,9 @@ fn qget_rows_matches_twins() {
 #[test]
 fn weight_above_the_binding_limit_is_split() {
     let Some(be) = gpu_backend(None) else { return };
+    be.as_gpu()
+        .expect("gpu")
+        .set_path_active(PathId::QuantMatmul, true);
     let (n, k) = (262_144, 640);
     let g = be.as_gpu().expect("gpu backend");
     assert!(

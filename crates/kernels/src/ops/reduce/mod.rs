@@ -33,7 +33,11 @@ pub fn reduce(
             // Blocks of the same size as the kernel's, summed the same way at the top level.
             let s: f32 = c.install(|| {
                 xs.par_chunks(BLOCK)
-                    .map(|b| b.iter().map(|&v| if squares { v * v } else { v }).sum::<f32>())
+                    .map(|b| {
+                        b.iter()
+                            .map(|&v| if squares { v * v } else { v })
+                            .sum::<f32>()
+                    })
                     .collect::<Vec<f32>>()
                     .iter()
                     .sum()
@@ -48,18 +52,42 @@ pub fn reduce(
             let blocks: usize = segs.iter().map(|s| s.len().div_ceil(BLOCK)).sum();
             let part = g.scratch("reduce_partial", blocks.max(1))?;
             let pbuf = &part.chunks[0].buffer;
-            let p1 = kernel(g, "reduce", include_str!("reduce.wgsl"), &[Access::Read, Access::ReadWrite])?;
+            let p1 = kernel(
+                g,
+                "reduce",
+                include_str!("reduce.wgsl"),
+                &[Access::Read, Access::ReadWrite],
+            )?;
             let mut block0 = 0;
             for s in &segs {
                 let nb = s.len().div_ceil(BLOCK);
-                let params = [s.len() as u32, s.start as u32, s.places[0].offset as u32, 0, squares as u32, block0 as u32];
+                let params = [
+                    s.len() as u32,
+                    s.start as u32,
+                    s.places[0].offset as u32,
+                    0,
+                    squares as u32,
+                    block0 as u32,
+                ];
                 g.dispatch(&p1, &params, &[&s.places[0].buffer, pbuf], g.grid(nb))?;
                 block0 += nb;
             }
             let to = out.gpu("reduce", "out", 1)?;
             let place = segments("reduce", 1, &[Operand::rows(to, out.offset(), 1)])?;
-            let p2 = kernel(g, "reduce_finish", include_str!("finish.wgsl"), &[Access::Read, Access::ReadWrite])?;
-            let params = [blocks as u32, 0, 0, place[0].places[0].offset as u32, scale.to_bits(), accumulate as u32];
+            let p2 = kernel(
+                g,
+                "reduce_finish",
+                include_str!("finish.wgsl"),
+                &[Access::Read, Access::ReadWrite],
+            )?;
+            let params = [
+                blocks as u32,
+                0,
+                0,
+                place[0].places[0].offset as u32,
+                scale.to_bits(),
+                accumulate as u32,
+            ];
             g.dispatch(&p2, &params, &[pbuf, &place[0].places[0].buffer], [1, 1, 1])
         }
     }
@@ -75,11 +103,23 @@ mod tests {
         let mut rng = SeedRng::new(50);
         for n in [1usize, 4095, 4097, 100_000] {
             let x = rng.vec(n, -1.0, 1.0);
-            let args = [Arg::data(x.clone(), 1), Arg::out(1, 1), Arg::data(vec![2.0, 5.0], 1)];
+            let args = [
+                Arg::data(x.clone(), 1),
+                Arg::out(1, 1),
+                Arg::data(vec![2.0, 5.0], 1),
+            ];
             let out = check_twin("reduce", 1e-11, &args, Some(16384), |be, t| {
                 let [tx, ts, tq] = t else { unreachable!() };
                 reduce(be, Reduce::Sum, (&*tx).into(), n, ts.into(), 0.5, false)?;
-                reduce(be, Reduce::SumOfSquares, (&*tx).into(), n, tq.at_mut(1), 1.0, true)
+                reduce(
+                    be,
+                    Reduce::SumOfSquares,
+                    (&*tx).into(),
+                    n,
+                    tq.at_mut(1),
+                    1.0,
+                    true,
+                )
             });
             let want: f64 = x.iter().map(|&v| v as f64).sum::<f64>() * 0.5;
             assert!((out[1][0] as f64 - want).abs() < 1e-3 * (1.0 + want.abs()));

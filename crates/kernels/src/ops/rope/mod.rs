@@ -51,11 +51,19 @@ pub fn rope_table(n_rot: usize, base: f32, freq_scale: f32, positions: usize) ->
 }
 
 /// Rotates `x` in place using `table` from [`rope_table`].
-pub fn rope(be: &Backend, mut x: TMut<'_>, table: TRef<'_>, table_positions: usize, s: RopeShape) -> Result<()> {
+pub fn rope(
+    be: &Backend,
+    mut x: TMut<'_>,
+    table: TRef<'_>,
+    table_positions: usize,
+    s: RopeShape,
+) -> Result<()> {
     if s.n_rot % 2 != 0 || s.n_rot > s.head_dim || s.ld < s.heads * s.head_dim {
         return Err(Error::Shape {
             op: "rope",
-            msg: format!("bad shape {s:?}: n_rot must be even and <= head_dim, ld >= heads * head_dim"),
+            msg: format!(
+                "bad shape {s:?}: n_rot must be even and <= head_dim, ld >= heads * head_dim"
+            ),
         });
     }
     if s.rows > 0 && s.pos0 + s.rows > table_positions {
@@ -69,7 +77,11 @@ pub fn rope(be: &Backend, mut x: TMut<'_>, table: TRef<'_>, table_positions: usi
         });
     }
     let half = s.n_rot / 2;
-    let n = if s.rows == 0 { 0 } else { (s.rows - 1) * s.ld + s.heads * s.head_dim };
+    let n = if s.rows == 0 {
+        0
+    } else {
+        (s.rows - 1) * s.ld + s.heads * s.head_dim
+    };
     let tab_len = table_positions * half * 2;
     match be {
         Backend::Cpu(c) => {
@@ -101,9 +113,18 @@ pub fn rope(be: &Backend, mut x: TMut<'_>, table: TRef<'_>, table_positions: usi
         Backend::Gpu(g) => {
             let ops = [
                 Operand::rows(x.gpu("rope", "x", n)?, x.offset(), s.ld),
-                Operand::whole(table.gpu("rope", "table", tab_len)?, table.offset(), tab_len),
+                Operand::whole(
+                    table.gpu("rope", "table", tab_len)?,
+                    table.offset(),
+                    tab_len,
+                ),
             ];
-            let pipe = kernel(g, "rope", include_str!("rope.wgsl"), &[Access::ReadWrite, Access::Read])?;
+            let pipe = kernel(
+                g,
+                "rope",
+                include_str!("rope.wgsl"),
+                &[Access::ReadWrite, Access::Read],
+            )?;
             let extra = [
                 s.heads as u32,
                 s.head_dim as u32,
@@ -139,13 +160,32 @@ mod tests {
         let tab = rope_table(6, 10000.0, 1.0, 20);
         let x = rng.vec(rows * ld, -1.0, 1.0);
         for layout in [RopeLayout::Normal, RopeLayout::Neox] {
-            let s = RopeShape { rows, heads, head_dim: hd, n_rot: 6, ld, pos0: 4, layout, inverse: false };
-            let args = [Arg::data(x.clone(), ld), Arg::data(tab.clone(), 1), Arg::data(x.clone(), ld)];
+            let s = RopeShape {
+                rows,
+                heads,
+                head_dim: hd,
+                n_rot: 6,
+                ld,
+                pos0: 4,
+                layout,
+                inverse: false,
+            };
+            let args = [
+                Arg::data(x.clone(), ld),
+                Arg::data(tab.clone(), 1),
+                Arg::data(x.clone(), ld),
+            ];
             let out = check_twin("rope", 1e-12, &args, Some((ld * 4 * 4) as u64), |be, t| {
                 let [tx, tt, tx2] = t else { unreachable!() };
                 rope(be, tx.into(), (&*tt).into(), 20, s)?;
                 rope(be, tx2.into(), (&*tt).into(), 20, s)?;
-                rope(be, tx2.into(), (&*tt).into(), 20, RopeShape { inverse: true, ..s })
+                rope(
+                    be,
+                    tx2.into(),
+                    (&*tt).into(),
+                    20,
+                    RopeShape { inverse: true, ..s },
+                )
             });
             // Dimensions past n_rot and the padding between rows pass through.
             for r in 0..rows {
@@ -172,7 +212,16 @@ mod tests {
         let be = crate::testing::cpu_backend();
         let mut x = be.zeros(64, 1).unwrap();
         let t = be.from_f32(&rope_table(8, 10000.0, 1.0, 4), 1).unwrap();
-        let s = RopeShape { rows: 2, heads: 1, head_dim: 8, n_rot: 8, ld: 8, pos0: 3, layout: RopeLayout::Normal, inverse: false };
+        let s = RopeShape {
+            rows: 2,
+            heads: 1,
+            head_dim: 8,
+            n_rot: 8,
+            ld: 8,
+            pos0: 3,
+            layout: RopeLayout::Normal,
+            inverse: false,
+        };
         assert!(rope(&be, (&mut x).into(), (&t).into(), 4, s).is_err());
     }
 }

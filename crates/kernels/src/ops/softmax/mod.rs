@@ -114,9 +114,18 @@ fn launch(be: &Backend, mut x: TMut<'_>, y: Option<TRef<'_>>, s: SoftmaxShape) -
             };
             let ops = [
                 Operand::rows(tx, x.offset(), s.cols),
-                if per == 0 { Operand::whole(ty, oy, 1) } else { Operand::rows(ty, oy, per) },
+                if per == 0 {
+                    Operand::whole(ty, oy, 1)
+                } else {
+                    Operand::rows(ty, oy, per)
+                },
             ];
-            let pipe = kernel(g, "softmax", include_str!("softmax.wgsl"), &[Access::ReadWrite, Access::Read])?;
+            let pipe = kernel(
+                g,
+                "softmax",
+                include_str!("softmax.wgsl"),
+                &[Access::ReadWrite, Access::Read],
+            )?;
             let extra = [
                 s.cols as u32,
                 s.scale.to_bits(),
@@ -137,23 +146,41 @@ mod tests {
     #[test]
     fn softmax_matches_twin_plain_and_causal() {
         let mut rng = SeedRng::new(30);
-        for (rows, cols, causal) in [(1, 1, false), (5, 300, false), (24, 8, true), (60, 33, true)] {
+        for (rows, cols, causal) in [
+            (1, 1, false),
+            (5, 300, false),
+            (24, 8, true),
+            (60, 33, true),
+        ] {
             let x = rng.vec(rows * cols, -5.0, 5.0);
             let dy = rng.vec(rows * cols, -1.0, 1.0);
-            let mut s = if causal { SoftmaxShape::causal(rows, cols) } else { SoftmaxShape::plain(rows, cols) };
+            let mut s = if causal {
+                SoftmaxShape::causal(rows, cols)
+            } else {
+                SoftmaxShape::plain(rows, cols)
+            };
             s.scale = 0.7;
             let args = [Arg::data(x, cols), Arg::data(dy, cols)];
-            let out = check_twin("softmax", 1e-11, &args, Some((cols as u64 * 12).max(1024)), |be, t| {
-                let [tx, tdy] = t else { unreachable!() };
-                softmax(be, (&mut *tx).into(), s)?;
-                softmax_backward(be, (&*tx).into(), tdy.into(), s)
-            });
+            let out = check_twin(
+                "softmax",
+                1e-11,
+                &args,
+                Some((cols as u64 * 12).max(1024)),
+                |be, t| {
+                    let [tx, tdy] = t else { unreachable!() };
+                    softmax(be, (&mut *tx).into(), s)?;
+                    softmax_backward(be, (&*tx).into(), tdy.into(), s)
+                },
+            );
             for r in 0..rows {
                 let row = &out[0][r * cols..][..cols];
                 let sum: f32 = row.iter().sum();
                 assert!((sum - 1.0).abs() < 1e-5, "row {r} sums to {sum}");
                 if causal {
-                    assert!(row[s.valid(r)..].iter().all(|&v| v == 0.0), "masked entries must be 0");
+                    assert!(
+                        row[s.valid(r)..].iter().all(|&v| v == 0.0),
+                        "masked entries must be 0"
+                    );
                 }
             }
         }
@@ -172,7 +199,12 @@ mod tests {
         let f = |x: &[f32]| -> f64 {
             let mut t = be.from_f32(x, 1).unwrap();
             softmax(&be, (&mut t).into(), s).unwrap();
-            be.to_vec(&t).unwrap().iter().zip(&r).map(|(a, b)| *a as f64 * *b as f64).sum()
+            be.to_vec(&t)
+                .unwrap()
+                .iter()
+                .zip(&r)
+                .map(|(a, b)| *a as f64 * *b as f64)
+                .sum()
         };
         let mut y = be.from_f32(&x, 1).unwrap();
         softmax(&be, (&mut y).into(), s).unwrap();
@@ -184,7 +216,11 @@ mod tests {
             xp[i] += 1e-2;
             xm[i] -= 1e-2;
             let fd = (f(&xp) - f(&xm)) / 2e-2;
-            assert!((fd - g[i] as f64).abs() < 1e-3, "dx[{i}]: fd {fd} vs {}", g[i]);
+            assert!(
+                (fd - g[i] as f64).abs() < 1e-3,
+                "dx[{i}]: fd {fd} vs {}",
+                g[i]
+            );
         }
     }
 }

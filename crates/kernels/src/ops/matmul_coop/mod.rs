@@ -1,0 +1,235 @@
+//! The cooperative-matrix fast path: x · Wᵀ on the tensor cores through wgpu's experimental
+//! cooperative-matrix extension — f16 inputs, f32 accumulation, 16x16x16 fragments.
+//!
+//! A workgroup of four 32-lane subgroups computes a 64x64 tile of C, each subgroup a 32x32 quarter as
+//! 2x2 fragments. Tiles of x (f32, rounded to f16) and W (f16-packed) are staged through workgroup
+//! memory: naga 30's SPIR-V writer panics on cooperative loads from storage arrays at runtime indices,
+//! but loads from workgroup arrays work. Every index and stride is a `let` of its own for the same
+//! reason. The pipeline is built where a panic becomes a failed gate ([`crate::gpu`]'s pipeline builder
+//! catches it), never a crashed program.
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::gate::paths::{gpu_of, guarded_output, inputs, read_guarded, reference};
+use crate::gate::{CaseOutput, Fault, GateCase};
+use crate::gpu::{Access, GpuBackend, GpuTensor, PipelineOptions};
+use crate::ops::matmul::Gemm;
+use crate::ops::matmul_f16::{pack_f16, packed_len};
+
+/// Whether a product is one the cooperative kernel takes: x · Wᵀ, unbatched, tall enough to fill tiles.
+pub fn suits(g: &Gemm) -> bool {
+    !g.trans_a && g.trans_b && g.batches() == 1 && g.m >= 64 && g.n >= 64 && g.k >= 64
+}
+
+fn source(fault: Option<Fault>) -> String {
+    let tail = match fault {
+        Some(Fault::OutOfBoundsWrite) => {
+            "  if (lid == 0u && wid.x == 0u && wid.y == 0u) { mat_c[p.c_off + p.m * p.ldc] = 1.0; }"
+        }
+        Some(Fault::NanOutput) => {
+            "  if (lid == 0u && wid.x == 0u && wid.y == 0u) { mat_c[p.c_off] = bitcast<f32>(0x7fc00000u); }"
+        }
+        _ => "",
+    };
+    format!(
+        "enable f16;
+enable wgpu_cooperative_matrix;
+struct Params {{ m: u32, n: u32, k: u32, lda: u32, ldb: u32, ldc: u32, a_off: u32, b_off: u32, c_off: u32, alpha: f32, beta: f32 }}
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> mat_a: array<f32>;
+@group(0) @binding(2) var<storage, read> mat_b: array<u32>;
+@group(0) @binding(3) var<storage, read_write> mat_c: array<f32>;
+
+var<workgroup> As: array<f16, 2048>; // 64 rows x 32 k, row-major
+var<workgroup> Bs: array<f16, 2048>; // 32 k x 64 cols, row-major
+var<workgroup> Cs: array<f32, 1024>; // one 16x16 fragment per subgroup
+
+@compute @workgroup_size(128)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+  let row0 = wid.y * 64u;
+  let col0 = wid.x * 64u;
+  let sg = lid / 32u;
+  let sr = (sg / 2u) * 32u;
+  let sc = (sg % 2u) * 32u;
+  var c00 = coop_mat16x16<f32, C>();
+  var c01 = coop_mat16x16<f32, C>();
+  var c10 = coop_mat16x16<f32, C>();
+  var c11 = coop_mat16x16<f32, C>();
+  let s32 = 32u;
+  let s64 = 64u;
+  for (var k0 = 0u; k0 < p.k; k0 = k0 + 32u) {{
+    for (var i = 0u; i < 16u; i = i + 1u) {{
+      let e = i * 128u + lid;
+      let r = e / 32u;
+      let kk = e % 32u;
+      var v = 0.0;
+      if (row0 + r < p.m && k0 + kk < p.k) {{ v = mat_a[p.a_off + (row0 + r) * p.lda + k0 + kk]; }}
+      As[e] = f16(v);
+      var wv = 0.0;
+      if (col0 + r < p.n && k0 + kk < p.k) {{
+        let idx = p.b_off + (col0 + r) * p.ldb + k0 + kk;
+        wv = unpack2x16float(mat_b[idx >> 1u])[idx & 1u];
+      }}
+      Bs[kk * 64u + r] = f16(wv);
+    }}
+    workgroupBarrier();
+    for (var kk = 0u; kk < 32u; kk = kk + 16u) {{
+      let ia0 = sr * 32u + kk;
+      let ia1 = (sr + 16u) * 32u + kk;
+      let ib0 = kk * 64u + sc;
+      let ib1 = kk * 64u + sc + 16u;
+      let a0 = coopLoadT<coop_mat16x16<f16, A>>(&As[ia0], s32);
+      let a1 = coopLoadT<coop_mat16x16<f16, A>>(&As[ia1], s32);
+      let b0 = coopLoadT<coop_mat16x16<f16, B>>(&Bs[ib0], s64);
+      let b1 = coopLoadT<coop_mat16x16<f16, B>>(&Bs[ib1], s64);
+      c00 = coopMultiplyAdd(a0, b0, c00);
+      c01 = coopMultiplyAdd(a0, b1, c01);
+      c10 = coopMultiplyAdd(a1, b0, c10);
+      c11 = coopMultiplyAdd(a1, b1, c11);
+    }}
+    workgroupBarrier();
+  }}
+  let lane = lid % 32u;
+  let cbase = sg * 256u;
+  let s16 = 16u;
+{stores}
+{tail}
+}}
+",
+        stores = (0..4)
+            .map(|f| {
+                let (fr, fc) = (f / 2, f % 2);
+                format!(
+                    "  coopStoreT(c{fr}{fc}, &Cs[cbase], s16);
+  workgroupBarrier();
+  for (var j = 0u; j < 8u; j = j + 1u) {{
+    let e = lane * 8u + j;
+    let r = row0 + sr + {}u + e / 16u;
+    let c = col0 + sc + {}u + e % 16u;
+    if (r < p.m && c < p.n) {{
+      let ci = p.c_off + r * p.ldc + c;
+      var v = p.alpha * Cs[cbase + e];
+      if (p.beta != 0.0) {{ v = v + p.beta * mat_c[ci]; }}
+      mat_c[ci] = v;
+    }}
+  }}
+  workgroupBarrier();",
+                    16 * fr,
+                    16 * fc
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n"),
+    )
+}
+
+/// C = alpha · A · Bᵀ + beta · C on the tensor cores, B packed f16 (`b` offset and `g.ldb` in f16
+/// elements). Single-buffer operands only.
+pub(crate) fn matmul_coop(
+    gb: &GpuBackend,
+    (ta, oa): (&GpuTensor, usize),
+    (tb, ob): (&GpuTensor, usize),
+    (tc, oc): (&GpuTensor, usize),
+    g: &Gemm,
+) -> Result<()> {
+    if ta.num_chunks() != 1
+        || tb.num_chunks() != 1
+        || tc.num_chunks() != 1
+        || !(!g.trans_a && g.trans_b)
+    {
+        return Err(Error::Shape {
+            op: "matmul_coop",
+            msg: "the cooperative kernel takes x·Wᵀ with every operand in one buffer".into(),
+        });
+    }
+    let fault = gb.planted_fault();
+    let key = format!(
+        "gemm_coop{}",
+        fault.map_or(String::new(), |f| format!("_fault{f:?}"))
+    );
+    let pipe = gb.pipeline(
+        &key,
+        &[Access::Read, Access::Read, Access::ReadWrite],
+        PipelineOptions::default(),
+        || source(fault),
+    )?;
+    let p = [
+        g.m as u32,
+        g.n as u32,
+        g.k as u32,
+        g.lda as u32,
+        g.ldb as u32,
+        g.ldc as u32,
+        oa as u32,
+        ob as u32,
+        oc as u32,
+        g.alpha.to_bits(),
+        g.beta.to_bits(),
+    ];
+    let bufs = [
+        &ta.chunks[0].buffer,
+        &tb.chunks[0].buffer,
+        &tc.chunks[0].buffer,
+    ];
+    gb.dispatch(
+        &pipe,
+        &p,
+        &bufs,
+        [g.n.div_ceil(64) as u32, g.m.div_ceil(64) as u32, 1],
+    )
+}
+
+/// The cooperative-matrix gate at one shape (the kernel runs whatever the shape; small shapes use
+/// mostly-empty tiles, which exercises its edge handling).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn gate_evaluate(be: &Backend, c: &GateCase, seed: u64) -> Result<CaseOutput> {
+    let g = gpu_of(be)?;
+    let (x, w) = inputs(c, seed);
+    let tx = be.from_f32(&x, 1)?;
+    let tw = be.from_f32(&w, 1)?;
+    let mut packed = be.zeros_typed(packed_len(w.len()), 1, crate::DType::U32)?;
+    pack_f16(be, (&tw).into(), (&mut packed).into(), w.len())?;
+    let out = guarded_output(be, c)?;
+    let gt = |t: &crate::Tensor| {
+        t.gpu()
+            .cloned()
+            .ok_or_else(|| Error::Gpu("gate tensors live on the GPU".into()))
+    };
+    let (ta, tb, tc) = (gt(&tx)?, gt(&packed)?, gt(&out)?);
+    matmul_coop(g, (&ta, 0), (&tb, 0), (&tc, 0), &Gemm::nt(c.m, c.n, c.k))?;
+    let (fast, guard_intact) = read_guarded(be, &out, c)?;
+    Ok(CaseOutput {
+        reference: reference(c, &x, &w),
+        fast,
+        guard_intact,
+    })
+}
+
+#[cfg(target_arch = "wasm32")]
+pub fn gate_evaluate(_: &Backend, _: &GateCase, _: u64) -> Result<CaseOutput> {
+    Err(Error::Shape {
+        op: "gate",
+        msg: "gates run asynchronously on the web".into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The generated kernel is valid WGSL for naga's front end and validator (the tensor-core path
+    /// itself only runs where the adapter has cooperative matrices; its gate then decides).
+    #[test]
+    fn cooperative_kernel_parses_and_validates() {
+        for fault in [None, Some(Fault::OutOfBoundsWrite), Some(Fault::NanOutput)] {
+            let src = source(fault);
+            let module = naga::front::wgsl::parse_str(&src)
+                .unwrap_or_else(|e| panic!("{}", e.emit_to_string(&src)));
+            let mut v = naga::valid::Validator::new(
+                naga::valid::ValidationFlags::all(),
+                naga::valid::Capabilities::all(),
+            );
+            v.validate(&module).unwrap_or_else(|e| panic!("{e:?}"));
+        }
+    }
+}
