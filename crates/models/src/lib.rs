@@ -2,5 +2,6 @@
 
 pub mod chat_template;
 pub mod gpt;
+pub mod llm;
 pub mod sampler;
 pub mod tokenizer;

@@ -1,0 +1,25 @@
+//! Real small LLMs from GGUF files — the `llama` (SmolLM2, Llama) and `gemma3` architectures — on either
+//! backend: weights stay block-quantized in the kernels' layouts, the prompt runs in one batched pass,
+//! then one token per pass through a KV cache.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use tinygpt_models::llm::{Llm, LoadOptions};
+//! use tinygpt_models::sampler::argmax;
+//! let be = tinygpt_kernels::testing::cpu_backend();
+//! let mut model = Llm::load(&be, "model.gguf", &LoadOptions::default(), &mut |_| {})?;
+//! let logits = model.prefill(&be, &[504, 3575, 282, 4649, 314])?;
+//! let next = model.decode(&be, argmax(&logits))?;
+//! # let _ = next; Ok(()) }
+//! ```
+
+mod config;
+mod error;
+mod kv_cache;
+mod model;
+mod weights;
+
+pub use config::{Arch, LayerAttention, LlmConfig};
+pub use error::{LlmError, Result};
+pub use model::{DEFAULT_CONTEXT, Llm, LoadOptions, MemoryReport};
+pub use weights::LoadProgress;

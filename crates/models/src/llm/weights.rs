@@ -1,0 +1,519 @@
+//! A model's weights on the backend: matrices in the kernels' block-quantized layouts (dense f32 for
+//! float tensors), f32 norm vectors, and the projections that read the same input (Q/K/V, gate/up)
+//! fused into as few matrices as their layouts allow.
+//!
+//! Loading is planned first: every tensor the architecture needs is looked up, its shape and type
+//! checked, and every tensor of the file must be one the runner uses (a file with biases or RoPE
+//! frequency factors would otherwise run with them silently ignored). Only then is anything converted,
+//! so a bad file fails fast with one error naming the tensor.
+
+use std::collections::HashSet;
+
+use tinygpt_formats::{GgmlType, GgufFile, KernelWeights};
+use tinygpt_kernels::ops::embedding::{EmbedShape, embedding};
+use tinygpt_kernels::ops::matmul::{Gemm, matmul};
+use tinygpt_kernels::ops::quant_matmul::{QKind, QMatrix, qget_rows, qmatmul};
+use tinygpt_kernels::{Backend, TMut, TRef, Tensor};
+
+use super::config::{Arch, LlmConfig};
+use super::error::{LlmError, Result};
+
+/// Loading progress: bytes of tensor data converted so far, of the total.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadProgress {
+    pub done: u64,
+    pub total: u64,
+}
+
+/// A weight matrix (N = rows output features, K = cols input features) resident on the backend.
+pub(crate) enum Matrix {
+    /// Block-quantized: Q8_0, Q5_0, Q6_K (8-bit layout), Q4_0, Q4_1, Q4_K (4-bit layout).
+    Quant(QMatrix),
+    /// F32, F16 or BF16 tensors, widened to f32.
+    Dense { t: Tensor, rows: usize, cols: usize },
+}
+
+impl Matrix {
+    fn upload(be: &Backend, h: HostMatrix) -> Result<Matrix> {
+        Ok(match h.w {
+            KernelWeights::F32(v) => Matrix::Dense {
+                t: be.from_f32(&v, h.cols)?,
+                rows: h.rows,
+                cols: h.cols,
+            },
+            KernelWeights::Q8(m) => Matrix::Quant(QMatrix::upload(be, m)?),
+            KernelWeights::Q4(m) => Matrix::Quant(QMatrix::upload(be, m)?),
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        match self {
+            Matrix::Quant(q) => q.rows(),
+            Matrix::Dense { rows, .. } => *rows,
+        }
+    }
+
+    /// Bytes held on the backend.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Matrix::Quant(q) => q.bytes(),
+            Matrix::Dense { t, .. } => t.bytes(),
+        }
+    }
+
+    /// The kernel layout, for reports: "q8/32", "q8/16", "q4" or "f32".
+    pub fn layout(&self) -> String {
+        match self {
+            Matrix::Quant(q) => match q.kind() {
+                QKind::Q8 { block } => format!("q8/{block}"),
+                QKind::Q4 => "q4".into(),
+            },
+            Matrix::Dense { .. } => "f32".into(),
+        }
+    }
+
+    /// y[m, N] = x[m, K] · Wᵀ (rows contiguous from the views' offsets).
+    pub fn matmul(&self, be: &Backend, x: TRef<'_>, y: TMut<'_>, m: usize) -> Result<()> {
+        match self {
+            Matrix::Quant(q) => qmatmul(be, x, q, y, m)?,
+            Matrix::Dense { t, rows, cols } => {
+                matmul(be, x, t.into(), y, &Gemm::nt(m, *rows, *cols))?
+            }
+        }
+        Ok(())
+    }
+
+    /// out[i] = scale · row ids[i] for i < n: the token-embedding lookup.
+    pub fn get_rows(
+        &self,
+        be: &Backend,
+        ids: TRef<'_>,
+        out: TMut<'_>,
+        n: usize,
+        scale: f32,
+    ) -> Result<()> {
+        match self {
+            Matrix::Quant(q) => qget_rows(be, ids, q, out, n, scale)?,
+            Matrix::Dense { t, rows, cols } => {
+                let s = EmbedShape {
+                    tokens: n,
+                    vocab: *rows,
+                    dim: *cols,
+                    scale,
+                };
+                embedding(be, ids, t.into(), None, out, s)?
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A matrix converted to a kernel layout, still on the host.
+struct HostMatrix {
+    w: KernelWeights,
+    rows: usize,
+    cols: usize,
+}
+
+/// Which matrices can be stacked into one: same kernel layout and block size.
+fn layout_key(w: &KernelWeights) -> (u8, usize) {
+    match w {
+        KernelWeights::F32(_) => (0, 0),
+        KernelWeights::Q8(m) => (1, m.block),
+        KernelWeights::Q4(_) => (2, 32),
+    }
+}
+
+/// Stacks matrices of one layout and width row-wise: every layout is row-major with blocks inside rows,
+/// so stacking is concatenating each component array.
+fn stack(parts: Vec<HostMatrix>) -> HostMatrix {
+    let rows = parts.iter().map(|p| p.rows).sum();
+    let cols = parts[0].cols;
+    let mut it = parts.into_iter().map(|p| p.w);
+    let first = it.next().expect("stack of at least one matrix");
+    let w = it.fold(first, |acc, w| match (acc, w) {
+        (KernelWeights::F32(mut a), KernelWeights::F32(b)) => {
+            a.extend_from_slice(&b);
+            KernelWeights::F32(a)
+        }
+        (KernelWeights::Q8(mut a), KernelWeights::Q8(b)) => {
+            a.rows += b.rows;
+            a.scales.extend_from_slice(&b.scales);
+            a.quants.extend_from_slice(&b.quants);
+            KernelWeights::Q8(a)
+        }
+        (KernelWeights::Q4(mut a), KernelWeights::Q4(b)) => {
+            a.rows += b.rows;
+            a.scales.extend_from_slice(&b.scales);
+            a.mins.extend_from_slice(&b.mins);
+            a.quants.extend_from_slice(&b.quants);
+            KernelWeights::Q4(a)
+        }
+        _ => unreachable!("stack is only called on matrices with one layout key"),
+    });
+    HostMatrix { w, rows, cols }
+}
+
+/// Where one member's m x width output lies: from element `offset` of the scratch tensor, rows `ld`
+/// apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Slot {
+    pub offset: usize,
+    pub ld: usize,
+}
+
+/// Projections of one input (Q, K, V or gate, up), stacked into one matrix per kernel layout: one
+/// product per layout instead of one per projection (small products are the least efficient calls).
+pub(crate) struct Fused {
+    groups: Vec<Matrix>,
+    /// Per member: (group, first output column inside the group).
+    members: Vec<(usize, usize)>,
+}
+
+impl Fused {
+    fn new(be: &Backend, parts: Vec<HostMatrix>) -> Result<Fused> {
+        let mut keys: Vec<(u8, usize)> = Vec::new();
+        let mut buckets: Vec<Vec<HostMatrix>> = Vec::new();
+        let mut members = Vec::with_capacity(parts.len());
+        for p in parts {
+            let key = layout_key(&p.w);
+            let g = match keys.iter().position(|&k| k == key) {
+                Some(g) => g,
+                None => {
+                    keys.push(key);
+                    buckets.push(Vec::new());
+                    keys.len() - 1
+                }
+            };
+            members.push((g, buckets[g].iter().map(|h| h.rows).sum()));
+            buckets[g].push(p);
+        }
+        let groups = buckets
+            .into_iter()
+            .map(|b| Matrix::upload(be, stack(b)))
+            .collect::<Result<_>>()?;
+        Ok(Fused { groups, members })
+    }
+
+    /// Runs every group on x[m, K]: group g writes its m x N_g output from element
+    /// `batch · (N of the groups before g)` of `out`, which holds `batch` x (sum of all N).
+    pub fn apply(
+        &self,
+        be: &Backend,
+        x: TRef<'_>,
+        out: &mut Tensor,
+        m: usize,
+        batch: usize,
+    ) -> Result<()> {
+        let mut base = 0;
+        for g in &self.groups {
+            g.matmul(be, x, out.at_mut(base), m)?;
+            base += batch * g.rows();
+        }
+        Ok(())
+    }
+
+    /// Where member `i`'s output lies after [`Fused::apply`].
+    pub fn slot(&self, i: usize, batch: usize) -> Slot {
+        let (g, col) = self.members[i];
+        let before: usize = self.groups[..g].iter().map(|m| m.rows()).sum();
+        Slot {
+            offset: batch * before + col,
+            ld: self.groups[g].rows(),
+        }
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.groups.iter().map(Matrix::bytes).sum()
+    }
+
+    /// "q8/32" for one group, "q4+q8/16" for two.
+    pub fn layout(&self) -> String {
+        self.groups
+            .iter()
+            .map(Matrix::layout)
+            .collect::<Vec<_>>()
+            .join("+")
+    }
+
+    pub fn num_groups(&self) -> usize {
+        self.groups.len()
+    }
+}
+
+/// One transformer block.
+pub(crate) struct LayerWeights {
+    pub attn_norm: Tensor,
+    /// Members: Q, K, V.
+    pub qkv: Fused,
+    pub q_norm: Option<Tensor>,
+    pub k_norm: Option<Tensor>,
+    pub wo: Matrix,
+    pub post_attn_norm: Option<Tensor>,
+    pub ffn_norm: Tensor,
+    /// Members: gate, up.
+    pub gate_up: Fused,
+    pub down: Matrix,
+    pub post_ffn_norm: Option<Tensor>,
+}
+
+pub(crate) struct Weights {
+    pub embed: Matrix,
+    /// The output projection; None when tied to the embeddings (no `output.weight`).
+    pub head: Option<Matrix>,
+    pub output_norm: Tensor,
+    pub layers: Vec<LayerWeights>,
+}
+
+impl Weights {
+    pub fn head(&self) -> &Matrix {
+        self.head.as_ref().unwrap_or(&self.embed)
+    }
+
+    pub fn bytes(&self) -> u64 {
+        let v = |t: &Tensor| t.bytes();
+        let ov = |t: &Option<Tensor>| t.as_ref().map_or(0, |t| t.bytes());
+        self.embed.bytes()
+            + self.head.as_ref().map_or(0, Matrix::bytes)
+            + v(&self.output_norm)
+            + self
+                .layers
+                .iter()
+                .map(|l| {
+                    v(&l.attn_norm)
+                        + l.qkv.bytes()
+                        + ov(&l.q_norm)
+                        + ov(&l.k_norm)
+                        + l.wo.bytes()
+                        + ov(&l.post_attn_norm)
+                        + v(&l.ffn_norm)
+                        + l.gate_up.bytes()
+                        + l.down.bytes()
+                        + ov(&l.post_ffn_norm)
+                })
+                .sum::<u64>()
+    }
+
+    /// Plans, checks and loads every tensor of `file` for `cfg`.
+    pub fn load(
+        be: &Backend,
+        file: &GgufFile,
+        cfg: &LlmConfig,
+        progress: &mut dyn FnMut(LoadProgress),
+    ) -> Result<Weights> {
+        let plan = Plan::new(file, cfg)?;
+        let mut ld = Loader {
+            be,
+            file,
+            done: 0,
+            total: plan.total_bytes,
+            progress,
+        };
+        (ld.progress)(LoadProgress {
+            done: 0,
+            total: ld.total,
+        });
+        let gemma = cfg.arch == Arch::Gemma3;
+        let embed = ld.matrix("token_embd.weight")?;
+        let head = if plan.has_output {
+            Some(ld.matrix("output.weight")?)
+        } else {
+            None
+        };
+        let output_norm = ld.vector("output_norm.weight")?;
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let n = |t: &str| format!("blk.{i}.{t}.weight");
+            let opt_vec = |ld: &mut Loader<'_>, t: &str| -> Result<Option<Tensor>> {
+                if gemma {
+                    ld.vector(&n(t)).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            let attn_norm = ld.vector(&n("attn_norm"))?;
+            let q = ld.host(&n("attn_q"))?;
+            let k = ld.host(&n("attn_k"))?;
+            let v = ld.host(&n("attn_v"))?;
+            let qkv = Fused::new(be, vec![q, k, v])?;
+            let q_norm = opt_vec(&mut ld, "attn_q_norm")?;
+            let k_norm = opt_vec(&mut ld, "attn_k_norm")?;
+            let wo = ld.matrix(&n("attn_output"))?;
+            let post_attn_norm = opt_vec(&mut ld, "post_attention_norm")?;
+            let ffn_norm = ld.vector(&n("ffn_norm"))?;
+            let gate = ld.host(&n("ffn_gate"))?;
+            let up = ld.host(&n("ffn_up"))?;
+            let gate_up = Fused::new(be, vec![gate, up])?;
+            let down = ld.matrix(&n("ffn_down"))?;
+            let post_ffn_norm = opt_vec(&mut ld, "post_ffw_norm")?;
+            layers.push(LayerWeights {
+                attn_norm,
+                qkv,
+                q_norm,
+                k_norm,
+                wo,
+                post_attn_norm,
+                ffn_norm,
+                gate_up,
+                down,
+                post_ffn_norm,
+            });
+        }
+        Ok(Weights {
+            embed,
+            head,
+            output_norm,
+            layers,
+        })
+    }
+}
+
+/// Whether the kernels have a layout for `t` as a matrix.
+fn matrix_type_supported(t: GgmlType) -> bool {
+    matches!(
+        t,
+        GgmlType::F32
+            | GgmlType::F16
+            | GgmlType::BF16
+            | GgmlType::Q8_0
+            | GgmlType::Q5_0
+            | GgmlType::Q6_K
+            | GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q4_K
+    )
+}
+
+/// The checked list of tensors to load.
+struct Plan {
+    total_bytes: u64,
+    has_output: bool,
+}
+
+impl Plan {
+    fn new(file: &GgufFile, cfg: &LlmConfig) -> Result<Plan> {
+        let (d, qd, kvd, ff, hd, v) = (
+            cfg.d_model,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.n_ff,
+            cfg.head_dim,
+            cfg.vocab,
+        );
+        let has_output = file.tensor("output.weight").is_some();
+        // (name, rows, cols, is a matrix); a vector has one row.
+        let mut want: Vec<(String, usize, usize, bool)> = vec![
+            ("token_embd.weight".into(), v, d, true),
+            ("output_norm.weight".into(), 1, d, false),
+        ];
+        if has_output {
+            want.push(("output.weight".into(), v, d, true));
+        }
+        for i in 0..cfg.n_layer {
+            let n = |t: &str| format!("blk.{i}.{t}.weight");
+            want.extend([
+                (n("attn_norm"), 1, d, false),
+                (n("attn_q"), qd, d, true),
+                (n("attn_k"), kvd, d, true),
+                (n("attn_v"), kvd, d, true),
+                (n("attn_output"), d, qd, true),
+                (n("ffn_norm"), 1, d, false),
+                (n("ffn_gate"), ff, d, true),
+                (n("ffn_up"), ff, d, true),
+                (n("ffn_down"), d, ff, true),
+            ]);
+            if cfg.arch == Arch::Gemma3 {
+                want.extend([
+                    (n("attn_q_norm"), 1, hd, false),
+                    (n("attn_k_norm"), 1, hd, false),
+                    (n("post_attention_norm"), 1, d, false),
+                    (n("post_ffw_norm"), 1, d, false),
+                ]);
+            }
+        }
+        let mut total_bytes = 0u64;
+        let mut names = HashSet::with_capacity(want.len());
+        for (name, rows, cols, is_matrix) in &want {
+            let info = file.tensor_info(name)?;
+            if info.cols() != *cols as u64 || info.rows() != *rows as u64 {
+                return Err(LlmError::Invalid(format!(
+                    "tensor '{name}' has shape {:?}; the hyperparameters call for {cols} x {rows} (ne0 x ne1)",
+                    info.dims
+                )));
+            }
+            let t = info.ggml_type;
+            let ok = if *is_matrix {
+                matrix_type_supported(t)
+            } else {
+                t.can_dequantize()
+            };
+            if !ok {
+                return Err(LlmError::UnsupportedTensorType {
+                    tensor: name.clone(),
+                    ggml_type: t,
+                });
+            }
+            total_bytes += info.n_bytes;
+            names.insert(name.as_str());
+        }
+        if let Some(extra) = file
+            .tensors()
+            .iter()
+            .find(|t| !names.contains(t.name.as_str()))
+        {
+            return Err(LlmError::Unsupported(format!(
+                "tensor '{}' ({} architecture): the runner does not implement what it is for",
+                extra.name,
+                cfg.arch.name()
+            )));
+        }
+        Ok(Plan {
+            total_bytes,
+            has_output,
+        })
+    }
+}
+
+struct Loader<'a> {
+    be: &'a Backend,
+    file: &'a GgufFile,
+    done: u64,
+    total: u64,
+    progress: &'a mut dyn FnMut(LoadProgress),
+}
+
+impl Loader<'_> {
+    fn advance(&mut self, name: &str) -> Result<()> {
+        self.done += self.file.tensor_info(name)?.n_bytes;
+        (self.progress)(LoadProgress {
+            done: self.done,
+            total: self.total,
+        });
+        Ok(())
+    }
+
+    /// A matrix in its kernel layout, on the host (shape and type were checked by the plan).
+    fn host(&mut self, name: &str) -> Result<HostMatrix> {
+        let info = self.file.tensor_info(name)?;
+        let (rows, cols) = (info.rows() as usize, info.cols() as usize);
+        let w = self.file.load_matrix(name)?;
+        self.advance(name)?;
+        Ok(HostMatrix { w, rows, cols })
+    }
+
+    fn matrix(&mut self, name: &str) -> Result<Matrix> {
+        let h = self.host(name)?;
+        Matrix::upload(self.be, h)
+    }
+
+    fn vector(&mut self, name: &str) -> Result<Tensor> {
+        let v = self.file.dequantize(name)?;
+        if let Some(bad) = v.iter().find(|x| !x.is_finite()) {
+            return Err(LlmError::Invalid(format!(
+                "tensor '{name}' holds a non-finite value ({bad})"
+            )));
+        }
+        self.advance(name)?;
+        Ok(self.be.from_f32(&v, v.len().max(1))?)
+    }
+}
