@@ -4,7 +4,9 @@
 use anyhow::Result;
 use clap::{Args, Subcommand};
 use std::time::Instant;
-use tinygpt_kernels::ops::matmul::{Gemm, TILE_LARGE, TILE_MEDIUM, TILE_SMALL, TILE_TALL, Tile, matmul_with_tile};
+use tinygpt_kernels::ops::matmul::{
+    Gemm, TILE_LARGE, TILE_MEDIUM, TILE_SMALL, TILE_TALL, Tile, matmul_with_tile,
+};
 use tinygpt_kernels::testing::SeedRng;
 use tinygpt_kernels::{Backend, ops};
 use tinygpt_models::gpt::{GptConfig, Layout, OptimConfig, Trainer};
@@ -47,8 +49,25 @@ pub struct TrainBenchArgs {
     pub vocab: usize,
 }
 
-pub fn run(be: &Backend, cmd: &BenchCmd) -> Result<()> {
+pub fn run(be: &Backend, gate: &crate::gates::GateArgs, cmd: &BenchCmd) -> Result<()> {
     println!("backend: {}", be.describe());
+    let t = Instant::now();
+    let gated = crate::gates::prepare(be, gate, Vec::new());
+    if let Some(s) = &gated {
+        println!(
+            "gates: {:.1} ms ({}) · {}",
+            t.elapsed().as_secs_f64() * 1e3,
+            if s.reports
+                .iter()
+                .all(|r| r.from_cache || r.status == tinygpt_kernels::gate::Status::Unsupported)
+            {
+                "warm cache"
+            } else {
+                "cold"
+            },
+            crate::gates::pills(be)
+        );
+    }
     match cmd {
         BenchCmd::Ops(a) => ops_bench(be, a),
         BenchCmd::Train(a) => train_bench(be, a),
@@ -121,14 +140,30 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
                 None => name.clone(),
                 Some(t) => format!("  tile {}", t.key()),
             };
-            match time(be, reps, || Ok(matmul_with_tile(be, (&ta).into(), (&tb).into(), (&mut tc).into(), g, tile)?)) {
-                Ok(sec) => println!("{label:<44} {:>10.3} {:>12.1}", sec * 1e3, flops / sec / 1e9),
+            match time(be, reps, || {
+                Ok(matmul_with_tile(
+                    be,
+                    (&ta).into(),
+                    (&tb).into(),
+                    (&mut tc).into(),
+                    g,
+                    tile,
+                )?)
+            }) {
+                Ok(sec) => println!(
+                    "{label:<44} {:>10.3} {:>12.1}",
+                    sec * 1e3,
+                    flops / sec / 1e9
+                ),
                 Err(e) => println!("{label:<44} {:>10} {e}", "-"),
             }
         }
     }
 
-    println!("\n{:<44} {:>10} {:>12}", "element-wise / row-wise (f32)", "ms", "GB/s");
+    println!(
+        "\n{:<44} {:>10} {:>12}",
+        "element-wise / row-wise (f32)", "ms", "GB/s"
+    );
     let n = if slow { 1 << 20 } else { 16384 * 384 };
     let x = be.from_f32(&rng.vec(n, -1.0, 1.0), 384)?;
     let y = be.from_f32(&rng.vec(n, -1.0, 1.0), 384)?;
@@ -137,19 +172,64 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
     let w = be.from_f32(&vec![1.0; 384], 384)?;
     let reps = if slow { 3 } else { 50 };
     let gb = |bytes: f64, sec: f64| bytes / sec / 1e9;
-    let sec = time(be, reps, || Ok(ops::add::add(be, (&x).into(), (&y).into(), (&mut out).into(), n, 1.0)?))?;
-    println!("{:<44} {:>10.3} {:>12.1}", format!("add ({n})"), sec * 1e3, gb(12.0 * n as f64, sec));
-    let sec = time(be, reps, || Ok(ops::gelu::gelu(be, (&x).into(), (&mut out).into(), n)?))?;
-    println!("{:<44} {:>10.3} {:>12.1}", format!("gelu ({n})"), sec * 1e3, gb(8.0 * n as f64, sec));
-    let shape = ops::norm::NormShape { rows: n / 384, cols: 384, eps: 1e-5 };
     let sec = time(be, reps, || {
-        Ok(ops::norm::norm_forward(be, ops::norm::NormKind::Layer, (&x).into(), (&w).into(), (&mut out).into(), (&mut stats).into(), shape)?)
+        Ok(ops::add::add(
+            be,
+            (&x).into(),
+            (&y).into(),
+            (&mut out).into(),
+            n,
+            1.0,
+        )?)
     })?;
-    println!("{:<44} {:>10.3} {:>12.1}", format!("layernorm ({} x 384)", n / 384), sec * 1e3, gb(8.0 * n as f64, sec));
+    println!(
+        "{:<44} {:>10.3} {:>12.1}",
+        format!("add ({n})"),
+        sec * 1e3,
+        gb(12.0 * n as f64, sec)
+    );
+    let sec = time(be, reps, || {
+        Ok(ops::gelu::gelu(be, (&x).into(), (&mut out).into(), n)?)
+    })?;
+    println!(
+        "{:<44} {:>10.3} {:>12.1}",
+        format!("gelu ({n})"),
+        sec * 1e3,
+        gb(8.0 * n as f64, sec)
+    );
+    let shape = ops::norm::NormShape {
+        rows: n / 384,
+        cols: 384,
+        eps: 1e-5,
+    };
+    let sec = time(be, reps, || {
+        Ok(ops::norm::norm_forward(
+            be,
+            ops::norm::NormKind::Layer,
+            (&x).into(),
+            (&w).into(),
+            (&mut out).into(),
+            (&mut stats).into(),
+            shape,
+        )?)
+    })?;
+    println!(
+        "{:<44} {:>10.3} {:>12.1}",
+        format!("layernorm ({} x 384)", n / 384),
+        sec * 1e3,
+        gb(8.0 * n as f64, sec)
+    );
     let mut sm = be.from_f32(&rng.vec(n, -1.0, 1.0), 256)?;
     let sh = ops::softmax::SoftmaxShape::causal(n / 256, 256);
-    let sec = time(be, reps, || Ok(ops::softmax::softmax(be, (&mut sm).into(), sh)?))?;
-    println!("{:<44} {:>10.3} {:>12.1}", format!("causal softmax ({} x 256)", n / 256), sec * 1e3, gb(8.0 * n as f64, sec));
+    let sec = time(be, reps, || {
+        Ok(ops::softmax::softmax(be, (&mut sm).into(), sh)?)
+    })?;
+    println!(
+        "{:<44} {:>10.3} {:>12.1}",
+        format!("causal softmax ({} x 256)", n / 256),
+        sec * 1e3,
+        gb(8.0 * n as f64, sec)
+    );
     Ok(())
 }
 
@@ -203,8 +283,12 @@ fn train_bench(be: &Backend, a: &TrainBenchArgs) -> Result<()> {
     let mut rng = SeedRng::new(2);
     let tokens = a.batch * cfg.block_size;
     let mut batch = || {
-        let x: Vec<u32> = (0..tokens).map(|_| rng.below(cfg.vocab_size) as u32).collect();
-        let y: Vec<u32> = (0..tokens).map(|_| rng.below(cfg.vocab_size) as u32).collect();
+        let x: Vec<u32> = (0..tokens)
+            .map(|_| rng.below(cfg.vocab_size) as u32)
+            .collect();
+        let y: Vec<u32> = (0..tokens)
+            .map(|_| rng.below(cfg.vocab_size) as u32)
+            .collect();
         (x, y)
     };
     for _ in 0..3 {

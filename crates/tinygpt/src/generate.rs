@@ -50,29 +50,57 @@ pub struct EvalArgs {
 }
 
 fn model_dir(m: &Option<PathBuf>) -> PathBuf {
-    m.clone().unwrap_or_else(|| paths::bundled(paths::DEFAULT_MODEL))
+    m.clone()
+        .unwrap_or_else(|| paths::bundled(paths::DEFAULT_MODEL))
 }
 
-pub fn generate(be: &Backend, a: &GenerateArgs) -> Result<()> {
-    let sc = SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
+pub fn generate(be: &Backend, gate: &crate::gates::GateArgs, a: &GenerateArgs) -> Result<()> {
+    let sc = SamplerConfig {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+    };
     sc.validate().map_err(anyhow::Error::msg)?;
     let dir = model_dir(&a.model);
     let t0 = Instant::now();
-    let ck = checkpoint::load(&dir).with_context(|| format!("cannot load the model in {}", dir.display()))?;
+    let ck = checkpoint::load(&dir)
+        .with_context(|| format!("cannot load the model in {}", dir.display()))?;
     let vocab = ck.config.vocab.clone();
     let prompt = vocab.encode(&a.prompt).with_context(|| {
-        format!("the prompt cannot be encoded: the model knows only the characters of its training text")
+        format!(
+            "the prompt cannot be encoded: the model knows only the characters of its training text"
+        )
     })?;
     if prompt.is_empty() {
         bail!("the prompt is empty; give at least one character (the default is a newline)");
     }
-    let mut runner = GptRunner::new(be, &ck.config.model, &ck.params)?;
+    let cfg = &ck.config.model;
+    if crate::gates::prepare(be, gate, cfg.gate_cases()).is_some() {
+        // End-to-end: the first 100 greedy tokens from a fixed prompt must not change.
+        let start = vocab.encode("\n").unwrap_or_default();
+        crate::gates::token_gate(be, |be| {
+            let mut r = GptRunner::new(be, cfg, &ck.params)?;
+            let mut greedy = Sampler::new(SamplerConfig {
+                temperature: 0.0,
+                ..SamplerConfig::default()
+            });
+            let mut out = Vec::new();
+            r.generate(be, &start, 100, &mut greedy, |t| {
+                out.push(t);
+                Ok(())
+            })?;
+            Ok(out)
+        })?;
+    }
+    let mut runner = GptRunner::new(be, cfg, &ck.params)?;
     // Warm up: the first pass builds every pipeline.
-    runner.prefill(be, &prompt[prompt.len().saturating_sub(ck.config.model.block_size)..])?;
+    runner.prefill(be, &prompt[prompt.len().saturating_sub(cfg.block_size)..])?;
     eprintln!(
-        "inference warmed up in {:.1}s · {} · f32 path — ready to generate.",
+        "inference warmed up in {:.1}s · {} · {} — ready to generate.",
         t0.elapsed().as_secs_f64(),
-        be.describe()
+        be.describe(),
+        crate::gates::pills(be)
     );
     let mut out = std::io::stdout().lock();
     out.write_all(a.prompt.as_bytes())?;
@@ -80,26 +108,45 @@ pub fn generate(be: &Backend, a: &GenerateArgs) -> Result<()> {
     let t = Instant::now();
     runner.generate(be, &prompt, a.n, &mut sampler, |id| {
         let s = vocab.decode(&[id]);
-        out.write_all(s.as_bytes()).map_err(|e| tinygpt_kernels::Error::Gpu(format!("writing output: {e}")))?;
-        out.flush().map_err(|e| tinygpt_kernels::Error::Gpu(format!("writing output: {e}")))?;
+        out.write_all(s.as_bytes())
+            .map_err(|e| tinygpt_kernels::Error::Gpu(format!("writing output: {e}")))?;
+        out.flush()
+            .map_err(|e| tinygpt_kernels::Error::Gpu(format!("writing output: {e}")))?;
         Ok(())
     })?;
     writeln!(out)?;
     let secs = t.elapsed().as_secs_f64();
-    eprintln!("{} characters in {secs:.2}s ({:.0} tokens/s)", a.n, a.n as f64 / secs.max(1e-9));
+    eprintln!(
+        "{} characters in {secs:.2}s ({:.0} tokens/s)",
+        a.n,
+        a.n as f64 / secs.max(1e-9)
+    );
     Ok(())
 }
 
-pub fn eval(be: &Backend, a: &EvalArgs) -> Result<()> {
+pub fn eval(be: &Backend, gate: &crate::gates::GateArgs, a: &EvalArgs) -> Result<()> {
     let dir = model_dir(&a.model);
-    let ck = checkpoint::load(&dir).with_context(|| format!("cannot load the model in {}", dir.display()))?;
-    let data_path = a.data.clone().unwrap_or_else(|| paths::bundled(paths::DEFAULT_DATA));
-    let bytes = std::fs::read(&data_path).with_context(|| format!("cannot read {}", data_path.display()))?;
+    let ck = checkpoint::load(&dir)
+        .with_context(|| format!("cannot load the model in {}", dir.display()))?;
+    let data_path = a
+        .data
+        .clone()
+        .unwrap_or_else(|| paths::bundled(paths::DEFAULT_DATA));
+    let bytes = std::fs::read(&data_path)
+        .with_context(|| format!("cannot read {}", data_path.display()))?;
     let text = std::str::from_utf8(&bytes).context("the text is not UTF-8")?;
     let cfg = &ck.config.model;
     let data = Dataset::with_vocab(text, ck.config.vocab.clone(), cfg.block_size)?;
     let seed = ck.state.as_ref().map_or(1337, |s| s.seed);
-    let mut tr = Trainer::new(be, cfg, a.batch_size, &ck.params, None, OptimConfig::default())?;
+    crate::gates::prepare(be, gate, cfg.gate_cases());
+    let mut tr = Trainer::new(
+        be,
+        cfg,
+        a.batch_size,
+        &ck.params,
+        None,
+        OptimConfig::default(),
+    )?;
     let t = Instant::now();
     let mut sum = 0.0f64;
     for i in 0..a.eval_iters.max(1) {
@@ -107,6 +154,14 @@ pub fn eval(be: &Backend, a: &EvalArgs) -> Result<()> {
         sum += tr.eval_loss(be, &x, &y)? as f64;
     }
     let val = sum / a.eval_iters.max(1) as f64;
-    println!("val loss {val:.4} ({} batches of {} x {} characters, {:.1}s on {})", a.eval_iters, a.batch_size, cfg.block_size, t.elapsed().as_secs_f64(), be.describe());
+    println!(
+        "val loss {val:.4} ({} batches of {} x {} characters, {:.1}s on {} · {})",
+        a.eval_iters,
+        a.batch_size,
+        cfg.block_size,
+        t.elapsed().as_secs_f64(),
+        be.describe(),
+        crate::gates::pills(be)
+    );
     Ok(())
 }

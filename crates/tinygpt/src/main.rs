@@ -2,8 +2,10 @@
 
 mod bench;
 mod device;
+mod gates;
 mod generate;
 mod paths;
+mod plot;
 mod train;
 
 use anyhow::Result;
@@ -16,6 +18,8 @@ use device::DeviceArgs;
 struct Cli {
     #[command(flatten)]
     device: DeviceArgs,
+    #[command(flatten)]
+    gate: gates::GateArgs,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -24,6 +28,8 @@ struct Cli {
 enum Cmd {
     /// List the GPU adapters wgpu can open (the index and names `--adapter` takes).
     Adapters,
+    /// Gate every fast path on the selected adapter and show which are in use (capability pills).
+    Gates(gates::GatesCmd),
     /// Train the character-level GPT (default: nanoGPT's shakespeare-char recipe on the bundled text).
     Train(train::TrainArgs),
     /// Sample from a trained char-level GPT (default: the bundled Shakespeare model).
@@ -68,25 +74,32 @@ fn run(cli: Cli) -> Result<()> {
                 println!("no GPU adapters (the CPU backend is always available: --backend cpu)");
             }
             for a in list {
-                println!("[{}] {} — {} {}, driver {} {}", a.index, a.name, a.backend, a.device_type, a.driver, a.driver_info);
+                println!(
+                    "[{}] {} — {} {}, driver {} {}",
+                    a.index, a.name, a.backend, a.device_type, a.driver, a.driver_info
+                );
             }
             Ok(())
         }
+        Cmd::Gates(c) => {
+            let be = cli.device.open()?;
+            gates::run(&be, &cli.gate, c)
+        }
         Cmd::Train(a) => {
             let be = cli.device.open()?;
-            train::run(&be, a)
+            train::run(&be, &cli.gate, a)
         }
         Cmd::Generate(a) => {
             let be = cli.device.open()?;
-            generate::generate(&be, a)
+            generate::generate(&be, &cli.gate, a)
         }
         Cmd::Eval(a) => {
             let be = cli.device.open()?;
-            generate::eval(&be, a)
+            generate::eval(&be, &cli.gate, a)
         }
         Cmd::Bench(b) => {
             let be = cli.device.open()?;
-            bench::run(&be, b)
+            bench::run(&be, &cli.gate, b)
         }
     }
 }

@@ -15,10 +15,11 @@ pub struct TrainArgs {
     /// UTF-8 text to train on (default: the bundled Shakespeare).
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Checkpoint directory (written whenever the validation loss improves).
+    /// Checkpoint directory: the model (written whenever the validation loss improves) and, in
+    /// DIR/resume, the full training state after every evaluation.
     #[arg(long, default_value = "out/shakespeare-char")]
     pub out: PathBuf,
-    /// Continue the run saved in this checkpoint directory (same config, same data).
+    /// Continue the run saved in this directory (its resume/ state), with the same data and --max-iters.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     #[arg(long, default_value_t = 5000)]
@@ -62,6 +63,9 @@ pub struct TrainArgs {
     /// Precision of saved weights (the optimizer state is always f32).
     #[arg(long, value_parser = ["f32", "f16"], default_value = "f32")]
     pub save_dtype: String,
+    /// Stop after this iteration, as an interrupted run would (continue later with --resume).
+    #[arg(long)]
+    pub stop_at: Option<usize>,
     /// Write a JSON summary of the run here.
     #[arg(long)]
     pub summary: Option<PathBuf>,
@@ -71,16 +75,32 @@ fn read_text(path: &PathBuf) -> Result<Vec<u8>> {
     std::fs::read(path).with_context(|| format!("cannot read the training text {}", path.display()))
 }
 
-pub fn run(be: &Backend, a: &TrainArgs) -> Result<()> {
-    let data_path = a.data.clone().unwrap_or_else(|| paths::bundled(paths::DEFAULT_DATA));
+pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result<()> {
+    let data_path = a
+        .data
+        .clone()
+        .unwrap_or_else(|| paths::bundled(paths::DEFAULT_DATA));
     let bytes = read_text(&data_path)?;
     let (cfg, data, params, moments, mut state) = match &a.resume {
         Some(dir) => {
-            let l = checkpoint::load(dir).with_context(|| format!("cannot resume from {}", dir.display()))?;
+            // A training run keeps its resumable state in OUT/resume; a directory holding it directly
+            // works too.
+            let dir = if dir.join("resume").join("optimizer.safetensors").exists() {
+                dir.join("resume")
+            } else {
+                dir.clone()
+            };
+            let dir = &dir;
+            let l = checkpoint::load(dir)
+                .with_context(|| format!("cannot resume from {}", dir.display()))?;
             let text = std::str::from_utf8(&bytes).context("the training text is not UTF-8")?;
-            let data = Dataset::with_vocab(text, l.config.vocab.clone(), l.config.model.block_size)?;
+            let data =
+                Dataset::with_vocab(text, l.config.vocab.clone(), l.config.model.block_size)?;
             let Some((m, v)) = l.optimizer else {
-                bail!("{} has no optimizer state (it is an export, not a training checkpoint)", dir.display());
+                bail!(
+                    "{} has no optimizer state (it is an export, not a training checkpoint)",
+                    dir.display()
+                );
             };
             let state = l.state.unwrap_or_default();
             (l.config.model, data, l.params, Some((m, v)), state)
@@ -98,29 +118,41 @@ pub fn run(be: &Backend, a: &TrainArgs) -> Result<()> {
             };
             cfg.validate().map_err(anyhow::Error::msg)?;
             let params = Layout::new(&cfg).init(&cfg, a.seed);
-            let state = TrainState { seed: a.seed, max_iters: a.max_iters, ..Default::default() };
+            let state = TrainState {
+                seed: a.seed,
+                max_iters: a.max_iters,
+                ..Default::default()
+            };
             (cfg, data, params, None, state)
         }
     };
     let seed = state.seed;
-    let optim = OptimConfig { weight_decay: a.weight_decay, grad_clip: a.grad_clip, ..OptimConfig::default() };
+    crate::gates::prepare(be, gate, cfg.gate_cases());
+    let optim = OptimConfig {
+        weight_decay: a.weight_decay,
+        grad_clip: a.grad_clip,
+        ..OptimConfig::default()
+    };
     let t_setup = Instant::now();
     let mut tr = Trainer::new(
         be,
         &cfg,
         a.batch_size,
         &params,
-        moments.as_ref().map(|(m, v)| (m.as_slice(), v.as_slice(), state.step)),
+        moments
+            .as_ref()
+            .map(|(m, v)| (m.as_slice(), v.as_slice(), state.step)),
         optim,
     )?;
     eprintln!(
-        "training {:.2}M parameters ({} layers, {} heads, {} wide, block {}) on {} — {} train / {} val characters, vocabulary {}; set up in {:.2}s",
+        "training {:.2}M parameters ({} layers, {} heads, {} wide, block {}) on {} · {} — {} train / {} val characters, vocabulary {}; set up in {:.2}s",
         cfg.num_params() as f64 / 1e6,
         cfg.n_layer,
         cfg.n_head,
         cfg.n_embd,
         cfg.block_size,
         be.describe(),
+        crate::gates::pills(be),
         data.train.len(),
         data.val.len(),
         data.vocab.len(),
@@ -137,7 +169,11 @@ pub fn run(be: &Backend, a: &TrainArgs) -> Result<()> {
             "lr": a.lr, "min_lr": a.min_lr, "warmup": a.warmup,
         }),
     };
-    let dtype = if a.save_dtype == "f16" { WeightDtype::F16 } else { WeightDtype::F32 };
+    let dtype = if a.save_dtype == "f16" {
+        WeightDtype::F16
+    } else {
+        WeightDtype::F32
+    };
     let tokens_per_iter = a.batch_size * cfg.block_size;
     let start = state.step as usize;
     let pb = ProgressBar::new(a.max_iters as u64);
@@ -150,7 +186,19 @@ pub fn run(be: &Backend, a: &TrainArgs) -> Result<()> {
     let mut timed_iters = 0usize;
     let mut train_time = 0.0f64;
     let mut last_loss = f32::NAN;
-    for it in start..a.max_iters {
+    let end = a.stop_at.map_or(a.max_iters, |s| s.min(a.max_iters));
+    if let Some(dir) = &a.resume
+        && state.max_iters != 0
+        && state.max_iters != a.max_iters
+    {
+        eprintln!(
+            "note: {} was started with --max-iters {}; continuing with {} changes the learning-rate schedule",
+            dir.display(),
+            state.max_iters,
+            a.max_iters
+        );
+    }
+    for it in start..end {
         let (x, y) = data.batch(false, seed, it as u64, a.batch_size, cfg.block_size);
         let lr = learning_rate(it, a.warmup, a.max_iters, a.lr, a.min_lr);
         let ts = Instant::now();
@@ -159,7 +207,10 @@ pub fn run(be: &Backend, a: &TrainArgs) -> Result<()> {
         if log {
             last_loss = tr.last_loss(be)?;
             if !last_loss.is_finite() {
-                bail!("the training loss became {last_loss} at iteration {}; lower --lr", it + 1);
+                bail!(
+                    "the training loss became {last_loss} at iteration {}; lower --lr",
+                    it + 1
+                );
             }
             state.train_losses.push((it + 1, last_loss));
         }
@@ -168,21 +219,31 @@ pub fn run(be: &Backend, a: &TrainArgs) -> Result<()> {
         }
         train_time += ts.elapsed().as_secs_f64();
         let tps = tokens_per_iter as f64 * (it + 1 - start) as f64 / t0.elapsed().as_secs_f64();
-        pb.set_message(format!("loss {last_loss:.4} · {:.0} tokens/s · lr {lr:.2e}", tps));
+        pb.set_message(format!(
+            "loss {last_loss:.4} · {:.0} tokens/s · lr {lr:.2e}",
+            tps
+        ));
         pb.inc(1);
         // Without a terminal the bar is hidden; log a line now and then instead.
         if pb.is_hidden() && log && (it + 1) % (a.log_every.max(1) * 10) == 0 {
-            eprintln!("iter {}: loss {last_loss:.4}, {tps:.0} tokens/s, lr {lr:.2e}", it + 1);
+            eprintln!(
+                "iter {}: loss {last_loss:.4}, {tps:.0} tokens/s, lr {lr:.2e}",
+                it + 1
+            );
         }
         state.step = tr.step;
-        if (it + 1) % a.eval_every.max(1) == 0 || it + 1 == a.max_iters {
+        if (it + 1) % a.eval_every.max(1) == 0 || it + 1 == a.max_iters || it + 1 == end {
             let val = evaluate(be, &mut tr, &data, seed, a, true)?;
             state.val_losses.push((it + 1, val));
             let improved = state.best_val.is_none_or(|b| val < b);
             let line = format!(
                 "iter {}: train loss {last_loss:.4}, val loss {val:.4}{}",
                 it + 1,
-                if improved { " (best so far, saved)" } else { "" }
+                if improved {
+                    " (best so far, saved)"
+                } else {
+                    ""
+                }
             );
             if pb.is_hidden() {
                 eprintln!("{line}");
@@ -193,9 +254,21 @@ pub fn run(be: &Backend, a: &TrainArgs) -> Result<()> {
                 state.best_val = Some(val);
                 state.best_iter = Some(it + 1);
             }
+            // The resumable state (f32 weights, optimizer, progress) after every evaluation; the model
+            // people use (OUT itself) only when validation improves, unless told otherwise.
+            let (p, m, v) = tr.state(be)?;
+            let resume_dir = a.out.join("resume");
+            checkpoint::save(
+                &resume_dir,
+                &ckpt_cfg,
+                &p,
+                WeightDtype::F32,
+                Some((&m, &v)),
+                Some(&state),
+            )
+            .with_context(|| format!("saving the resumable state to {}", resume_dir.display()))?;
             if improved || a.always_save {
-                let (p, m, v) = tr.state(be)?;
-                checkpoint::save(&a.out, &ckpt_cfg, &p, dtype, Some((&m, &v)), Some(&state))
+                checkpoint::save(&a.out, &ckpt_cfg, &p, dtype, None, Some(&state))
                     .with_context(|| format!("saving the checkpoint to {}", a.out.display()))?;
             }
         }
@@ -203,7 +276,7 @@ pub fn run(be: &Backend, a: &TrainArgs) -> Result<()> {
     pb.finish_and_clear();
     let _ = timed_iters;
     let secs = t0.elapsed().as_secs_f64();
-    let iters = a.max_iters.saturating_sub(start);
+    let iters = end.saturating_sub(start);
     eprintln!(
         "done: {iters} iterations in {secs:.1}s ({:.2} ms/iter in steps, {:.0} tokens/s overall); best val loss {} at iter {}; checkpoint in {}",
         1e3 * train_time / iters.max(1) as f64,
@@ -226,10 +299,23 @@ pub fn run(be: &Backend, a: &TrainArgs) -> Result<()> {
 }
 
 /// Mean loss over `eval_iters` fixed batches of one split (dropout off).
-pub fn evaluate(be: &Backend, tr: &mut Trainer, data: &Dataset, seed: u64, a: &TrainArgs, val: bool) -> Result<f32> {
+pub fn evaluate(
+    be: &Backend,
+    tr: &mut Trainer,
+    data: &Dataset,
+    seed: u64,
+    a: &TrainArgs,
+    val: bool,
+) -> Result<f32> {
     let mut sum = 0.0f64;
     for i in 0..a.eval_iters.max(1) {
-        let (x, y) = data.batch(val, seed ^ 0xE7A1, i as u64, a.batch_size, tr.cfg.block_size);
+        let (x, y) = data.batch(
+            val,
+            seed ^ 0xE7A1,
+            i as u64,
+            a.batch_size,
+            tr.cfg.block_size,
+        );
         sum += tr.eval_loss(be, &x, &y)? as f64;
     }
     Ok((sum / a.eval_iters.max(1) as f64) as f32)

@@ -82,7 +82,10 @@ pub enum WeightDtype {
 /// renamed over the target. On error the temp file is removed and the old file is untouched.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("checkpoint");
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("checkpoint");
     let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
@@ -111,7 +114,10 @@ fn bytemuck_f32(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-fn serialize(tensors: Vec<(String, Vec<usize>, Vec<u8>, Dtype)>, path: &Path) -> Result<Vec<u8>, CheckpointError> {
+fn serialize(
+    tensors: Vec<(String, Vec<usize>, Vec<u8>, Dtype)>,
+    path: &Path,
+) -> Result<Vec<u8>, CheckpointError> {
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(n, shape, b, dt)| {
@@ -150,7 +156,12 @@ pub fn save(
         .iter()
         .map(|e| {
             let v = &params[e.offset..e.offset + e.len()];
-            (e.name.clone(), e.shape.clone(), to_bytes(v, dtype), st_dtype)
+            (
+                e.name.clone(),
+                e.shape.clone(),
+                to_bytes(v, dtype),
+                st_dtype,
+            )
         })
         .collect();
     let model = serialize(tensors, &model_path)?;
@@ -165,11 +176,17 @@ pub fn save(
     }
     if let Some(s) = state {
         let p = dir.join("train_state.json");
-        write_atomic(&p, &serde_json::to_vec_pretty(s).expect("train state serializes"))?;
+        write_atomic(
+            &p,
+            &serde_json::to_vec_pretty(s).expect("train state serializes"),
+        )?;
     }
     write_atomic(&model_path, &model)?;
     let cp = dir.join("config.json");
-    write_atomic(&cp, &serde_json::to_vec_pretty(config).expect("config serializes"))?;
+    write_atomic(
+        &cp,
+        &serde_json::to_vec_pretty(config).expect("config serializes"),
+    )?;
     Ok(())
 }
 
@@ -190,7 +207,10 @@ fn read(path: &Path) -> Result<Vec<u8>, CheckpointError> {
 fn tensor_f32(path: &Path, view: &TensorView<'_>) -> Result<Vec<f32>, CheckpointError> {
     let d = view.data();
     match view.dtype() {
-        Dtype::F32 => Ok(d.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()),
+        Dtype::F32 => Ok(d
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()),
         Dtype::F16 => Ok(d
             .chunks_exact(2)
             .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
@@ -209,11 +229,18 @@ fn tensor_f32(path: &Path, view: &TensorView<'_>) -> Result<Vec<f32>, Checkpoint
 /// Loads a checkpoint directory written by [`save`].
 pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
     let cp = dir.join("config.json");
-    let config: CheckpointConfig = serde_json::from_slice(&read(&cp)?).map_err(|e| CheckpointError::Invalid {
-        path: cp.clone(),
-        msg: e.to_string(),
-    })?;
-    config.model.validate().map_err(|msg| CheckpointError::Invalid { path: cp.clone(), msg })?;
+    let config: CheckpointConfig =
+        serde_json::from_slice(&read(&cp)?).map_err(|e| CheckpointError::Invalid {
+            path: cp.clone(),
+            msg: e.to_string(),
+        })?;
+    config
+        .model
+        .validate()
+        .map_err(|msg| CheckpointError::Invalid {
+            path: cp.clone(),
+            msg,
+        })?;
     if config.vocab.len() != config.model.vocab_size {
         return Err(CheckpointError::Invalid {
             path: cp,
@@ -274,10 +301,12 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
     };
     let sp = dir.join("train_state.json");
     let state = if sp.exists() {
-        Some(serde_json::from_slice(&read(&sp)?).map_err(|e| CheckpointError::Invalid {
-            path: sp.clone(),
-            msg: e.to_string(),
-        })?)
+        Some(
+            serde_json::from_slice(&read(&sp)?).map_err(|e| CheckpointError::Invalid {
+                path: sp.clone(),
+                msg: e.to_string(),
+            })?,
+        )
     } else {
         None
     };
@@ -291,7 +320,11 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
 
 /// Names of the tensors in a checkpoint (for error messages and tools).
 pub fn tensor_names(layout: &Layout) -> HashMap<String, Vec<usize>> {
-    layout.entries.iter().map(|e| (e.name.clone(), e.shape.clone())).collect()
+    layout
+        .entries
+        .iter()
+        .map(|e| (e.name.clone(), e.shape.clone()))
+        .collect()
 }
 
 #[cfg(test)]
@@ -300,7 +333,14 @@ mod tests {
 
     fn cfg() -> CheckpointConfig {
         CheckpointConfig {
-            model: GptConfig { vocab_size: 3, block_size: 4, n_layer: 1, n_head: 1, n_embd: 4, dropout: 0.0 },
+            model: GptConfig {
+                vocab_size: 3,
+                block_size: 4,
+                n_layer: 1,
+                n_head: 1,
+                n_embd: 4,
+                dropout: 0.0,
+            },
             vocab: CharVocab::from_text("abc"),
             provenance: serde_json::json!({"text": "test"}),
         }
@@ -313,7 +353,10 @@ mod tests {
         let layout = Layout::new(&c.model);
         let p = layout.init(&c.model, 1);
         let m: Vec<f32> = (0..layout.total).map(|i| i as f32).collect();
-        let st = TrainState { step: 7, ..Default::default() };
+        let st = TrainState {
+            step: 7,
+            ..Default::default()
+        };
         save(&dir, &c, &p, WeightDtype::F32, Some((&m, &m)), Some(&st)).unwrap();
         let l = load(&dir).unwrap();
         assert_eq!(l.params, p);
@@ -325,7 +368,11 @@ mod tests {
             assert!((a - b).abs() <= 1e-3 * b.abs().max(1e-2));
         }
         // No temp files are left behind.
-        let left: Vec<_> = std::fs::read_dir(&dir).unwrap().filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().ends_with(".tmp")).collect();
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+            .collect();
         assert!(left.is_empty());
         std::fs::remove_dir_all(&dir).unwrap();
     }

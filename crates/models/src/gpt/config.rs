@@ -38,6 +38,25 @@ impl GptConfig {
         self.vocab_size * c + self.block_size * c + self.n_layer * (12 * c * c + 2 * c) + c
     }
 
+    /// The model's own weight products, added to the numerics gate's default shapes: one decode row and
+    /// a batch of rows through each block matrix (y = x · Wᵀ), and the tied head.
+    pub fn gate_cases(&self) -> Vec<tinygpt_kernels::gate::GateCase> {
+        use tinygpt_kernels::gate::GateCase;
+        let c = self.n_embd;
+        let mut v = Vec::new();
+        for (name, n, k) in [
+            ("qkv", 3 * c, c),
+            ("proj", c, c),
+            ("fc", 4 * c, c),
+            ("mlp-proj", c, 4 * c),
+        ] {
+            v.push(GateCase::new(&format!("model {name} decode"), 1, n, k));
+            v.push(GateCase::new(&format!("model {name} batch"), 64, n, k));
+        }
+        v.push(GateCase::new("model head", 8, self.vocab_size, c));
+        v
+    }
+
     /// Checks the shape is buildable; the message says what to change.
     pub fn validate(&self) -> Result<(), String> {
         if self.vocab_size == 0 || self.block_size == 0 || self.n_layer == 0 || self.n_head == 0 {

@@ -27,7 +27,11 @@ pub enum DataError {
 impl CharVocab {
     /// The sorted distinct characters of `text`.
     pub fn from_text(text: &str) -> Self {
-        let mut chars: Vec<char> = text.chars().collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+        let mut chars: Vec<char> = text
+            .chars()
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
         chars.shrink_to_fit();
         CharVocab { chars }
     }
@@ -89,7 +93,14 @@ impl Dataset {
     /// `batch` windows of `block` tokens (inputs) and the same windows shifted by one (targets), at
     /// offsets drawn from (seed, stream, index): the same call always gives the same batch, so a resumed
     /// run sees the batches an uninterrupted one would have.
-    pub fn batch(&self, val: bool, seed: u64, index: u64, batch: usize, block: usize) -> (Vec<u32>, Vec<u32>) {
+    pub fn batch(
+        &self,
+        val: bool,
+        seed: u64,
+        index: u64,
+        batch: usize,
+        block: usize,
+    ) -> (Vec<u32>, Vec<u32>) {
         let data = if val { &self.val } else { &self.train };
         let mut rng = tinygpt_kernels::testing::SeedRng::new(
             seed ^ (index.wrapping_mul(0x9E37_79B9_7F4A_7C15)) ^ if val { 0x5A5A_5A5A } else { 0 },
@@ -119,15 +130,25 @@ mod tests {
         let (x, y) = d.batch(false, 1, 5, 3, 8);
         assert_eq!(x.len(), 24);
         assert_eq!(&x[1..8], &y[0..7], "targets are inputs shifted by one");
-        assert_eq!(d.batch(false, 1, 5, 3, 8), (x.clone(), y), "batches are reproducible");
+        assert_eq!(
+            d.batch(false, 1, 5, 3, 8),
+            (x.clone(), y),
+            "batches are reproducible"
+        );
         assert_ne!(d.batch(false, 1, 6, 3, 8).0, x);
     }
 
     #[test]
     fn bad_texts_are_refused_with_reasons() {
         assert!(matches!(Dataset::from_bytes(b"", 8), Err(DataError::Empty)));
-        assert!(matches!(Dataset::from_bytes(&[0x61, 0xff, 0x62], 8), Err(DataError::NotUtf8(1))));
-        assert!(matches!(Dataset::from_bytes(b"short text", 8), Err(DataError::TooShort { .. })));
+        assert!(matches!(
+            Dataset::from_bytes(&[0x61, 0xff, 0x62], 8),
+            Err(DataError::NotUtf8(1))
+        ));
+        assert!(matches!(
+            Dataset::from_bytes(b"short text", 8),
+            Err(DataError::TooShort { .. })
+        ));
         let v = CharVocab::from_text("abc");
         assert!(matches!(v.encode("abd"), Err(DataError::UnknownChar('d'))));
     }

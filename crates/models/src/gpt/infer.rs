@@ -7,11 +7,13 @@
 use super::config::GptConfig;
 use super::layout::Layout;
 use crate::sampler::Sampler;
+use tinygpt_kernels::gate::PathId;
 use tinygpt_kernels::ops::add::add_assign;
 use tinygpt_kernels::ops::attention::{DecodeShape, attend};
 use tinygpt_kernels::ops::embedding::{EmbedShape, Positions, embedding};
 use tinygpt_kernels::ops::gelu::gelu;
 use tinygpt_kernels::ops::matmul::{Gemm, matmul};
+use tinygpt_kernels::ops::matmul_f16::{matmul_f16w, pack_f16, packed_len};
 use tinygpt_kernels::ops::norm::{NormKind, NormShape, norm_forward};
 use tinygpt_kernels::{Backend, DType, Error, Result, Tensor};
 
@@ -30,8 +32,51 @@ pub struct GptRunner {
     fc: Tensor,
     act: Tensor,
     logits: Tensor,
+    /// The parameters as f16 pairs, when the f16-storage path passed its gate: the block matrices are
+    /// then read from here (the tied head stays f32).
+    packed: Option<Tensor>,
     /// Cached positions.
     pos: usize,
+}
+
+/// y = x · Wᵀ for the block matrix at parameter offset `w`, from the f16 copy when there is one.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn linear(
+    be: &Backend,
+    params: &Tensor,
+    packed: Option<&Tensor>,
+    x: tinygpt_kernels::TRef<'_>,
+    w: usize,
+    y: tinygpt_kernels::TMut<'_>,
+    g: &Gemm,
+) -> Result<()> {
+    match packed {
+        // Layout offsets are multiples of 4 · n_embd, so even: word w / 2 starts the matrix.
+        Some(p) => matmul_f16w(be, x, p.at(w / 2), y, g),
+        None => matmul(be, x, params.at(w), y, g),
+    }
+}
+
+/// The f16 copy of `params`, when the f16-storage path is active on this backend.
+pub(crate) fn pack_if_active(
+    be: &Backend,
+    params: &Tensor,
+    into: Option<&mut Tensor>,
+) -> Result<()> {
+    if let Some(p) = into {
+        pack_f16(be, params.at(0), p.at_mut(0), params.len())?;
+    }
+    Ok(())
+}
+
+/// A tensor for the f16 copy of `n` parameters, when the path is active.
+pub(crate) fn packed_buffer(be: &Backend, n: usize) -> Result<Option<Tensor>> {
+    match be.as_gpu() {
+        Some(g) if g.path_active(PathId::F16Storage) => {
+            Ok(Some(be.zeros_typed(packed_len(n), 1, DType::U32)?))
+        }
+        _ => Ok(None),
+    }
 }
 
 impl GptRunner {
@@ -40,9 +85,15 @@ impl GptRunner {
         let layout = Layout::new(cfg);
         let (t, c) = (cfg.block_size, cfg.n_embd);
         let z = |n: usize, unit: usize| be.zeros(n, unit);
+        let params_t = be.from_f32(params, layout.unit)?;
+        let mut packed = packed_buffer(be, params.len())?;
+        pack_if_active(be, &params_t, packed.as_mut())?;
         Ok(GptRunner {
-            params: be.from_f32(params, layout.unit)?,
-            cache: (0..cfg.n_layer).map(|_| z(t * 3 * c, 3 * c)).collect::<Result<_>>()?,
+            packed,
+            params: params_t,
+            cache: (0..cfg.n_layer)
+                .map(|_| z(t * 3 * c, 3 * c))
+                .collect::<Result<_>>()?,
             ids: be.zeros_typed(t, t, DType::U32)?,
             x: z(t * c, c)?,
             ln: z(t * c, c)?,
@@ -96,17 +147,55 @@ impl GptRunner {
         }
         let lay = &self.layout;
         let w = &self.params;
+        let pk = self.packed.as_ref();
         be.write_u32(self.ids.at_mut(0), tokens)?;
-        let emb = EmbedShape { tokens: r, vocab: v, dim: c, scale: 1.0 };
-        let pos = Positions { table: w.at(lay.wpe()), rows: t, period: t, pos0: p };
-        embedding(be, self.ids.at(0), w.at(lay.wte()), Some(pos), self.x.at_mut(0), emb)?;
-        let norm = NormShape { rows: r, cols: c, eps: 1e-5 };
+        let emb = EmbedShape {
+            tokens: r,
+            vocab: v,
+            dim: c,
+            scale: 1.0,
+        };
+        let pos = Positions {
+            table: w.at(lay.wpe()),
+            rows: t,
+            period: t,
+            pos0: p,
+        };
+        embedding(
+            be,
+            self.ids.at(0),
+            w.at(lay.wte()),
+            Some(pos),
+            self.x.at_mut(0),
+            emb,
+        )?;
+        let norm = NormShape {
+            rows: r,
+            cols: c,
+            eps: 1e-5,
+        };
         let hd = cfg.head_dim();
         for l in 0..cfg.n_layer {
             let o = lay.block(l);
             let kv = &mut self.cache[l];
-            norm_forward(be, NormKind::Layer, self.x.at(0), w.at(o.ln_1), self.ln.at_mut(0), self.stats.at_mut(0), norm)?;
-            matmul(be, self.ln.at(0), w.at(o.c_attn), kv.at_mut(p * 3 * c), &Gemm::nt(r, 3 * c, c).ldc(3 * c))?;
+            norm_forward(
+                be,
+                NormKind::Layer,
+                self.x.at(0),
+                w.at(o.ln_1),
+                self.ln.at_mut(0),
+                self.stats.at_mut(0),
+                norm,
+            )?;
+            linear(
+                be,
+                w,
+                pk,
+                self.ln.at(0),
+                o.c_attn,
+                kv.at_mut(p * 3 * c),
+                &Gemm::nt(r, 3 * c, c).ldc(3 * c),
+            )?;
             let d = DecodeShape {
                 rows: r,
                 heads: h,
@@ -121,18 +210,75 @@ impl GptRunner {
                 scale: 1.0 / (hd as f32).sqrt(),
                 softcap: 0.0,
             };
-            attend(be, kv.at(p * 3 * c), kv.at(c), kv.at(2 * c), self.atty.at_mut(0), d)?;
-            matmul(be, self.atty.at(0), w.at(o.attn_proj), self.tmp.at_mut(0), &Gemm::nt(r, c, c))?;
+            attend(
+                be,
+                kv.at(p * 3 * c),
+                kv.at(c),
+                kv.at(2 * c),
+                self.atty.at_mut(0),
+                d,
+            )?;
+            linear(
+                be,
+                w,
+                pk,
+                self.atty.at(0),
+                o.attn_proj,
+                self.tmp.at_mut(0),
+                &Gemm::nt(r, c, c),
+            )?;
             add_assign(be, self.x.at_mut(0), self.tmp.at(0), r * c, 1.0)?;
-            norm_forward(be, NormKind::Layer, self.x.at(0), w.at(o.ln_2), self.ln.at_mut(0), self.stats.at_mut(0), norm)?;
-            matmul(be, self.ln.at(0), w.at(o.c_fc), self.fc.at_mut(0), &Gemm::nt(r, 4 * c, c))?;
+            norm_forward(
+                be,
+                NormKind::Layer,
+                self.x.at(0),
+                w.at(o.ln_2),
+                self.ln.at_mut(0),
+                self.stats.at_mut(0),
+                norm,
+            )?;
+            linear(
+                be,
+                w,
+                pk,
+                self.ln.at(0),
+                o.c_fc,
+                self.fc.at_mut(0),
+                &Gemm::nt(r, 4 * c, c),
+            )?;
             gelu(be, self.fc.at(0), self.act.at_mut(0), r * 4 * c)?;
-            matmul(be, self.act.at(0), w.at(o.mlp_proj), self.tmp.at_mut(0), &Gemm::nt(r, c, 4 * c))?;
+            linear(
+                be,
+                w,
+                pk,
+                self.act.at(0),
+                o.mlp_proj,
+                self.tmp.at_mut(0),
+                &Gemm::nt(r, c, 4 * c),
+            )?;
             add_assign(be, self.x.at_mut(0), self.tmp.at(0), r * c, 1.0)?;
         }
-        let last = NormShape { rows: 1, cols: c, eps: 1e-5 };
-        norm_forward(be, NormKind::Layer, self.x.at((r - 1) * c), w.at(lay.ln_f()), self.ln.at_mut(0), self.stats.at_mut(0), last)?;
-        matmul(be, self.ln.at(0), w.at(lay.wte()), self.logits.at_mut(0), &Gemm::nt(1, v, c))?;
+        let last = NormShape {
+            rows: 1,
+            cols: c,
+            eps: 1e-5,
+        };
+        norm_forward(
+            be,
+            NormKind::Layer,
+            self.x.at((r - 1) * c),
+            w.at(lay.ln_f()),
+            self.ln.at_mut(0),
+            self.stats.at_mut(0),
+            last,
+        )?;
+        matmul(
+            be,
+            self.ln.at(0),
+            w.at(lay.wte()),
+            self.logits.at_mut(0),
+            &Gemm::nt(1, v, c),
+        )?;
         self.pos += r;
         pollster::block_on(be.read_f32(self.logits.at(0), v))
     }
@@ -178,7 +324,14 @@ mod tests {
     /// and those agree with the training forward pass's loss.
     #[test]
     fn cached_decoding_matches_the_training_forward_pass() {
-        let cfg = GptConfig { vocab_size: 9, block_size: 8, n_layer: 2, n_head: 2, n_embd: 8, dropout: 0.0 };
+        let cfg = GptConfig {
+            vocab_size: 9,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            dropout: 0.0,
+        };
         let params = Layout::new(&cfg).init(&cfg, 11);
         let ids: Vec<u32> = vec![1, 4, 2, 8, 0, 3, 3, 5];
         let mut backends = vec![cpu_backend()];
@@ -208,12 +361,23 @@ mod tests {
         let l = &reference[7];
         let m = l.iter().fold(f32::MIN, |m, &x| m.max(x)) as f64;
         let lse = m + l.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
-        assert!((loss - (lse - l[6] as f64)).abs() < 1e-4, "{loss} vs {}", lse - l[6] as f64);
+        assert!(
+            (loss - (lse - l[6] as f64)).abs() < 1e-4,
+            "{loss} vs {}",
+            lse - l[6] as f64
+        );
     }
 
     #[test]
     fn generation_runs_past_the_block_and_refuses_bad_input() {
-        let cfg = GptConfig { vocab_size: 5, block_size: 4, n_layer: 1, n_head: 1, n_embd: 4, dropout: 0.0 };
+        let cfg = GptConfig {
+            vocab_size: 5,
+            block_size: 4,
+            n_layer: 1,
+            n_head: 1,
+            n_embd: 4,
+            dropout: 0.0,
+        };
         let params = Layout::new(&cfg).init(&cfg, 2);
         let be = cpu_backend();
         let mut r = GptRunner::new(&be, &cfg, &params).unwrap();
@@ -226,7 +390,13 @@ mod tests {
         .unwrap();
         assert_eq!(out.len(), 10);
         assert!(out.iter().all(|&t| t < 5));
-        assert!(r.prefill(&be, &[7]).is_err(), "ids outside the vocabulary are refused");
-        assert!(r.prefill(&be, &[1; 5]).is_err(), "more tokens than the block are refused");
+        assert!(
+            r.prefill(&be, &[7]).is_err(),
+            "ids outside the vocabulary are refused"
+        );
+        assert!(
+            r.prefill(&be, &[1; 5]).is_err(),
+            "more tokens than the block are refused"
+        );
     }
 }

@@ -65,14 +65,44 @@ impl Layout {
             *off += e.len().div_ceil(unit) * unit;
             entries.push(e);
         };
-        push("transformer.wte.weight".into(), vec![cfg.vocab_size, c], true, &mut off);
-        push("transformer.wpe.weight".into(), vec![cfg.block_size, c], true, &mut off);
+        push(
+            "transformer.wte.weight".into(),
+            vec![cfg.vocab_size, c],
+            true,
+            &mut off,
+        );
+        push(
+            "transformer.wpe.weight".into(),
+            vec![cfg.block_size, c],
+            true,
+            &mut off,
+        );
         for l in 0..cfg.n_layer {
             let h = format!("transformer.h.{l}");
-            push(format!("{h}.attn.c_attn.weight"), vec![3 * c, c], true, &mut off);
-            push(format!("{h}.attn.c_proj.weight"), vec![c, c], true, &mut off);
-            push(format!("{h}.mlp.c_fc.weight"), vec![4 * c, c], true, &mut off);
-            push(format!("{h}.mlp.c_proj.weight"), vec![c, 4 * c], true, &mut off);
+            push(
+                format!("{h}.attn.c_attn.weight"),
+                vec![3 * c, c],
+                true,
+                &mut off,
+            );
+            push(
+                format!("{h}.attn.c_proj.weight"),
+                vec![c, c],
+                true,
+                &mut off,
+            );
+            push(
+                format!("{h}.mlp.c_fc.weight"),
+                vec![4 * c, c],
+                true,
+                &mut off,
+            );
+            push(
+                format!("{h}.mlp.c_proj.weight"),
+                vec![c, 4 * c],
+                true,
+                &mut off,
+            );
         }
         let decay_end = off;
         for l in 0..cfg.n_layer {
@@ -95,7 +125,9 @@ impl Layout {
     }
 
     fn off(&self, name: &str) -> usize {
-        self.get(name).map(|e| e.offset).expect("layout built from the same config")
+        self.get(name)
+            .map(|e| e.offset)
+            .expect("layout built from the same config")
     }
 
     pub fn wte(&self) -> usize {
@@ -130,7 +162,11 @@ impl Layout {
             if e.shape.len() == 1 {
                 dst.fill(1.0);
             } else {
-                let std = if e.name.ends_with("c_proj.weight") { proj_std } else { 0.02 };
+                let std = if e.name.ends_with("c_proj.weight") {
+                    proj_std
+                } else {
+                    0.02
+                };
                 dst.copy_from_slice(&rng.normal_vec(e.len(), std));
             }
         }

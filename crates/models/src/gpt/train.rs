@@ -5,12 +5,15 @@
 //! final LayerNorm → tied head → cross-entropy; `backward` walks the same path in reverse.
 
 use super::config::GptConfig;
+use super::infer::linear;
 use super::layout::Layout;
 use tinygpt_kernels::ops::adamw::{AdamW, Clip, adamw};
 use tinygpt_kernels::ops::attention::{AttnShape, attention_backward, attention_forward};
 use tinygpt_kernels::ops::cross_entropy::cross_entropy;
 use tinygpt_kernels::ops::dropout::{dropout, dropout_add, hash};
-use tinygpt_kernels::ops::embedding::{EmbedShape, GradIndex, Positions, embedding, embedding_backward};
+use tinygpt_kernels::ops::embedding::{
+    EmbedShape, GradIndex, Positions, embedding, embedding_backward,
+};
 use tinygpt_kernels::ops::gelu::{gelu, gelu_backward};
 use tinygpt_kernels::ops::matmul::{Gemm, matmul};
 use tinygpt_kernels::ops::norm::{NormKind, NormShape, norm_backward, norm_forward};
@@ -49,12 +52,12 @@ struct LayerActs {
     qkv: Tensor,       // [N, 3C]
     probs: Tensor,     // [B, H, T, T]
     dropped: Option<Tensor>,
-    atty: Tensor,      // attention output before the projection [N, C]
-    xmid: Tensor,      // residual after the attention branch [N, C]
+    atty: Tensor, // attention output before the projection [N, C]
+    xmid: Tensor, // residual after the attention branch [N, C]
     ln2: Tensor,
     ln2_stats: Tensor,
-    fc: Tensor,        // MLP hidden before GELU [N, 4C]
-    act: Tensor,       // after GELU [N, 4C]
+    fc: Tensor,  // MLP hidden before GELU [N, 4C]
+    act: Tensor, // after GELU [N, 4C]
 }
 
 /// Everything a training step needs, allocated once for a batch size.
@@ -90,12 +93,20 @@ pub struct Trainer {
     d4b: Tensor,
     dprobs: Tensor,
     dlogits: Tensor,
+    /// f16 copy of the parameters for the forward pass's block matrices, when the f16-storage path
+    /// passed its gate; re-packed at the top of every forward pass, so it is never stale.
+    packed: Option<Tensor>,
 }
 
 /// The dropout seed of (run seed, step, layer, site): every mask differs, and is the same on every
 /// backend and in a resumed run.
 fn drop_seed(seed: u32, step: u32, layer: usize, site: u32) -> u32 {
-    hash(seed ^ hash(step.wrapping_mul(1024).wrapping_add(layer as u32 * 8 + site)))
+    hash(
+        seed ^ hash(
+            step.wrapping_mul(1024)
+                .wrapping_add(layer as u32 * 8 + site),
+        ),
+    )
 }
 
 impl Trainer {
@@ -110,10 +121,19 @@ impl Trainer {
         optim: OptimConfig,
     ) -> Result<Self> {
         let layout = Layout::new(cfg);
-        assert_eq!(params.len(), layout.total, "parameters do not match the layout");
+        assert_eq!(
+            params.len(),
+            layout.total,
+            "parameters do not match the layout"
+        );
         let (t, c, h, v) = (cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size);
         let n = batch * t;
-        let shape = AttnShape { batch, t, heads: h, head_dim: cfg.head_dim() };
+        let shape = AttnShape {
+            batch,
+            t,
+            heads: h,
+            head_dim: cfg.head_dim(),
+        };
         let probs_unit = h * t * t;
         let z = |len: usize, unit: usize| be.zeros(len, unit);
         let mut layers = Vec::with_capacity(cfg.n_layer);
@@ -124,7 +144,11 @@ impl Trainer {
                 ln1_stats: z(2 * n, 1)?,
                 qkv: z(n * 3 * c, t * 3 * c)?,
                 probs: z(shape.probs_len(), probs_unit)?,
-                dropped: if cfg.dropout > 0.0 { Some(z(shape.probs_len(), probs_unit)?) } else { None },
+                dropped: if cfg.dropout > 0.0 {
+                    Some(z(shape.probs_len(), probs_unit)?)
+                } else {
+                    None
+                },
                 atty: z(n * c, t * c)?,
                 xmid: z(n * c, c)?,
                 ln2: z(n * c, c)?,
@@ -134,8 +158,16 @@ impl Trainer {
             });
         }
         let (m, vv, step) = match moments {
-            Some((m, v, s)) => (be.from_f32(m, layout.unit)?, be.from_f32(v, layout.unit)?, s),
-            None => (z(layout.total, layout.unit)?, z(layout.total, layout.unit)?, 0),
+            Some((m, v, s)) => (
+                be.from_f32(m, layout.unit)?,
+                be.from_f32(v, layout.unit)?,
+                s,
+            ),
+            None => (
+                z(layout.total, layout.unit)?,
+                z(layout.total, layout.unit)?,
+                0,
+            ),
         };
         Ok(Trainer {
             params: be.from_f32(params, layout.unit)?,
@@ -162,6 +194,7 @@ impl Trainer {
             d4b: z(n * 4 * c, 4 * c)?,
             dprobs: z(shape.probs_len(), probs_unit)?,
             dlogits: z(n * v, v)?,
+            packed: super::infer::packed_buffer(be, layout.total)?,
             cfg: cfg.clone(),
             layout,
             batch,
@@ -183,7 +216,13 @@ impl Trainer {
     }
 
     /// Uploads a batch (ids and targets, `batch · block_size` each).
-    pub fn set_batch(&mut self, be: &Backend, ids: &[u32], targets: &[u32], with_grad_index: bool) -> Result<()> {
+    pub fn set_batch(
+        &mut self,
+        be: &Backend,
+        ids: &[u32],
+        targets: &[u32],
+        with_grad_index: bool,
+    ) -> Result<()> {
         be.write_u32(self.ids.at_mut(0), ids)?;
         be.write_u32(self.targets.at_mut(0), targets)?;
         if with_grad_index {
@@ -201,45 +240,182 @@ impl Trainer {
         let p = if train { cfg.dropout } else { 0.0 };
         let step = self.step;
         let lay = self.layout.clone();
+        super::infer::pack_if_active(be, &self.params, self.packed.as_mut())?;
         let w = &self.params;
+        let pk = self.packed.as_ref();
         let shape = self.attn_shape();
-        let norm = NormShape { rows: n, cols: c, eps: EPS };
+        let norm = NormShape {
+            rows: n,
+            cols: c,
+            eps: EPS,
+        };
 
         // Token + position embedding, then dropout into the first block's residual stream.
-        let emb = EmbedShape { tokens: n, vocab: v, dim: c, scale: 1.0 };
-        let pos = Positions { table: w.at(lay.wpe()), rows: t, period: t, pos0: 0 };
-        embedding(be, self.ids.at(0), w.at(lay.wte()), Some(pos), self.tmp.at_mut(0), emb)?;
-        dropout(be, self.tmp.at(0), self.layers[0].x.at_mut(0), n * c, p, drop_seed(seed, step, cfg.n_layer, 0))?;
+        let emb = EmbedShape {
+            tokens: n,
+            vocab: v,
+            dim: c,
+            scale: 1.0,
+        };
+        let pos = Positions {
+            table: w.at(lay.wpe()),
+            rows: t,
+            period: t,
+            pos0: 0,
+        };
+        embedding(
+            be,
+            self.ids.at(0),
+            w.at(lay.wte()),
+            Some(pos),
+            self.tmp.at_mut(0),
+            emb,
+        )?;
+        dropout(
+            be,
+            self.tmp.at(0),
+            self.layers[0].x.at_mut(0),
+            n * c,
+            p,
+            drop_seed(seed, step, cfg.n_layer, 0),
+        )?;
 
         for l in 0..cfg.n_layer {
             let o = lay.block(l);
             let (head, tail) = self.layers.split_at_mut(l + 1);
             let a = &mut head[l];
             // Attention branch.
-            norm_forward(be, NormKind::Layer, a.x.at(0), w.at(o.ln_1), a.ln1.at_mut(0), a.ln1_stats.at_mut(0), norm)?;
-            matmul(be, a.ln1.at(0), w.at(o.c_attn), a.qkv.at_mut(0), &Gemm::nt(n, 3 * c, c))?;
+            norm_forward(
+                be,
+                NormKind::Layer,
+                a.x.at(0),
+                w.at(o.ln_1),
+                a.ln1.at_mut(0),
+                a.ln1_stats.at_mut(0),
+                norm,
+            )?;
+            linear(
+                be,
+                w,
+                pk,
+                a.ln1.at(0),
+                o.c_attn,
+                a.qkv.at_mut(0),
+                &Gemm::nt(n, 3 * c, c),
+            )?;
             let drop = (p > 0.0).then(|| (p, drop_seed(seed, step, l, 1)));
-            attention_forward(be, a.qkv.at(0), a.atty.at_mut(0), a.probs.at_mut(0), a.dropped.as_mut().map(|d| d.at_mut(0)), shape, drop)?;
-            matmul(be, a.atty.at(0), w.at(o.attn_proj), self.tmp.at_mut(0), &Gemm::nt(n, c, c))?;
-            dropout_add(be, a.x.at(0), self.tmp.at(0), a.xmid.at_mut(0), n * c, p, drop_seed(seed, step, l, 2))?;
+            attention_forward(
+                be,
+                a.qkv.at(0),
+                a.atty.at_mut(0),
+                a.probs.at_mut(0),
+                a.dropped.as_mut().map(|d| d.at_mut(0)),
+                shape,
+                drop,
+            )?;
+            linear(
+                be,
+                w,
+                pk,
+                a.atty.at(0),
+                o.attn_proj,
+                self.tmp.at_mut(0),
+                &Gemm::nt(n, c, c),
+            )?;
+            dropout_add(
+                be,
+                a.x.at(0),
+                self.tmp.at(0),
+                a.xmid.at_mut(0),
+                n * c,
+                p,
+                drop_seed(seed, step, l, 2),
+            )?;
             // MLP branch.
-            norm_forward(be, NormKind::Layer, a.xmid.at(0), w.at(o.ln_2), a.ln2.at_mut(0), a.ln2_stats.at_mut(0), norm)?;
-            matmul(be, a.ln2.at(0), w.at(o.c_fc), a.fc.at_mut(0), &Gemm::nt(n, 4 * c, c))?;
+            norm_forward(
+                be,
+                NormKind::Layer,
+                a.xmid.at(0),
+                w.at(o.ln_2),
+                a.ln2.at_mut(0),
+                a.ln2_stats.at_mut(0),
+                norm,
+            )?;
+            linear(
+                be,
+                w,
+                pk,
+                a.ln2.at(0),
+                o.c_fc,
+                a.fc.at_mut(0),
+                &Gemm::nt(n, 4 * c, c),
+            )?;
             gelu(be, a.fc.at(0), a.act.at_mut(0), n * 4 * c)?;
-            matmul(be, a.act.at(0), w.at(o.mlp_proj), self.tmp.at_mut(0), &Gemm::nt(n, c, 4 * c))?;
+            linear(
+                be,
+                w,
+                pk,
+                a.act.at(0),
+                o.mlp_proj,
+                self.tmp.at_mut(0),
+                &Gemm::nt(n, c, 4 * c),
+            )?;
             let next = match tail.first_mut() {
                 Some(nx) => &mut nx.x,
                 None => &mut self.x_final,
             };
-            dropout_add(be, a.xmid.at(0), self.tmp.at(0), next.at_mut(0), n * c, p, drop_seed(seed, step, l, 3))?;
+            dropout_add(
+                be,
+                a.xmid.at(0),
+                self.tmp.at(0),
+                next.at_mut(0),
+                n * c,
+                p,
+                drop_seed(seed, step, l, 3),
+            )?;
         }
 
         // Final LayerNorm, tied head, loss.
-        norm_forward(be, NormKind::Layer, self.x_final.at(0), w.at(lay.ln_f()), self.lnf.at_mut(0), self.lnf_stats.at_mut(0), norm)?;
-        matmul(be, self.lnf.at(0), w.at(lay.wte()), self.logits.at_mut(0), &Gemm::nt(n, v, c))?;
-        let dl = if train { Some(self.dlogits.at_mut(0)) } else { None };
-        cross_entropy(be, self.logits.at(0), self.targets.at(0), self.losses.at_mut(0), dl, n, v, 1.0 / n as f32)?;
-        reduce(be, Reduce::Sum, self.losses.at(0), n, self.stats.at_mut(0), 1.0 / n as f32, false)
+        norm_forward(
+            be,
+            NormKind::Layer,
+            self.x_final.at(0),
+            w.at(lay.ln_f()),
+            self.lnf.at_mut(0),
+            self.lnf_stats.at_mut(0),
+            norm,
+        )?;
+        matmul(
+            be,
+            self.lnf.at(0),
+            w.at(lay.wte()),
+            self.logits.at_mut(0),
+            &Gemm::nt(n, v, c),
+        )?;
+        let dl = if train {
+            Some(self.dlogits.at_mut(0))
+        } else {
+            None
+        };
+        cross_entropy(
+            be,
+            self.logits.at(0),
+            self.targets.at(0),
+            self.losses.at_mut(0),
+            dl,
+            n,
+            v,
+            1.0 / n as f32,
+        )?;
+        reduce(
+            be,
+            Reduce::Sum,
+            self.losses.at(0),
+            n,
+            self.stats.at_mut(0),
+            1.0 / n as f32,
+            false,
+        )
     }
 
     /// Records the backward pass of the last training forward pass into `grads` (every gradient is
@@ -252,45 +428,195 @@ impl Trainer {
         let step = self.step;
         let lay = self.layout.clone();
         let shape = self.attn_shape();
-        let norm = NormShape { rows: n, cols: c, eps: EPS };
+        let norm = NormShape {
+            rows: n,
+            cols: c,
+            eps: EPS,
+        };
         let w = &self.params;
         let g = &mut self.grads;
 
         // Head: dwte = dlogitsᵀ · lnf; dlnf = dlogits · wte; back through the final LayerNorm.
-        matmul(be, self.dlogits.at(0), self.lnf.at(0), g.at_mut(lay.wte()), &Gemm::tn(v, c, n))?;
-        matmul(be, self.dlogits.at(0), w.at(lay.wte()), self.dln.at_mut(0), &Gemm::nn(n, c, v))?;
-        norm_backward(be, NormKind::Layer, self.x_final.at(0), w.at(lay.ln_f()), self.dln.at(0), self.lnf_stats.at(0), self.dresid.at_mut(0), g.at_mut(lay.ln_f()), norm, false, false)?;
+        matmul(
+            be,
+            self.dlogits.at(0),
+            self.lnf.at(0),
+            g.at_mut(lay.wte()),
+            &Gemm::tn(v, c, n),
+        )?;
+        matmul(
+            be,
+            self.dlogits.at(0),
+            w.at(lay.wte()),
+            self.dln.at_mut(0),
+            &Gemm::nn(n, c, v),
+        )?;
+        norm_backward(
+            be,
+            NormKind::Layer,
+            self.x_final.at(0),
+            w.at(lay.ln_f()),
+            self.dln.at(0),
+            self.lnf_stats.at(0),
+            self.dresid.at_mut(0),
+            g.at_mut(lay.ln_f()),
+            norm,
+            false,
+            false,
+        )?;
 
         for l in (0..cfg.n_layer).rev() {
             let o = lay.block(l);
             let a = &mut self.layers[l];
             // MLP branch: dresid holds the gradient of the block's output.
-            dropout(be, self.dresid.at(0), self.tmp.at_mut(0), n * c, p, drop_seed(seed, step, l, 3))?;
-            matmul(be, self.tmp.at(0), a.act.at(0), g.at_mut(o.mlp_proj), &Gemm::tn(c, 4 * c, n))?;
-            matmul(be, self.tmp.at(0), w.at(o.mlp_proj), self.d4a.at_mut(0), &Gemm::nn(n, 4 * c, c))?;
-            gelu_backward(be, a.fc.at(0), self.d4a.at(0), self.d4b.at_mut(0), n * 4 * c)?;
-            matmul(be, self.d4b.at(0), a.ln2.at(0), g.at_mut(o.c_fc), &Gemm::tn(4 * c, c, n))?;
-            matmul(be, self.d4b.at(0), w.at(o.c_fc), self.dln.at_mut(0), &Gemm::nn(n, c, 4 * c))?;
-            norm_backward(be, NormKind::Layer, a.xmid.at(0), w.at(o.ln_2), self.dln.at(0), a.ln2_stats.at(0), self.dresid.at_mut(0), g.at_mut(o.ln_2), norm, true, false)?;
+            dropout(
+                be,
+                self.dresid.at(0),
+                self.tmp.at_mut(0),
+                n * c,
+                p,
+                drop_seed(seed, step, l, 3),
+            )?;
+            matmul(
+                be,
+                self.tmp.at(0),
+                a.act.at(0),
+                g.at_mut(o.mlp_proj),
+                &Gemm::tn(c, 4 * c, n),
+            )?;
+            matmul(
+                be,
+                self.tmp.at(0),
+                w.at(o.mlp_proj),
+                self.d4a.at_mut(0),
+                &Gemm::nn(n, 4 * c, c),
+            )?;
+            gelu_backward(
+                be,
+                a.fc.at(0),
+                self.d4a.at(0),
+                self.d4b.at_mut(0),
+                n * 4 * c,
+            )?;
+            matmul(
+                be,
+                self.d4b.at(0),
+                a.ln2.at(0),
+                g.at_mut(o.c_fc),
+                &Gemm::tn(4 * c, c, n),
+            )?;
+            matmul(
+                be,
+                self.d4b.at(0),
+                w.at(o.c_fc),
+                self.dln.at_mut(0),
+                &Gemm::nn(n, c, 4 * c),
+            )?;
+            norm_backward(
+                be,
+                NormKind::Layer,
+                a.xmid.at(0),
+                w.at(o.ln_2),
+                self.dln.at(0),
+                a.ln2_stats.at(0),
+                self.dresid.at_mut(0),
+                g.at_mut(o.ln_2),
+                norm,
+                true,
+                false,
+            )?;
             // Attention branch: dresid now holds the gradient of xmid.
-            dropout(be, self.dresid.at(0), self.tmp.at_mut(0), n * c, p, drop_seed(seed, step, l, 2))?;
-            matmul(be, self.tmp.at(0), a.atty.at(0), g.at_mut(o.attn_proj), &Gemm::tn(c, c, n))?;
-            matmul(be, self.tmp.at(0), w.at(o.attn_proj), self.datty.at_mut(0), &Gemm::nn(n, c, c))?;
+            dropout(
+                be,
+                self.dresid.at(0),
+                self.tmp.at_mut(0),
+                n * c,
+                p,
+                drop_seed(seed, step, l, 2),
+            )?;
+            matmul(
+                be,
+                self.tmp.at(0),
+                a.atty.at(0),
+                g.at_mut(o.attn_proj),
+                &Gemm::tn(c, c, n),
+            )?;
+            matmul(
+                be,
+                self.tmp.at(0),
+                w.at(o.attn_proj),
+                self.datty.at_mut(0),
+                &Gemm::nn(n, c, c),
+            )?;
             let drop = (p > 0.0).then(|| (p, drop_seed(seed, step, l, 1)));
-            attention_backward(be, a.qkv.at(0), a.probs.at(0), a.dropped.as_mut().map(|d| d.at_mut(0)), self.datty.at(0), self.dqkv.at_mut(0), self.dprobs.at_mut(0), shape, drop)?;
-            matmul(be, self.dqkv.at(0), a.ln1.at(0), g.at_mut(o.c_attn), &Gemm::tn(3 * c, c, n))?;
-            matmul(be, self.dqkv.at(0), w.at(o.c_attn), self.dln.at_mut(0), &Gemm::nn(n, c, 3 * c))?;
-            norm_backward(be, NormKind::Layer, a.x.at(0), w.at(o.ln_1), self.dln.at(0), a.ln1_stats.at(0), self.dresid.at_mut(0), g.at_mut(o.ln_1), norm, true, false)?;
+            attention_backward(
+                be,
+                a.qkv.at(0),
+                a.probs.at(0),
+                a.dropped.as_mut().map(|d| d.at_mut(0)),
+                self.datty.at(0),
+                self.dqkv.at_mut(0),
+                self.dprobs.at_mut(0),
+                shape,
+                drop,
+            )?;
+            matmul(
+                be,
+                self.dqkv.at(0),
+                a.ln1.at(0),
+                g.at_mut(o.c_attn),
+                &Gemm::tn(3 * c, c, n),
+            )?;
+            matmul(
+                be,
+                self.dqkv.at(0),
+                w.at(o.c_attn),
+                self.dln.at_mut(0),
+                &Gemm::nn(n, c, 3 * c),
+            )?;
+            norm_backward(
+                be,
+                NormKind::Layer,
+                a.x.at(0),
+                w.at(o.ln_1),
+                self.dln.at(0),
+                a.ln1_stats.at(0),
+                self.dresid.at_mut(0),
+                g.at_mut(o.ln_1),
+                norm,
+                true,
+                false,
+            )?;
         }
 
         // Embedding dropout, then the scatter-add into wte (which already holds the head's gradient)
         // and the position table's gradient.
-        dropout(be, self.dresid.at(0), self.tmp.at_mut(0), n * c, p, drop_seed(seed, step, cfg.n_layer, 0))?;
-        let emb = EmbedShape { tokens: n, vocab: v, dim: c, scale: 1.0 };
+        dropout(
+            be,
+            self.dresid.at(0),
+            self.tmp.at_mut(0),
+            n * c,
+            p,
+            drop_seed(seed, step, cfg.n_layer, 0),
+        )?;
+        let emb = EmbedShape {
+            tokens: n,
+            vocab: v,
+            dim: c,
+            scale: 1.0,
+        };
         let (gw, gp) = (lay.wte(), lay.wpe());
         // Two views of the gradient tensor cannot both be borrowed mutably: the position gradient goes
         // through a scratch row block first.
-        embedding_backward(be, &self.index, self.tmp.at(0), g.at_mut(gw), Some((self.dln.at_mut(0), t)), emb, true)?;
+        embedding_backward(
+            be,
+            &self.index,
+            self.tmp.at(0),
+            g.at_mut(gw),
+            Some((self.dln.at_mut(0), t)),
+            emb,
+            true,
+        )?;
         tinygpt_kernels::ops::fill::copy(be, self.dln.at(0), g.at_mut(gp), t * c)
     }
 
@@ -299,18 +625,55 @@ impl Trainer {
         self.step += 1;
         let lay = &self.layout;
         let total = lay.total;
-        reduce(be, Reduce::SumOfSquares, self.grads.at(0), total, self.stats.at_mut(1), 1.0, false)?;
+        reduce(
+            be,
+            Reduce::SumOfSquares,
+            self.grads.at(0),
+            total,
+            self.stats.at_mut(1),
+            1.0,
+            false,
+        )?;
         let o = &self.optim;
-        for (start, end, wd) in [(0, lay.decay_end, o.weight_decay), (lay.decay_end, total, 0.0)] {
-            let h = AdamW { lr, beta1: o.beta1, beta2: o.beta2, eps: o.eps, weight_decay: wd, step: self.step };
-            let clip = (o.grad_clip > 0.0).then(|| Clip { norm_sq: self.stats.at(1), max_norm: o.grad_clip });
-            adamw(be, self.params.at_mut(start), self.grads.at(start), self.m.at_mut(start), self.v.at_mut(start), end - start, &h, clip)?;
+        for (start, end, wd) in [
+            (0, lay.decay_end, o.weight_decay),
+            (lay.decay_end, total, 0.0),
+        ] {
+            let h = AdamW {
+                lr,
+                beta1: o.beta1,
+                beta2: o.beta2,
+                eps: o.eps,
+                weight_decay: wd,
+                step: self.step,
+            };
+            let clip = (o.grad_clip > 0.0).then(|| Clip {
+                norm_sq: self.stats.at(1),
+                max_norm: o.grad_clip,
+            });
+            adamw(
+                be,
+                self.params.at_mut(start),
+                self.grads.at(start),
+                self.m.at_mut(start),
+                self.v.at_mut(start),
+                end - start,
+                &h,
+                clip,
+            )?;
         }
         Ok(())
     }
 
     /// One full training step on a batch: upload, forward, backward, update, one submit.
-    pub fn train_step(&mut self, be: &Backend, ids: &[u32], targets: &[u32], lr: f32, seed: u32) -> Result<()> {
+    pub fn train_step(
+        &mut self,
+        be: &Backend,
+        ids: &[u32],
+        targets: &[u32],
+        lr: f32,
+        seed: u32,
+    ) -> Result<()> {
         self.set_batch(be, ids, targets, true)?;
         self.forward(be, true, seed)?;
         self.backward(be, seed)?;
@@ -341,7 +704,11 @@ impl Trainer {
     /// Parameters, first and second moments, on the host.
     #[cfg(not(target_arch = "wasm32"))]
     pub fn state(&self, be: &Backend) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-        Ok((be.to_vec(&self.params)?, be.to_vec(&self.m)?, be.to_vec(&self.v)?))
+        Ok((
+            be.to_vec(&self.params)?,
+            be.to_vec(&self.m)?,
+            be.to_vec(&self.v)?,
+        ))
     }
 
     /// The last backward pass's gradients on the host.

@@ -2,13 +2,24 @@ use super::*;
 use tinygpt_kernels::testing::{SeedRng, assert_nmse, cpu_backend, gpu_backend};
 
 fn tiny(dropout: f32) -> GptConfig {
-    GptConfig { vocab_size: 11, block_size: 8, n_layer: 2, n_head: 2, n_embd: 8, dropout }
+    GptConfig {
+        vocab_size: 11,
+        block_size: 8,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 8,
+        dropout,
+    }
 }
 
 fn batch(cfg: &GptConfig, b: usize, seed: u64) -> (Vec<u32>, Vec<u32>) {
     let mut rng = SeedRng::new(seed);
-    let ids: Vec<u32> = (0..b * cfg.block_size).map(|_| rng.below(cfg.vocab_size) as u32).collect();
-    let tg: Vec<u32> = (0..b * cfg.block_size).map(|_| rng.below(cfg.vocab_size) as u32).collect();
+    let ids: Vec<u32> = (0..b * cfg.block_size)
+        .map(|_| rng.below(cfg.vocab_size) as u32)
+        .collect();
+    let tg: Vec<u32> = (0..b * cfg.block_size)
+        .map(|_| rng.below(cfg.vocab_size) as u32)
+        .collect();
     (ids, tg)
 }
 
@@ -19,7 +30,15 @@ fn loss_at(cfg: &GptConfig, params: &[f32], ids: &[u32], tg: &[u32], b: usize) -
 }
 
 /// Gradients of the mean loss for `params`, from the backward pass.
-fn grads(be: &Backend, cfg: &GptConfig, params: &[f32], ids: &[u32], tg: &[u32], b: usize, seed: u32) -> Vec<f32> {
+fn grads(
+    be: &Backend,
+    cfg: &GptConfig,
+    params: &[f32],
+    ids: &[u32],
+    tg: &[u32],
+    b: usize,
+    seed: u32,
+) -> Vec<f32> {
     let mut t = Trainer::new(be, cfg, b, params, None, OptimConfig::default()).unwrap();
     t.set_batch(be, ids, tg, true).unwrap();
     t.forward(be, true, seed).unwrap();
@@ -82,7 +101,14 @@ fn gpu_gradients_match_the_cpu_twin_for_every_parameter() {
 #[test]
 fn first_ten_steps_give_the_same_losses_on_cpu_and_gpu() {
     let Some(gpu) = gpu_backend(None) else { return };
-    let cfg = GptConfig { vocab_size: 13, block_size: 16, n_layer: 2, n_head: 2, n_embd: 16, dropout: 0.1 };
+    let cfg = GptConfig {
+        vocab_size: 13,
+        block_size: 16,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        dropout: 0.1,
+    };
     let params = Layout::new(&cfg).init(&cfg, 8);
     let b = 4;
     let run = |be: &Backend| -> Vec<f32> {
@@ -97,9 +123,15 @@ fn first_ten_steps_give_the_same_losses_on_cpu_and_gpu() {
     };
     let (lc, lg) = (run(&cpu_backend()), run(&gpu));
     for (i, (a, b)) in lc.iter().zip(&lg).enumerate() {
-        assert!((a - b).abs() < 1e-4 * a.abs().max(1.0), "step {i}: cpu {a} gpu {b}");
+        assert!(
+            (a - b).abs() < 1e-4 * a.abs().max(1.0),
+            "step {i}: cpu {a} gpu {b}"
+        );
     }
-    assert!(lc[9] < lc[0], "ten steps at lr 1e-2 should lower the loss: {lc:?}");
+    assert!(
+        lc[9] < lc[0],
+        "ten steps at lr 1e-2 should lower the loss: {lc:?}"
+    );
 }
 
 #[test]
