@@ -368,6 +368,33 @@ mod tests {
         );
     }
 
+    /// With the f16-storage (and shader-f16) paths on, the block matrices come from f16 copies: the logits
+    /// stay within the precision those paths promise, and the f32 head is untouched.
+    #[test]
+    fn f16_weight_paths_stay_close_to_f32() {
+        let Some(gpu) = gpu_backend(None) else { return };
+        let g = gpu.as_gpu().expect("gpu");
+        let cfg = GptConfig { vocab_size: 9, block_size: 8, n_layer: 2, n_head: 2, n_embd: 16, dropout: 0.0 };
+        let params = Layout::new(&cfg).init(&cfg, 12);
+        let ids = [1u32, 4, 2, 8, 0, 3];
+        let cpu = cpu_backend();
+        let want = GptRunner::new(&cpu, &cfg, &params).unwrap().prefill(&cpu, &ids).unwrap();
+        for shader in [false, true] {
+            g.set_path_active(PathId::F16Storage, true);
+            g.set_path_active(PathId::ShaderF16, shader && g.has_feature(wgpu_shader_f16()));
+            let mut r = GptRunner::new(&gpu, &cfg, &params).unwrap();
+            assert!(r.packed.is_some());
+            let got = r.prefill(&gpu, &ids).unwrap();
+            assert_nmse("f16 weights", &want, &got, 1e-5);
+            let one = r.step(&gpu, 5).unwrap();
+            assert!(one.iter().all(|v| v.is_finite()));
+        }
+    }
+
+    fn wgpu_shader_f16() -> tinygpt_kernels::wgpu::Features {
+        tinygpt_kernels::wgpu::Features::SHADER_F16
+    }
+
     #[test]
     fn generation_runs_past_the_block_and_refuses_bad_input() {
         let cfg = GptConfig {

@@ -141,3 +141,28 @@ fn learning_rate_schedule_is_nanogpt_s() {
     assert!((learning_rate(5000, 100, 5000, 1e-3, 1e-4) - 1e-4).abs() < 1e-9);
     assert!((learning_rate(9000, 100, 5000, 1e-3, 1e-4) - 1e-4).abs() < 1e-9);
 }
+
+#[test]
+fn f16_storage_forward_keeps_the_training_losses() {
+    let Some(gpu) = gpu_backend(None) else { return };
+    let g = gpu.as_gpu().expect("gpu");
+    let cfg = GptConfig { vocab_size: 13, block_size: 16, n_layer: 2, n_head: 2, n_embd: 16, dropout: 0.0 };
+    let params = Layout::new(&cfg).init(&cfg, 8);
+    let b = 4;
+    let run = |be: &Backend| -> Vec<f32> {
+        let mut t = Trainer::new(be, &cfg, b, &params, None, OptimConfig::default()).unwrap();
+        (0..6)
+            .map(|i| {
+                let (ids, tg) = batch(&cfg, b, 200 + i);
+                t.train_step(be, &ids, &tg, 1e-2, 9).unwrap();
+                t.last_loss(be).unwrap()
+            })
+            .collect()
+    };
+    let f32_losses = run(&cpu_backend());
+    g.set_path_active(tinygpt_kernels::gate::PathId::F16Storage, true);
+    let f16_losses = run(&gpu);
+    for (i, (a, b)) in f32_losses.iter().zip(&f16_losses).enumerate() {
+        assert!((a - b).abs() < 2e-3 * a.abs(), "step {i}: f32 {a} vs f16 storage {b}");
+    }
+}
