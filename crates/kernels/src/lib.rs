@@ -12,7 +12,7 @@ pub mod quant;
 pub mod testing;
 
 pub use backend::{Backend, DType, TMut, TRef, Tensor};
-/// The wgpu version the kernels are built on (for feature flags in callers).
-pub use wgpu;
 pub use device::{BackendChoice, DeviceOptions};
 pub use error::{Error, Result};
+/// The wgpu version the kernels are built on (for feature flags in callers).
+pub use wgpu;

@@ -126,6 +126,29 @@ pub fn gpu_backend(max_binding: Option<u64>) -> Option<Backend> {
     }
 }
 
+/// The GPU backend under the low-end profile whatever `TINYGPT_TEST_FULL_LIMITS` says (tests of the
+/// 128 MiB binding limit itself).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn gpu_backend_low_end() -> Option<Backend> {
+    if skip_gpu() {
+        return None;
+    }
+    let opts = DeviceOptions {
+        backend: BackendChoice::Gpu,
+        adapter: std::env::var("TINYGPT_ADAPTER").ok(),
+        low_end: true,
+        max_binding_override: None,
+        cpu_threads: None,
+    };
+    Some(
+        pollster::block_on(crate::device::open(&opts))
+            .map(|(b, _)| b)
+            .unwrap_or_else(|e| {
+                panic!("GPU tests need a GPU adapter and none could be opened: {e}")
+            }),
+    )
+}
+
 /// The CPU backend for tests.
 pub fn cpu_backend() -> Backend {
     Backend::Cpu(crate::cpu::CpuBackend::new(None))

@@ -17,6 +17,26 @@ pub enum BenchCmd {
     Ops(OpsArgs),
     /// Training throughput of a GPT config on random tokens (tokens/s, ms/iter, submits per step).
     Train(TrainBenchArgs),
+    /// Batch-1 decode and prompt throughput of a GGUF model (a file, or a random one of a real shape).
+    Llm(LlmBenchArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct LlmBenchArgs {
+    /// The GGUF file to time.
+    pub model: Option<std::path::PathBuf>,
+    /// Time a random-weight model of this shape instead (Q8_0 matrices; speed does not depend on values).
+    #[arg(long, conflicts_with = "model")]
+    pub synthetic: Option<crate::synthetic::Preset>,
+    /// Prompt tokens (one batched pass).
+    #[arg(long, default_value_t = 128)]
+    pub prompt: usize,
+    /// Tokens to decode one at a time.
+    #[arg(short = 'n', long, default_value_t = 64)]
+    pub n: usize,
+    /// Timed repetitions (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
 }
 
 #[derive(Args, Debug)]
@@ -47,6 +67,9 @@ pub struct TrainBenchArgs {
     pub dropout: f32,
     #[arg(long, default_value_t = 65)]
     pub vocab: usize,
+    /// Forward products from f16-stored weights (when the f16-storage path passed its gate).
+    #[arg(long)]
+    pub f16_forward: bool,
 }
 
 pub fn run(be: &Backend, gate: &crate::gates::GateArgs, cmd: &BenchCmd) -> Result<()> {
@@ -71,6 +94,7 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, cmd: &BenchCmd) -> Resul
     match cmd {
         BenchCmd::Ops(a) => ops_bench(be, a),
         BenchCmd::Train(a) => train_bench(be, a),
+        BenchCmd::Llm(a) => llm_bench(be, a),
     }
 }
 
@@ -268,7 +292,8 @@ fn train_bench(be: &Backend, a: &TrainBenchArgs) -> Result<()> {
     cfg.validate().map_err(anyhow::Error::msg)?;
     let params = Layout::new(&cfg).init(&cfg, 1);
     let t0 = Instant::now();
-    let mut tr = Trainer::new(be, &cfg, a.batch, &params, None, OptimConfig::default())?;
+    let optim = OptimConfig { f16_forward: a.f16_forward, ..OptimConfig::default() };
+    let mut tr = Trainer::new(be, &cfg, a.batch, &params, None, optim)?;
     println!(
         "config: {} layers, {} heads, {} wide, block {}, batch {}, dropout {} — {:.2}M parameters (set up in {:.2}s)",
         cfg.n_layer,
@@ -319,5 +344,64 @@ fn train_bench(be: &Backend, a: &TrainBenchArgs) -> Result<()> {
             (c.readbacks - b.readbacks) as f64 / a.iters as f64
         );
     }
+    Ok(())
+}
+
+fn llm_bench(be: &Backend, a: &LlmBenchArgs) -> Result<()> {
+    use tinygpt_formats::GgufFile;
+    use tinygpt_models::llm::{Llm, LoadOptions};
+    let t0 = Instant::now();
+    let file = match (&a.model, a.synthetic) {
+        (Some(p), _) => GgufFile::open(p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?,
+        (None, Some(s)) => GgufFile::from_bytes(crate::synthetic::gguf(s, 7)?)?,
+        (None, None) => anyhow::bail!("give a GGUF file or --synthetic smollm2-135m|gemma3-270m"),
+    };
+    let made = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let opts = LoadOptions { context: Some((a.prompt + a.n + 8).max(64)), ..LoadOptions::default() };
+    let mut llm = Llm::from_gguf(be, &file, &opts, &mut |_| {})?;
+    let cfg = llm.config().clone();
+    println!(
+        "model: {} ({}, {} layers, {} wide, vocabulary {}) · {:.0} MB of weights · file {:.1}s, load {:.2}s",
+        if cfg.name.is_empty() { "unnamed".into() } else { cfg.name.clone() },
+        cfg.arch.name(),
+        cfg.n_layer,
+        cfg.d_model,
+        cfg.vocab,
+        llm.memory().weights as f64 / 1e6,
+        made,
+        t1.elapsed().as_secs_f64()
+    );
+    let mut rng = SeedRng::new(3);
+    let prompt: Vec<u32> = (0..a.prompt).map(|_| rng.below(cfg.vocab) as u32).collect();
+    // Warm-up: every pipeline built once.
+    llm.prefill(be, &prompt)?;
+    llm.decode(be, 1)?;
+    let (mut pp, mut tg) = (Vec::new(), Vec::new());
+    for _ in 0..a.reps.max(1) {
+        llm.reset();
+        let t = Instant::now();
+        let mut logits = llm.prefill(be, &prompt)?;
+        pp.push(a.prompt as f64 / t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        for _ in 0..a.n {
+            let next = tinygpt_models::sampler::argmax(&logits);
+            logits = llm.decode(be, next)?;
+        }
+        tg.push(a.n as f64 / t.elapsed().as_secs_f64());
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "prompt {} tokens: {:.0} tok/s · decode {} tokens: {:.1} tok/s (median of {}) · {}",
+        a.prompt,
+        median(&mut pp),
+        a.n,
+        median(&mut tg),
+        a.reps.max(1),
+        crate::gates::pills(be)
+    );
     Ok(())
 }

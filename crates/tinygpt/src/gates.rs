@@ -20,6 +20,9 @@ pub struct GateArgs {
     /// Use only the canonical f32 kernels (no fast path is gated or used).
     #[arg(long, global = true, env = "TINYGPT_F32_ONLY")]
     pub f32_only: bool,
+    /// Fast paths not to use, by name (f16-storage, shader-f16, subgroups, coop-matrix, q8-matmul).
+    #[arg(long, global = true, env = "TINYGPT_DISABLE_PATHS", value_delimiter = ',')]
+    pub disable_path: Vec<String>,
 }
 
 /// `tinygpt gates`.
@@ -71,7 +74,20 @@ pub fn prepare(be: &Backend, args: &GateArgs, model_cases: Vec<GateCase>) -> Opt
         return None;
     }
     let mut cache = read_cache();
+    for name in &args.disable_path {
+        if !PathId::ALL.iter().any(|p| p.name() == name) {
+            eprintln!("note: --disable-path {name}: no such fast path (known: f16-storage, shader-f16, subgroups, coop-matrix, q8-matmul)");
+        }
+    }
+    let only: Vec<PathId> = PathId::ALL
+        .into_iter()
+        .filter(|p| !args.disable_path.iter().any(|d| d == p.name()))
+        .collect();
+    for p in PathId::ALL {
+        g.set_path_active(p, false);
+    }
     let opts = GateOptions {
+        only: Some(only),
         extra_cases: model_cases,
         cached: cache.clone(),
         regate: args.regate,

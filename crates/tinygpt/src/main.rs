@@ -1,11 +1,15 @@
 //! The `tinygpt` command line.
 
 mod bench;
+mod chat;
 mod device;
 mod gates;
 mod generate;
+mod llm_common;
 mod paths;
+mod synthetic;
 mod plot;
+mod run;
 mod train;
 
 use anyhow::Result;
@@ -36,6 +40,10 @@ enum Cmd {
     Generate(generate::GenerateArgs),
     /// Validation loss of a trained char-level GPT.
     Eval(generate::EvalArgs),
+    /// Continue a prompt with a GGUF model (llama, gemma3), streaming the text.
+    Run(run::RunArgs),
+    /// Chat with a GGUF model on stdin, using its chat template.
+    Chat(chat::ChatArgs),
     /// Benchmarks: per-op throughput and training throughput.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -96,6 +104,14 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Eval(a) => {
             let be = cli.device.open()?;
             generate::eval(&be, &cli.gate, a)
+        }
+        Cmd::Run(a) => {
+            let be = cli.device.open()?;
+            run::run(&be, &cli.gate, a)
+        }
+        Cmd::Chat(a) => {
+            let be = cli.device.open()?;
+            chat::run(&be, &cli.gate, a)
         }
         Cmd::Bench(b) => {
             let be = cli.device.open()?;

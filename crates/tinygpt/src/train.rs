@@ -63,6 +63,10 @@ pub struct TrainArgs {
     /// Precision of saved weights (the optimizer state is always f32).
     #[arg(long, value_parser = ["f32", "f16"], default_value = "f32")]
     pub save_dtype: String,
+    /// Read the forward pass's weights from an f16 copy when the f16-storage path passed its gate (off by
+    /// default: for this size of model it measured slower on an H200, see docs/perf.md).
+    #[arg(long)]
+    pub f16_forward: bool,
     /// Stop after this iteration, as an interrupted run would (continue later with --resume).
     #[arg(long)]
     pub stop_at: Option<usize>,
@@ -131,6 +135,7 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
     let optim = OptimConfig {
         weight_decay: a.weight_decay,
         grad_clip: a.grad_clip,
+        f16_forward: a.f16_forward,
         ..OptimConfig::default()
     };
     let t_setup = Instant::now();

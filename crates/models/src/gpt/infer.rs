@@ -13,7 +13,7 @@ use tinygpt_kernels::ops::attention::{DecodeShape, attend};
 use tinygpt_kernels::ops::embedding::{EmbedShape, Positions, embedding};
 use tinygpt_kernels::ops::gelu::gelu;
 use tinygpt_kernels::ops::matmul::{Gemm, matmul};
-use tinygpt_kernels::ops::matmul_f16::{matmul_f16w, pack_f16, packed_len};
+use tinygpt_kernels::ops::matmul_f16::{matmul_f16w_with, pack_f16, packed_len};
 use tinygpt_kernels::ops::norm::{NormKind, NormShape, norm_forward};
 use tinygpt_kernels::{Backend, DType, Error, Result, Tensor};
 
@@ -39,7 +39,8 @@ pub struct GptRunner {
     pos: usize,
 }
 
-/// y = x · Wᵀ for the block matrix at parameter offset `w`, from the f16 copy when there is one.
+/// y = x · Wᵀ for the block matrix at parameter offset `w`, from the f16 copy when there is one (and
+/// on the tensor cores when `coop` allows and that path passed its gate).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn linear(
     be: &Backend,
@@ -49,10 +50,11 @@ pub(crate) fn linear(
     w: usize,
     y: tinygpt_kernels::TMut<'_>,
     g: &Gemm,
+    coop: bool,
 ) -> Result<()> {
     match packed {
         // Layout offsets are multiples of 4 · n_embd, so even: word w / 2 starts the matrix.
-        Some(p) => matmul_f16w(be, x, p.at(w / 2), y, g),
+        Some(p) => matmul_f16w_with(be, x, p.at(w / 2), y, g, coop),
         None => matmul(be, x, params.at(w), y, g),
     }
 }
@@ -195,6 +197,7 @@ impl GptRunner {
                 o.c_attn,
                 kv.at_mut(p * 3 * c),
                 &Gemm::nt(r, 3 * c, c).ldc(3 * c),
+                true,
             )?;
             let d = DecodeShape {
                 rows: r,
@@ -226,6 +229,7 @@ impl GptRunner {
                 o.attn_proj,
                 self.tmp.at_mut(0),
                 &Gemm::nt(r, c, c),
+                true,
             )?;
             add_assign(be, self.x.at_mut(0), self.tmp.at(0), r * c, 1.0)?;
             norm_forward(
@@ -245,6 +249,7 @@ impl GptRunner {
                 o.c_fc,
                 self.fc.at_mut(0),
                 &Gemm::nt(r, 4 * c, c),
+                true,
             )?;
             gelu(be, self.fc.at(0), self.act.at_mut(0), r * 4 * c)?;
             linear(
@@ -255,6 +260,7 @@ impl GptRunner {
                 o.mlp_proj,
                 self.tmp.at_mut(0),
                 &Gemm::nt(r, c, 4 * c),
+                true,
             )?;
             add_assign(be, self.x.at_mut(0), self.tmp.at(0), r * c, 1.0)?;
         }
@@ -374,14 +380,27 @@ mod tests {
     fn f16_weight_paths_stay_close_to_f32() {
         let Some(gpu) = gpu_backend(None) else { return };
         let g = gpu.as_gpu().expect("gpu");
-        let cfg = GptConfig { vocab_size: 9, block_size: 8, n_layer: 2, n_head: 2, n_embd: 16, dropout: 0.0 };
+        let cfg = GptConfig {
+            vocab_size: 9,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            dropout: 0.0,
+        };
         let params = Layout::new(&cfg).init(&cfg, 12);
         let ids = [1u32, 4, 2, 8, 0, 3];
         let cpu = cpu_backend();
-        let want = GptRunner::new(&cpu, &cfg, &params).unwrap().prefill(&cpu, &ids).unwrap();
+        let want = GptRunner::new(&cpu, &cfg, &params)
+            .unwrap()
+            .prefill(&cpu, &ids)
+            .unwrap();
         for shader in [false, true] {
             g.set_path_active(PathId::F16Storage, true);
-            g.set_path_active(PathId::ShaderF16, shader && g.has_feature(wgpu_shader_f16()));
+            g.set_path_active(
+                PathId::ShaderF16,
+                shader && g.has_feature(wgpu_shader_f16()),
+            );
             let mut r = GptRunner::new(&gpu, &cfg, &params).unwrap();
             assert!(r.packed.is_some());
             let got = r.prefill(&gpu, &ids).unwrap();

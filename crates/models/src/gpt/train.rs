@@ -28,6 +28,10 @@ pub struct OptimConfig {
     pub eps: f32,
     pub weight_decay: f32,
     pub grad_clip: f32,
+    /// Read the forward pass's block matrices from an f16 copy (re-packed every step) when the
+    /// f16-storage path passed its gate. Off by default: a training batch's activations dwarf its weights,
+    /// so halving weight reads does not pay for the packing (measured on an H200, docs/perf.md).
+    pub f16_forward: bool,
 }
 
 impl Default for OptimConfig {
@@ -38,6 +42,7 @@ impl Default for OptimConfig {
             eps: 1e-8,
             weight_decay: 0.1,
             grad_clip: 1.0,
+            f16_forward: false,
         }
     }
 }
@@ -194,7 +199,11 @@ impl Trainer {
             d4b: z(n * 4 * c, 4 * c)?,
             dprobs: z(shape.probs_len(), probs_unit)?,
             dlogits: z(n * v, v)?,
-            packed: super::infer::packed_buffer(be, layout.total)?,
+            packed: if optim.f16_forward {
+                super::infer::packed_buffer(be, layout.total)?
+            } else {
+                None
+            },
             cfg: cfg.clone(),
             layout,
             batch,
@@ -302,6 +311,7 @@ impl Trainer {
                 o.c_attn,
                 a.qkv.at_mut(0),
                 &Gemm::nt(n, 3 * c, c),
+                false,
             )?;
             let drop = (p > 0.0).then(|| (p, drop_seed(seed, step, l, 1)));
             attention_forward(
@@ -321,6 +331,7 @@ impl Trainer {
                 o.attn_proj,
                 self.tmp.at_mut(0),
                 &Gemm::nt(n, c, c),
+                false,
             )?;
             dropout_add(
                 be,
@@ -349,6 +360,7 @@ impl Trainer {
                 o.c_fc,
                 a.fc.at_mut(0),
                 &Gemm::nt(n, 4 * c, c),
+                false,
             )?;
             gelu(be, a.fc.at(0), a.act.at_mut(0), n * 4 * c)?;
             linear(
@@ -359,6 +371,7 @@ impl Trainer {
                 o.mlp_proj,
                 self.tmp.at_mut(0),
                 &Gemm::nt(n, c, 4 * c),
+                false,
             )?;
             let next = match tail.first_mut() {
                 Some(nx) => &mut nx.x,

@@ -212,6 +212,28 @@ pub struct DecodeShape {
     pub softcap: f32,
 }
 
+/// Σ a·b over 16 independent partial sums: a serial f32 sum is one long dependency chain that the
+/// compiler may not reorder, which made the scores of a long KV cache cost more than a decode step's
+/// matrix products.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    const LANES: usize = 16;
+    let mut acc = [0.0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..LANES {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 /// out = softmax(scale · q Kᵀ, causal[, window]) V for each query row and head.
 pub fn attend(
     be: &Backend,
@@ -272,8 +294,7 @@ pub fn attend(
                         let mut sc: Vec<f32> = (first..last)
                             .map(|j| {
                                 let kr = &ks[j * s.ld_kv + kvh * s.head_dim..][..s.head_dim];
-                                let mut x =
-                                    qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * s.scale;
+                                let mut x = dot(qr, kr) * s.scale;
                                 if s.softcap > 0.0 {
                                     x = s.softcap * (x / s.softcap).clamp(-15.0, 15.0).tanh();
                                 }

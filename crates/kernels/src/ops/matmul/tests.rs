@@ -195,7 +195,9 @@ fn gpu_splits_tensors_larger_than_a_binding() {
 fn gpu_weight_larger_than_the_real_binding_limit() {
     // Under the low-end profile one binding holds 128 MiB; this 160 MiB weight (an LM head's size) must
     // be split, not refused.
-    let Some(be) = gpu_backend(None) else { return };
+    let Some(be) = crate::testing::gpu_backend_low_end() else {
+        return;
+    };
     let (m, n, k) = (2, 65536, 640);
     let mut rng = SeedRng::new(6);
     let x = rng.vec(m * k, -1.0, 1.0);

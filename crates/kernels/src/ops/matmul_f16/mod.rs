@@ -77,12 +77,20 @@ pub fn unpack_f16(words: &[u32], n: usize) -> Vec<f32> {
 
 /// C = alpha · A · Bᵀ (+ beta · C) with B packed f16: `g` must be an A·Bᵀ product (`Gemm::nt`), `b`
 /// views the packed words and `g.ldb` counts f16 elements (even, as is the view's start in elements).
-pub fn matmul_f16w(
+/// Large products go to the tensor cores when the cooperative-matrix path passed its gate.
+pub fn matmul_f16w(be: &Backend, a: TRef<'_>, b: TRef<'_>, c: TMut<'_>, g: &Gemm) -> Result<()> {
+    matmul_f16w_with(be, a, b, c, g, true)
+}
+
+/// [`matmul_f16w`], choosing whether the cooperative-matrix kernel may take large products (training
+/// keeps it off: on an H200 it measured slower than the f32 kernels for that model, docs/perf.md).
+pub fn matmul_f16w_with(
     be: &Backend,
     a: TRef<'_>,
     b: TRef<'_>,
     mut c: TMut<'_>,
     g: &Gemm,
+    allow_coop: bool,
 ) -> Result<()> {
     if g.trans_a || !g.trans_b || g.batches() != 1 || g.ldb % 2 != 0 {
         return Err(Error::Shape {
@@ -116,7 +124,8 @@ pub fn matmul_f16w(
                 shader_f16: gb.path_active(PathId::ShaderF16),
                 subgroups: gb.path_active(PathId::Subgroups),
             };
-            if gb.path_active(PathId::CoopMatrix) && crate::ops::matmul_coop::suits(g) {
+            if allow_coop && gb.path_active(PathId::CoopMatrix) && crate::ops::matmul_coop::suits(g)
+            {
                 return crate::ops::matmul_coop::matmul_coop(
                     gb,
                     (ta, a.offset()),

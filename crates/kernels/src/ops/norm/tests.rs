@@ -79,7 +79,9 @@ fn run_both(kind: NormKind, rows: usize, cols: usize, split: Option<u64>, seed: 
 #[test]
 fn norms_match_their_twins_at_odd_sizes() {
     for kind in [NormKind::Layer, NormKind::Rms] {
-        run_both(kind, 1, 1, None, 1);
+        // (A 1-wide LayerNorm's input gradient is identically zero, where NMSE is undefined: the smallest
+        // case is 2 wide.)
+        run_both(kind, 1, 2, None, 1);
         run_both(kind, 7, 384, None, 2);
         run_both(kind, 130, 65, Some(4096), 3);
         run_both(kind, 3, 1000, Some(8192), 4);

@@ -290,7 +290,9 @@ fn qget_rows_matches_twins() {
 /// sides of the split match the CPU twin.
 #[test]
 fn weight_above_the_binding_limit_is_split() {
-    let Some(be) = gpu_backend(None) else { return };
+    let Some(be) = crate::testing::gpu_backend_low_end() else {
+        return;
+    };
     be.as_gpu()
         .expect("gpu")
         .set_path_active(PathId::QuantMatmul, true);

@@ -146,11 +146,22 @@ fn learning_rate_schedule_is_nanogpt_s() {
 fn f16_storage_forward_keeps_the_training_losses() {
     let Some(gpu) = gpu_backend(None) else { return };
     let g = gpu.as_gpu().expect("gpu");
-    let cfg = GptConfig { vocab_size: 13, block_size: 16, n_layer: 2, n_head: 2, n_embd: 16, dropout: 0.0 };
+    let cfg = GptConfig {
+        vocab_size: 13,
+        block_size: 16,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        dropout: 0.0,
+    };
     let params = Layout::new(&cfg).init(&cfg, 8);
     let b = 4;
     let run = |be: &Backend| -> Vec<f32> {
-        let mut t = Trainer::new(be, &cfg, b, &params, None, OptimConfig::default()).unwrap();
+        let optim = OptimConfig {
+            f16_forward: true,
+            ..OptimConfig::default()
+        };
+        let mut t = Trainer::new(be, &cfg, b, &params, None, optim).unwrap();
         (0..6)
             .map(|i| {
                 let (ids, tg) = batch(&cfg, b, 200 + i);
@@ -163,6 +174,9 @@ fn f16_storage_forward_keeps_the_training_losses() {
     g.set_path_active(tinygpt_kernels::gate::PathId::F16Storage, true);
     let f16_losses = run(&gpu);
     for (i, (a, b)) in f32_losses.iter().zip(&f16_losses).enumerate() {
-        assert!((a - b).abs() < 2e-3 * a.abs(), "step {i}: f32 {a} vs f16 storage {b}");
+        assert!(
+            (a - b).abs() < 2e-3 * a.abs(),
+            "step {i}: f32 {a} vs f16 storage {b}"
+        );
     }
 }

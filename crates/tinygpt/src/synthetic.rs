@@ -1,0 +1,93 @@
+//! Random-weight GGUF models with real models' shapes, for benchmarks where the real files cannot go
+//! (a lent GPU machine with no network): decode speed does not depend on the weights' values.
+//! Matrices are Q8_0 (random int8 quants, one f16 scale per 32), norms f32 ones.
+
+use anyhow::{Result, bail};
+use tinygpt_formats::{GgmlType, GgufWriter};
+use tinygpt_kernels::testing::SeedRng;
+
+/// A model shape to imitate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Preset {
+    /// SmolLM2-135M: llama, 30 layers, 576 wide, 9 heads / 3 KV heads, FFN 1536, vocabulary 49152.
+    #[value(name = "smollm2-135m")]
+    Smollm2_135m,
+    /// Gemma-3-270M: gemma3, 18 layers, 640 wide, 4 heads / 1 KV head of 256, FFN 2048, vocabulary 262144.
+    #[value(name = "gemma3-270m")]
+    Gemma3_270m,
+}
+
+/// GGUF bytes of a random model of `preset`'s shape.
+pub fn gguf(preset: Preset, seed: u64) -> Result<Vec<u8>> {
+    let (arch, layers, d, heads, kv_heads, hd, ff, vocab) = match preset {
+        Preset::Smollm2_135m => ("llama", 30, 576, 9, 3, 64, 1536, 49152),
+        Preset::Gemma3_270m => ("gemma3", 18, 640, 4, 1, 256, 2048, 262144),
+    };
+    let mut w = GgufWriter::new();
+    let k = |s: &str| format!("{arch}.{s}");
+    w.add_metadata("general.architecture", arch)?;
+    w.add_metadata("general.name", format!("synthetic {preset:?}").as_str())?;
+    w.add_metadata(k("block_count"), layers as u32)?;
+    w.add_metadata(k("embedding_length"), d as u32)?;
+    w.add_metadata(k("feed_forward_length"), ff as u32)?;
+    w.add_metadata(k("attention.head_count"), heads as u32)?;
+    w.add_metadata(k("attention.head_count_kv"), kv_heads as u32)?;
+    w.add_metadata(k("attention.key_length"), hd as u32)?;
+    w.add_metadata(k("attention.value_length"), hd as u32)?;
+    w.add_metadata(k("rope.dimension_count"), hd as u32)?;
+    w.add_metadata(k("context_length"), 8192u32)?;
+    w.add_metadata(k("attention.layer_norm_rms_epsilon"), 1e-6f32)?;
+    w.add_metadata(k("rope.freq_base"), if arch == "gemma3" { 1e6f32 } else { 1e5f32 })?;
+    if arch == "gemma3" {
+        w.add_metadata(k("attention.sliding_window"), 512u32)?;
+    }
+    let mut rng = SeedRng::new(seed);
+    let mut q8 = |rows: usize, cols: usize| -> Vec<u8> {
+        // Q8_0 block: f16 scale then 32 int8 quants (34 bytes).
+        let blocks = rows * cols / 32;
+        let mut out = Vec::with_capacity(blocks * 34);
+        let scale = half::f16::from_f32(0.02 / 127.0).to_le_bytes();
+        let mut word = 0u64;
+        for i in 0..blocks * 32 {
+            if i % 32 == 0 {
+                out.extend_from_slice(&scale);
+            }
+            if i % 8 == 0 {
+                word = rng.next_u64();
+            }
+            out.push((word >> (8 * (i % 8))) as u8);
+        }
+        out
+    };
+    let ones = |n: usize| -> Vec<u8> { std::iter::repeat_n(1.0f32.to_le_bytes(), n).flatten().collect() };
+    let (qd, kvd) = (heads * hd, kv_heads * hd);
+    w.add_tensor_bytes("token_embd.weight", &[d as u64, vocab as u64], GgmlType::Q8_0, q8(vocab, d))?;
+    w.add_tensor_bytes("output_norm.weight", &[d as u64], GgmlType::F32, ones(d))?;
+    for i in 0..layers {
+        let n = |t: &str| format!("blk.{i}.{t}.weight");
+        w.add_tensor_bytes(n("attn_norm"), &[d as u64], GgmlType::F32, ones(d))?;
+        w.add_tensor_bytes(n("ffn_norm"), &[d as u64], GgmlType::F32, ones(d))?;
+        for (t, rows, cols) in [
+            ("attn_q", qd, d),
+            ("attn_k", kvd, d),
+            ("attn_v", kvd, d),
+            ("attn_output", d, qd),
+            ("ffn_gate", ff, d),
+            ("ffn_up", ff, d),
+            ("ffn_down", d, ff),
+        ] {
+            w.add_tensor_bytes(n(t), &[cols as u64, rows as u64], GgmlType::Q8_0, q8(rows, cols))?;
+        }
+        if arch == "gemma3" {
+            w.add_tensor_bytes(n("attn_q_norm"), &[hd as u64], GgmlType::F32, ones(hd))?;
+            w.add_tensor_bytes(n("attn_k_norm"), &[hd as u64], GgmlType::F32, ones(hd))?;
+            w.add_tensor_bytes(n("post_attention_norm"), &[d as u64], GgmlType::F32, ones(d))?;
+            w.add_tensor_bytes(n("post_ffw_norm"), &[d as u64], GgmlType::F32, ones(d))?;
+        }
+    }
+    let bytes = w.to_bytes()?;
+    if bytes.is_empty() {
+        bail!("empty synthetic model");
+    }
+    Ok(bytes)
+}
