@@ -44,6 +44,11 @@ enum Cmd {
     Run(run::RunArgs),
     /// Chat with a GGUF model on stdin, using its chat template.
     Chat(chat::ChatArgs),
+    /// Draw (again) the loss curve of a checkpoint directory into DIR/loss.png.
+    Plot {
+        /// Checkpoint directory (default: the bundled Shakespeare model).
+        dir: Option<std::path::PathBuf>,
+    },
     /// Benchmarks: per-op throughput and training throughput.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -112,6 +117,18 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Chat(a) => {
             let be = cli.device.open()?;
             chat::run(&be, &cli.gate, a)
+        }
+        Cmd::Plot { dir } => {
+            let dir = dir.clone().unwrap_or_else(|| paths::bundled(paths::DEFAULT_MODEL));
+            let p = dir.join("train_state.json");
+            let state: tinygpt_models::gpt::checkpoint::TrainState = serde_json::from_slice(
+                &std::fs::read(&p).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", p.display()))?,
+            )
+            .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+            let png = dir.join("loss.png");
+            plot::write_loss_png(&png, "TinyGPT training", &state.train_losses, &state.val_losses)?;
+            println!("wrote {}", png.display());
+            Ok(())
         }
         Cmd::Bench(b) => {
             let be = cli.device.open()?;

@@ -276,6 +276,11 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
                 checkpoint::save(&a.out, &ckpt_cfg, &p, dtype, None, Some(&state))
                     .with_context(|| format!("saving the checkpoint to {}", a.out.display()))?;
             }
+            // The loss curve so far, beside the checkpoint.
+            let png = a.out.join("loss.png");
+            if let Err(e) = crate::plot::write_loss_png(&png, "TinyGPT training", &state.train_losses, &state.val_losses) {
+                eprintln!("note: could not draw {}: {e:#}", png.display());
+            }
         }
     }
     pb.finish_and_clear();

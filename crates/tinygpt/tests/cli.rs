@@ -105,6 +105,8 @@ fn resumed_training_gives_the_losses_of_an_uninterrupted_run() {
     assert_eq!(la, lb, "resumed losses must equal the uninterrupted run's");
     // The loss curve and the model are written beside the checkpoint.
     assert!(full.join("model.safetensors").exists() && full.join("config.json").exists());
+    let png = std::fs::read(full.join("loss.png")).expect("a loss curve beside the checkpoint");
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
     let _ = std::fs::remove_dir_all(&d);
 }
 
