@@ -28,7 +28,10 @@ impl SamplerConfig {
     /// Checks the settings; the message says what is wrong.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(format!("temperature {} must be a finite number >= 0", self.temperature));
+            return Err(format!(
+                "temperature {} must be a finite number >= 0",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top-p {} must be in (0, 1]", self.top_p));
@@ -128,7 +131,10 @@ mod tests {
 
     #[test]
     fn greedy_picks_the_first_maximum() {
-        let mut s = Sampler::new(SamplerConfig { temperature: 0.0, ..Default::default() });
+        let mut s = Sampler::new(SamplerConfig {
+            temperature: 0.0,
+            ..Default::default()
+        });
         assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0]), 1);
         assert_eq!(s.sample(&[f32::NAN, 1.0]), 1);
     }
@@ -136,9 +142,19 @@ mod tests {
     #[test]
     fn top_k_one_is_greedy_and_top_p_keeps_the_nucleus() {
         let logits = [1.0, 5.0, 4.9, -3.0];
-        let mut s = Sampler::new(SamplerConfig { temperature: 1.0, top_k: 1, top_p: 1.0, seed: 3 });
+        let mut s = Sampler::new(SamplerConfig {
+            temperature: 1.0,
+            top_k: 1,
+            top_p: 1.0,
+            seed: 3,
+        });
         assert!((0..50).all(|_| s.sample(&logits) == 1));
-        let mut s = Sampler::new(SamplerConfig { temperature: 1.0, top_k: 0, top_p: 0.6, seed: 3 });
+        let mut s = Sampler::new(SamplerConfig {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.6,
+            seed: 3,
+        });
         for _ in 0..200 {
             let t = s.sample(&logits);
             assert!(t == 1 || t == 2, "token {t} is outside the 0.6 nucleus");
@@ -148,12 +164,22 @@ mod tests {
     #[test]
     fn sampling_follows_the_distribution_and_is_seeded() {
         let logits = [0.0f32, (3.0f32).ln()]; // probabilities 1/4, 3/4
-        let mut s = Sampler::new(SamplerConfig { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 9 });
+        let mut s = Sampler::new(SamplerConfig {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 9,
+        });
         let ones = (0..20000).filter(|_| s.sample(&logits) == 1).count() as f64 / 20000.0;
         assert!((ones - 0.75).abs() < 0.02, "{ones}");
         let draw = |seed| {
-            let mut s = Sampler::new(SamplerConfig { seed, ..Default::default() });
-            (0..20).map(|_| s.sample(&[0.0, 0.1, 0.2, 0.3])).collect::<Vec<_>>()
+            let mut s = Sampler::new(SamplerConfig {
+                seed,
+                ..Default::default()
+            });
+            (0..20)
+                .map(|_| s.sample(&[0.0, 0.1, 0.2, 0.3]))
+                .collect::<Vec<_>>()
         };
         assert_eq!(draw(5), draw(5));
         assert_ne!(draw(5), draw(6));
@@ -161,8 +187,29 @@ mod tests {
 
     #[test]
     fn bad_settings_are_refused() {
-        assert!(SamplerConfig { temperature: -1.0, ..Default::default() }.validate().is_err());
-        assert!(SamplerConfig { top_p: 0.0, ..Default::default() }.validate().is_err());
-        assert!(SamplerConfig { top_p: 1.5, ..Default::default() }.validate().is_err());
+        assert!(
+            SamplerConfig {
+                temperature: -1.0,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
+        assert!(
+            SamplerConfig {
+                top_p: 0.0,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
+        assert!(
+            SamplerConfig {
+                top_p: 1.5,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
     }
 }

