@@ -17,7 +17,8 @@ pub enum DType {
     U32,
 }
 
-/// Where the ops run.
+/// Where the ops run. (One per process: boxing the larger variant would buy nothing.)
+#[allow(clippy::large_enum_variant)]
 pub enum Backend {
     Cpu(CpuBackend),
     Gpu(GpuBackend),

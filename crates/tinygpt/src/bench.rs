@@ -292,7 +292,10 @@ fn train_bench(be: &Backend, a: &TrainBenchArgs) -> Result<()> {
     cfg.validate().map_err(anyhow::Error::msg)?;
     let params = Layout::new(&cfg).init(&cfg, 1);
     let t0 = Instant::now();
-    let optim = OptimConfig { f16_forward: a.f16_forward, ..OptimConfig::default() };
+    let optim = OptimConfig {
+        f16_forward: a.f16_forward,
+        ..OptimConfig::default()
+    };
     let mut tr = Trainer::new(be, &cfg, a.batch, &params, None, optim)?;
     println!(
         "config: {} layers, {} heads, {} wide, block {}, batch {}, dropout {} — {:.2}M parameters (set up in {:.2}s)",
@@ -358,12 +361,19 @@ fn llm_bench(be: &Backend, a: &LlmBenchArgs) -> Result<()> {
     };
     let made = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
-    let opts = LoadOptions { context: Some((a.prompt + a.n + 8).max(64)), ..LoadOptions::default() };
+    let opts = LoadOptions {
+        context: Some((a.prompt + a.n + 8).max(64)),
+        ..LoadOptions::default()
+    };
     let mut llm = Llm::from_gguf(be, &file, &opts, &mut |_| {})?;
     let cfg = llm.config().clone();
     println!(
         "model: {} ({}, {} layers, {} wide, vocabulary {}) · {:.0} MB of weights · file {:.1}s, load {:.2}s",
-        if cfg.name.is_empty() { "unnamed".into() } else { cfg.name.clone() },
+        if cfg.name.is_empty() {
+            "unnamed".into()
+        } else {
+            cfg.name.clone()
+        },
         cfg.arch.name(),
         cfg.n_layer,
         cfg.d_model,

@@ -21,7 +21,12 @@ pub struct GateArgs {
     #[arg(long, global = true, env = "TINYGPT_F32_ONLY")]
     pub f32_only: bool,
     /// Fast paths not to use, by name (f16-storage, shader-f16, subgroups, coop-matrix, q8-matmul).
-    #[arg(long, global = true, env = "TINYGPT_DISABLE_PATHS", value_delimiter = ',')]
+    #[arg(
+        long,
+        global = true,
+        env = "TINYGPT_DISABLE_PATHS",
+        value_delimiter = ','
+    )]
     pub disable_path: Vec<String>,
 }
 
@@ -76,7 +81,9 @@ pub fn prepare(be: &Backend, args: &GateArgs, model_cases: Vec<GateCase>) -> Opt
     let mut cache = read_cache();
     for name in &args.disable_path {
         if !PathId::ALL.iter().any(|p| p.name() == name) {
-            eprintln!("note: --disable-path {name}: no such fast path (known: f16-storage, shader-f16, subgroups, coop-matrix, q8-matmul)");
+            eprintln!(
+                "note: --disable-path {name}: no such fast path (known: f16-storage, shader-f16, subgroups, coop-matrix, q8-matmul)"
+            );
         }
     }
     let only: Vec<PathId> = PathId::ALL

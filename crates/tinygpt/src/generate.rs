@@ -67,11 +67,9 @@ pub fn generate(be: &Backend, gate: &crate::gates::GateArgs, a: &GenerateArgs) -
     let ck = checkpoint::load(&dir)
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
     let vocab = ck.config.vocab.clone();
-    let prompt = vocab.encode(&a.prompt).with_context(|| {
-        format!(
-            "the prompt cannot be encoded: the model knows only the characters of its training text"
-        )
-    })?;
+    let prompt = vocab.encode(&a.prompt).context(
+        "the prompt cannot be encoded: the model knows only the characters of its training text",
+    )?;
     if prompt.is_empty() {
         bail!("the prompt is empty; give at least one character (the default is a newline)");
     }

@@ -37,7 +37,10 @@ pub fn gguf(preset: Preset, seed: u64) -> Result<Vec<u8>> {
     w.add_metadata(k("rope.dimension_count"), hd as u32)?;
     w.add_metadata(k("context_length"), 8192u32)?;
     w.add_metadata(k("attention.layer_norm_rms_epsilon"), 1e-6f32)?;
-    w.add_metadata(k("rope.freq_base"), if arch == "gemma3" { 1e6f32 } else { 1e5f32 })?;
+    w.add_metadata(
+        k("rope.freq_base"),
+        if arch == "gemma3" { 1e6f32 } else { 1e5f32 },
+    )?;
     if arch == "gemma3" {
         w.add_metadata(k("attention.sliding_window"), 512u32)?;
     }
@@ -59,9 +62,18 @@ pub fn gguf(preset: Preset, seed: u64) -> Result<Vec<u8>> {
         }
         out
     };
-    let ones = |n: usize| -> Vec<u8> { std::iter::repeat_n(1.0f32.to_le_bytes(), n).flatten().collect() };
+    let ones = |n: usize| -> Vec<u8> {
+        std::iter::repeat_n(1.0f32.to_le_bytes(), n)
+            .flatten()
+            .collect()
+    };
     let (qd, kvd) = (heads * hd, kv_heads * hd);
-    w.add_tensor_bytes("token_embd.weight", &[d as u64, vocab as u64], GgmlType::Q8_0, q8(vocab, d))?;
+    w.add_tensor_bytes(
+        "token_embd.weight",
+        &[d as u64, vocab as u64],
+        GgmlType::Q8_0,
+        q8(vocab, d),
+    )?;
     w.add_tensor_bytes("output_norm.weight", &[d as u64], GgmlType::F32, ones(d))?;
     for i in 0..layers {
         let n = |t: &str| format!("blk.{i}.{t}.weight");
@@ -76,12 +88,22 @@ pub fn gguf(preset: Preset, seed: u64) -> Result<Vec<u8>> {
             ("ffn_up", ff, d),
             ("ffn_down", d, ff),
         ] {
-            w.add_tensor_bytes(n(t), &[cols as u64, rows as u64], GgmlType::Q8_0, q8(rows, cols))?;
+            w.add_tensor_bytes(
+                n(t),
+                &[cols as u64, rows as u64],
+                GgmlType::Q8_0,
+                q8(rows, cols),
+            )?;
         }
         if arch == "gemma3" {
             w.add_tensor_bytes(n("attn_q_norm"), &[hd as u64], GgmlType::F32, ones(hd))?;
             w.add_tensor_bytes(n("attn_k_norm"), &[hd as u64], GgmlType::F32, ones(hd))?;
-            w.add_tensor_bytes(n("post_attention_norm"), &[d as u64], GgmlType::F32, ones(d))?;
+            w.add_tensor_bytes(
+                n("post_attention_norm"),
+                &[d as u64],
+                GgmlType::F32,
+                ones(d),
+            )?;
             w.add_tensor_bytes(n("post_ffw_norm"), &[d as u64], GgmlType::F32, ones(d))?;
         }
     }

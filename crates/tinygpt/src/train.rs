@@ -278,7 +278,12 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
             }
             // The loss curve so far, beside the checkpoint.
             let png = a.out.join("loss.png");
-            if let Err(e) = crate::plot::write_loss_png(&png, "TinyGPT training", &state.train_losses, &state.val_losses) {
+            if let Err(e) = crate::plot::write_loss_png(
+                &png,
+                "TinyGPT training",
+                &state.train_losses,
+                &state.val_losses,
+            ) {
                 eprintln!("note: could not draw {}: {e:#}", png.display());
             }
         }

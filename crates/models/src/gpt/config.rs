@@ -62,7 +62,7 @@ impl GptConfig {
         if self.vocab_size == 0 || self.block_size == 0 || self.n_layer == 0 || self.n_head == 0 {
             return Err("vocab size, block size, layers and heads must all be at least 1".into());
         }
-        if self.n_embd == 0 || self.n_embd % self.n_head != 0 {
+        if self.n_embd == 0 || !self.n_embd.is_multiple_of(self.n_head) {
             return Err(format!(
                 "width {} must be a positive multiple of the number of heads {}",
                 self.n_embd, self.n_head

@@ -111,7 +111,7 @@ pub fn attention_backward(
     probs: TRef<'_>,
     dropped: Option<TMut<'_>>,
     dy: TRef<'_>,
-    mut dqkv: TMut<'_>,
+    dqkv: TMut<'_>,
     mut scratch: TMut<'_>,
     s: AttnShape,
     drop: AttnDropout,
@@ -243,7 +243,8 @@ pub fn attend(
     mut out: TMut<'_>,
     s: DecodeShape,
 ) -> Result<()> {
-    if s.kv_heads == 0 || s.heads % s.kv_heads != 0 || s.head_dim == 0 || s.head_dim > 512 {
+    if s.kv_heads == 0 || !s.heads.is_multiple_of(s.kv_heads) || s.head_dim == 0 || s.head_dim > 512
+    {
         return Err(Error::Shape {
             op: "attend",
             msg: format!(

@@ -65,6 +65,7 @@ pub fn glu(
 }
 
 /// dgate = dout · up · act'(gate), dup = dout · act(gate).
+#[allow(clippy::too_many_arguments)]
 pub fn glu_backward(
     be: &Backend,
     act: Activation,

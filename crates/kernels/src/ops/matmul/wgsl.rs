@@ -42,12 +42,12 @@ impl Tile {
     /// Whether the tile's shape is one the generator supports.
     pub fn is_valid(&self) -> bool {
         let t = self.threads();
-        self.tm % 4 == 0
-            && self.tn % 4 == 0
-            && (self.bm * self.bk) % t == 0
-            && (self.bn * self.bk) % t == 0
-            && self.bm % self.tm == 0
-            && self.bn % self.tn == 0
+        self.tm.is_multiple_of(4)
+            && self.tn.is_multiple_of(4)
+            && (self.bm * self.bk).is_multiple_of(t)
+            && (self.bn * self.bk).is_multiple_of(t)
+            && self.bm.is_multiple_of(self.tm)
+            && self.bn.is_multiple_of(self.tn)
     }
 }
 

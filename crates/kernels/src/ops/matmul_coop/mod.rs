@@ -135,7 +135,8 @@ pub(crate) fn matmul_coop(
     if ta.num_chunks() != 1
         || tb.num_chunks() != 1
         || tc.num_chunks() != 1
-        || !(!g.trans_a && g.trans_b)
+        || g.trans_a
+        || !g.trans_b
     {
         return Err(Error::Shape {
             op: "matmul_coop",

@@ -92,7 +92,7 @@ pub fn matmul_f16w_with(
     g: &Gemm,
     allow_coop: bool,
 ) -> Result<()> {
-    if g.trans_a || !g.trans_b || g.batches() != 1 || g.ldb % 2 != 0 {
+    if g.trans_a || !g.trans_b || g.batches() != 1 || !g.ldb.is_multiple_of(2) {
         return Err(Error::Shape {
             op: "matmul_f16w",
             msg: "f16 weights serve x·Wᵀ products (Gemm::nt) with an even row length, unbatched"

@@ -27,7 +27,7 @@ pub struct NormShape {
 }
 
 fn check(s: &NormShape) -> Result<()> {
-    if s.cols == 0 || !(s.eps >= 0.0) {
+    if s.cols == 0 || s.eps.is_nan() || s.eps < 0.0 {
         return Err(Error::Shape {
             op: "norm",
             msg: format!(

@@ -12,7 +12,7 @@
 
 use super::*;
 use crate::gate::PathId;
-use crate::testing::{Arg, SeedRng, assert_nmse, check_twin_with, cpu_backend, gpu_backend};
+use crate::testing::{Arg, SeedRng, assert_nmse, check_twin_with, cpu_backend};
 
 /// GPU vs CPU backend (f32 vs f32, only summation order differs; see the module docs).
 const BOUND: f64 = 1e-11;

@@ -58,7 +58,7 @@ pub fn rope(
     table_positions: usize,
     s: RopeShape,
 ) -> Result<()> {
-    if s.n_rot % 2 != 0 || s.n_rot > s.head_dim || s.ld < s.heads * s.head_dim {
+    if !s.n_rot.is_multiple_of(2) || s.n_rot > s.head_dim || s.ld < s.heads * s.head_dim {
         return Err(Error::Shape {
             op: "rope",
             msg: format!(
