@@ -5,6 +5,7 @@
 //! unless `TINYGPT_SKIP_GPU_TESTS=1` says to skip them.
 
 use crate::backend::{Backend, Tensor};
+#[cfg(not(target_arch = "wasm32"))]
 use crate::device::{BackendChoice, DeviceOptions};
 
 /// Normalised mean squared error Σ(a−b)²/Σa² of `got` against `want` (NaN when either holds a NaN).

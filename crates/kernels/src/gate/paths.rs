@@ -132,6 +132,7 @@ pub fn inputs(c: &GateCase, seed: u64) -> (Vec<f32>, Vec<f32>) {
 }
 
 /// The canonical f32 result x · Wᵀ (the CPU twin).
+#[cfg(not(target_arch = "wasm32"))]
 pub fn reference(c: &GateCase, x: &[f32], w: &[f32]) -> Vec<f32> {
     let cpu = crate::testing::cpu_backend();
     let (tx, tw) = (

@@ -4,6 +4,9 @@
 //! Each layer's cache is simply its QKV rows `[block_size, 3 · n_embd]`: the projection writes new rows
 //! straight into it and attention reads keys and values from it in place.
 
+// The blocking passes below are native-only for now (the web will await reads instead).
+#![cfg_attr(target_arch = "wasm32", allow(unused_imports, dead_code))]
+
 use super::config::GptConfig;
 use super::layout::Layout;
 use crate::sampler::Sampler;

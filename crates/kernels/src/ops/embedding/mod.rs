@@ -89,6 +89,8 @@ pub fn embedding(
                 .map(|p| p.table.cpu("embedding", "positions", p.rows * d))
                 .transpose()?;
             let o = out.cpu("embedding", "out", n * d)?;
+            // Plain values only in the parallel closure (views may hold GPU handles, not Sync on the web).
+            let placement = pos.map(|p| (p.period, p.pos0));
             c.install(|| {
                 o.par_chunks_mut(d.max(1)).enumerate().for_each(|(i, row)| {
                     let id = ids[i] as usize;
@@ -99,8 +101,8 @@ pub fn embedding(
                             0.0
                         };
                     }
-                    if let (Some(pt), Some(p)) = (ps, &pos) {
-                        let pr = &pt[(i % p.period + p.pos0) * d..][..d];
+                    if let (Some(pt), Some((period, pos0))) = (ps, placement) {
+                        let pr = &pt[(i % period + pos0) * d..][..d];
                         row.iter_mut().zip(pr).for_each(|(v, q)| *v += q);
                     }
                 })

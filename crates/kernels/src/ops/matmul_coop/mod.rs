@@ -10,11 +10,9 @@
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::gate::paths::{gpu_of, guarded_output, inputs, read_guarded, reference};
 use crate::gate::{CaseOutput, Fault, GateCase};
 use crate::gpu::{Access, GpuBackend, GpuTensor, PipelineOptions};
 use crate::ops::matmul::Gemm;
-use crate::ops::matmul_f16::{pack_f16, packed_len};
 
 /// Whether a product is one the cooperative kernel takes: x · Wᵀ, unbatched, tall enough to fill tiles.
 pub fn suits(g: &Gemm) -> bool {
@@ -184,6 +182,8 @@ pub(crate) fn matmul_coop(
 /// mostly-empty tiles, which exercises its edge handling).
 #[cfg(not(target_arch = "wasm32"))]
 pub fn gate_evaluate(be: &Backend, c: &GateCase, seed: u64) -> Result<CaseOutput> {
+    use crate::gate::paths::{gpu_of, guarded_output, inputs, read_guarded, reference};
+    use crate::ops::matmul_f16::{pack_f16, packed_len};
     let g = gpu_of(be)?;
     let (x, w) = inputs(c, seed);
     let tx = be.from_f32(&x, 1)?;

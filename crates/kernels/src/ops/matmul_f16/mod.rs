@@ -8,7 +8,6 @@
 
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
-use crate::gate::paths::{gpu_of, guarded_output, inputs, read_guarded, reference};
 use crate::gate::{CaseOutput, GateCase, PathId};
 use crate::gpu::{Access, Operand};
 use crate::ops::common::{Grid, kernel, run};
@@ -155,6 +154,7 @@ pub fn gate_evaluate(
     seed: u64,
     shader_f16: bool,
 ) -> Result<CaseOutput> {
+    use crate::gate::paths::{gpu_of, guarded_output, inputs, read_guarded, reference};
     let g = gpu_of(be)?;
     let (x, w) = inputs(c, seed);
     let tx = be.from_f32(&x, 1)?;

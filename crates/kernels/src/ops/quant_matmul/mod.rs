@@ -29,7 +29,6 @@ use std::ops::Range;
 
 use crate::backend::{Backend, TMut, TRef, Tensor};
 use crate::error::{Error, Result, shape};
-use crate::gate::paths::{gpu_of, guarded_output, inputs, read_guarded, reference};
 use crate::gate::{CaseOutput, GateCase, PathId};
 use crate::gpu::{GpuTensor, Operand, Segment, segments};
 use crate::quant::{Q4Matrix, Q8Matrix};
@@ -418,13 +417,14 @@ pub fn qget_rows(
         (Backend::Cpu(c), QStore::Cpu(src)) => {
             let ids = ids.cpu_u32(OP, "ids", n)?;
             let o = out.cpu(OP, "out", ol)?;
+            let rows = w.rows;
             c.install(|| {
                 use rayon::prelude::*;
                 o.par_chunks_mut(k)
                     .zip(ids.par_iter())
                     .for_each(|(row, &id)| {
                         let id = id as usize;
-                        if id >= w.rows {
+                        if id >= rows {
                             row.fill(0.0);
                             return;
                         }
@@ -469,6 +469,7 @@ pub fn qget_rows(
 /// with their own dequantized weights (the twin); the worse of the two is what the gate sees.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn gate_evaluate(be: &Backend, c: &GateCase, seed: u64) -> Result<CaseOutput> {
+    use crate::gate::paths::{gpu_of, guarded_output, inputs, read_guarded, reference};
     let g = gpu_of(be)?;
     let (x, w) = inputs(c, seed);
     let q8 = quantize_q8_32(&w, c.n, c.k);
@@ -518,6 +519,7 @@ pub fn gate_evaluate(_: &Backend, _: &GateCase, _: u64) -> Result<CaseOutput> {
 }
 
 /// Symmetric 8-bit quantization per block of 32 (Q8_0's rule), straight into the kernel layout.
+#[cfg(not(target_arch = "wasm32"))]
 fn quantize_q8_32(w: &[f32], rows: usize, cols: usize) -> Q8Matrix {
     let mut scales = Vec::with_capacity(w.len() / 32);
     let mut bytes = Vec::with_capacity(w.len());
@@ -545,6 +547,7 @@ fn quantize_q8_32(w: &[f32], rows: usize, cols: usize) -> Q8Matrix {
 }
 
 /// Asymmetric 4-bit quantization per block of 32 (Q4_1's rule), in the kernel layout's nibble order.
+#[cfg(not(target_arch = "wasm32"))]
 fn quantize_q4(w: &[f32], rows: usize, cols: usize) -> Q4Matrix {
     let (mut scales, mut mins, mut quants) = (Vec::new(), Vec::new(), Vec::new());
     for b in w.chunks(32) {
