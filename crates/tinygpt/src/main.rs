@@ -32,6 +32,8 @@ struct Cli {
 enum Cmd {
     /// List the GPU adapters wgpu can open (the index and names `--adapter` takes).
     Adapters,
+    /// The selected device: adapter, driver, features and the limits requested from it (JSON).
+    Info,
     /// Gate every fast path on the selected adapter and show which are in use (capability pills).
     Gates(gates::GatesCmd),
     /// Train the character-level GPT (default: nanoGPT's shakespeare-char recipe on the bundled text).
@@ -92,6 +94,15 @@ fn run(cli: Cli) -> Result<()> {
                     a.index, a.name, a.backend, a.device_type, a.driver, a.driver_info
                 );
             }
+            Ok(())
+        }
+        Cmd::Info => {
+            let be = cli.device.open()?;
+            let info = match be.as_gpu() {
+                Some(g) => serde_json::to_value(g.info())?,
+                None => serde_json::json!({ "backend": be.describe() }),
+            };
+            println!("{}", serde_json::to_string_pretty(&info)?);
             Ok(())
         }
         Cmd::Gates(c) => {
