@@ -2,6 +2,7 @@
 //! file has no key (`src/models/<arch>.cpp` and `llama-hparams` in llama.cpp).
 
 use tinygpt_formats::{GgufFile, Metadata, MetadataArray, MetadataValue};
+use tinygpt_kernels::gate::GateCase;
 use tinygpt_kernels::ops::glu::Activation;
 use tinygpt_kernels::ops::rope::RopeLayout;
 
@@ -90,6 +91,25 @@ impl LlmConfig {
     /// Width of one position's keys (or values) in the cache.
     pub fn kv_dim(&self) -> usize {
         self.n_kv_head * self.head_dim
+    }
+
+    /// The model's matrix products for the GPU numerics gate (`tinygpt_kernels::gate`), which must pass
+    /// before the quantized kernels are used: every projection at one row (decoding) and at 64 rows (a
+    /// prompt), and the head at one row with N cut to 8192 (its full width adds only time).
+    pub fn gate_cases(&self) -> Vec<GateCase> {
+        let (d, qd, kvd, ff) = (self.d_model, self.q_dim(), self.kv_dim(), self.n_ff);
+        let mut v = Vec::new();
+        for (name, n, k) in [
+            ("qkv", qd + 2 * kvd, d),
+            ("attn_output", d, qd),
+            ("gate_up", 2 * ff, d),
+            ("ffn_down", d, ff),
+        ] {
+            v.push(GateCase::new(&format!("model {name} decode"), 1, n, k));
+            v.push(GateCase::new(&format!("model {name} prompt"), 64, n, k));
+        }
+        v.push(GateCase::new("model head", 1, self.vocab.min(8192), d));
+        v
     }
 
     /// Reads and checks the hyperparameters of `file`.

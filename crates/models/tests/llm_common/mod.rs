@@ -9,8 +9,9 @@ use std::time::Instant;
 use serde_json::Value;
 use tinygpt_formats::GgufFile;
 use tinygpt_kernels::Backend;
+use tinygpt_kernels::gate::{GateOptions, PathId, run_gates};
 use tinygpt_kernels::testing::nmse;
-use tinygpt_models::llm::{Llm, LoadOptions};
+use tinygpt_models::llm::{Llm, LlmConfig, LoadOptions};
 use tinygpt_models::sampler::argmax;
 use tinygpt_models::tokenizer::Tokenizer;
 
@@ -64,11 +65,29 @@ pub fn open(model: &RealModel) -> GgufFile {
     GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// Loads tokenizer and model on `be`; prints the load time.
+/// Loads tokenizer and model on `be`; prints the load time. On a GPU the quantized kernels must first
+/// pass the numerics gate at the model's shapes, as the CLI requires (else the weights would be held
+/// dequantized and the quantized kernels not tested at all).
 pub fn load(be: &Backend, model: &RealModel) -> (Tokenizer, Llm) {
     let t = Instant::now();
     let file = open(model);
     let tok = Tokenizer::from_gguf(file.metadata()).expect("tokenizer");
+    if let Some(g) = be.as_gpu() {
+        let cfg = LlmConfig::from_gguf(&file).expect("config");
+        let opts = GateOptions {
+            only: Some(vec![PathId::QuantMatmul]),
+            extra_cases: cfg.gate_cases(),
+            ..GateOptions::default()
+        };
+        let summary = run_gates(be, &opts);
+        for r in &summary.reports {
+            eprintln!("{}", r.log_line());
+        }
+        assert!(
+            g.path_active(PathId::QuantMatmul),
+            "the quantized matmul gate did not pass on this adapter"
+        );
+    }
     let opts = LoadOptions {
         context: Some(512),
         ..LoadOptions::default()

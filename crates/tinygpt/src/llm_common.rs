@@ -1,0 +1,286 @@
+//! Shared by `run` and `chat`: loading a GGUF model (progress bar, status line), the
+//! sampling flags, token generation with streamed text and timings, and memory figures.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use tinygpt_formats::GgufFile;
+use tinygpt_kernels::Backend;
+use tinygpt_kernels::ops::quant_matmul::cpu::CpuIsa;
+use tinygpt_models::llm::{Llm, LlmConfig, LoadOptions};
+
+use crate::gates::GateArgs;
+use tinygpt_models::sampler::{Sampler, SamplerConfig};
+use tinygpt_models::tokenizer::Tokenizer;
+
+/// The model to load.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// A GGUF model file (architectures: llama, gemma3).
+    pub model: PathBuf,
+    /// KV cache length in tokens (default: the model's trained context, at most 4096).
+    #[arg(long)]
+    pub ctx: Option<usize>,
+}
+
+/// How tokens are picked (llama.cpp's defaults, with a fixed seed so runs repeat).
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// 0 picks the most likely token (greedy).
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Keep the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Keep the most likely tokens up to this total probability (1: all).
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 1337)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    pub fn sampler(&self) -> Result<Sampler> {
+        let cfg = SamplerConfig {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+        };
+        cfg.validate().map_err(anyhow::Error::msg)?;
+        Ok(Sampler::new(cfg))
+    }
+}
+
+/// A model with its tokenizer.
+pub struct Loaded {
+    pub llm: Llm,
+    pub tok: Tokenizer,
+    /// `tokenizer.chat_template`, if the file has one.
+    pub chat_template: Option<String>,
+    /// The file's name without the extension and quantization suffix.
+    pub name: String,
+    pub load_secs: f64,
+}
+
+/// Files at least this large get a progress bar while they load.
+const BAR_BYTES: u64 = 32 << 20;
+
+/// Loads `args.model` on `be`, showing a progress bar for large files, and prints the status line. On
+/// a GPU the numerics gate runs first, with the model's own shapes: the quantized kernels are used only
+/// if they pass it (otherwise the weights are held dequantized).
+pub fn load(be: &Backend, gate: &GateArgs, args: &ModelArgs) -> Result<Loaded> {
+    let t = Instant::now();
+    let path = &args.model;
+    let file = GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let cfg = LlmConfig::from_gguf(&file).with_context(|| format!("loading {}", path.display()))?;
+    crate::gates::prepare(be, gate, cfg.gate_cases());
+    let tok = Tokenizer::from_gguf(file.metadata())
+        .with_context(|| format!("reading the tokenizer of {}", path.display()))?;
+    let chat_template = tok.chat_template().map(str::to_string);
+    let bar = (file.bytes().len() as u64 >= BAR_BYTES).then(|| {
+        let b = ProgressBar::new(file.bytes().len() as u64);
+        b.set_style(
+            ProgressStyle::with_template(
+                "loading {msg} {bar:30} {bytes}/{total_bytes} ({elapsed})",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        b.set_message(display_name(path, ""));
+        b
+    });
+    let opts = LoadOptions {
+        context: args.ctx,
+        ..LoadOptions::default()
+    };
+    let llm = Llm::from_gguf(be, &file, &opts, &mut |p| {
+        if let Some(b) = &bar {
+            b.set_length(p.total);
+            b.set_position(p.done);
+        }
+    })
+    .with_context(|| format!("loading {}", path.display()))?;
+    // Submits the uploads and waits, so the load time includes them.
+    be.sync()?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    drop(file);
+    let load_secs = t.elapsed().as_secs_f64();
+    let cfg = llm.config();
+    let name = display_name(path, &cfg.file_type);
+    let mem = llm.memory();
+    eprintln!(
+        "loaded {name} ({}, {}, {} layers) in {load_secs:.1}s · {} weights, {} KV cache ({} ctx) · {}{} — ready.",
+        cfg.arch.name(),
+        if cfg.file_type.is_empty() {
+            "?"
+        } else {
+            &cfg.file_type
+        },
+        cfg.n_layer,
+        mb(mem.weights),
+        mb(mem.kv_cache),
+        llm.context(),
+        be.describe(),
+        if be.as_gpu().is_some() {
+            format!(" · {}", crate::gates::pills(be))
+        } else {
+            String::new()
+        },
+    );
+    Ok(Loaded {
+        llm,
+        tok,
+        chat_template,
+        name,
+        load_secs,
+    })
+}
+
+/// "SmolLM2-135M-Instruct" from ".../SmolLM2-135M-Instruct.Q4_1.gguf".
+fn display_name(path: &Path, file_type: &str) -> String {
+    let stem = path
+        .file_stem()
+        .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
+    if !file_type.is_empty() {
+        let lower = stem.to_ascii_lowercase();
+        let ft = file_type.to_ascii_lowercase();
+        for sep in ['.', '-', '_'] {
+            if let Some(base) = lower.strip_suffix(&format!("{sep}{ft}")) {
+                return stem[..base.len()].to_string();
+            }
+        }
+    }
+    stem
+}
+
+pub fn mb(bytes: u64) -> String {
+    format!("{:.0} MB", bytes as f64 / 1e6)
+}
+
+/// Why generation stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stop {
+    EndOfGeneration,
+    MaxTokens,
+    ContextFull,
+}
+
+/// Timings of one generation.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct Timings {
+    pub prompt_tokens: usize,
+    pub prompt_secs: f64,
+    pub generated_tokens: usize,
+    /// Forward passes of generated tokens (each generated token is fed back, except an end-of-generation
+    /// token and the last one at the token limit).
+    pub decode_passes: usize,
+    pub decode_secs: f64,
+}
+
+impl Timings {
+    pub fn prompt_tok_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prompt_secs.max(1e-9)
+    }
+    pub fn decode_tok_s(&self) -> f64 {
+        self.decode_passes as f64 / self.decode_secs.max(1e-9)
+    }
+    /// "N tokens in X s (Y tok/s; prompt P tok/s)".
+    pub fn summary(&self) -> String {
+        format!(
+            "{} tokens in {:.2} s ({:.1} tok/s; prompt {} tokens, {:.1} tok/s)",
+            self.generated_tokens,
+            self.prompt_secs + self.decode_secs,
+            self.decode_tok_s(),
+            self.prompt_tokens,
+            self.prompt_tok_s()
+        )
+    }
+}
+
+/// Feeds `new_ids` after what the model holds, then samples up to `max_new` tokens, passing each one's
+/// completed text to `emit`. Returns the generated ids (without an end-of-generation token).
+pub fn generate(
+    be: &Backend,
+    llm: &mut Llm,
+    tok: &Tokenizer,
+    new_ids: &[u32],
+    max_new: usize,
+    sampler: &mut Sampler,
+    mut emit: impl FnMut(&str) -> Result<()>,
+) -> Result<(Vec<u32>, Stop, Timings)> {
+    let mut tm = Timings {
+        prompt_tokens: new_ids.len(),
+        ..Timings::default()
+    };
+    let t = Instant::now();
+    let mut logits = llm.prefill(be, new_ids)?;
+    tm.prompt_secs = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let mut out = Vec::new();
+    let mut text = tok.stream_decoder(false);
+    let stop = loop {
+        if out.len() >= max_new {
+            break Stop::MaxTokens;
+        }
+        let id = sampler.sample(&logits);
+        if tok.is_eog(id) {
+            break Stop::EndOfGeneration;
+        }
+        out.push(id);
+        emit(&text.push(id)?)?;
+        if out.len() >= max_new {
+            break Stop::MaxTokens;
+        }
+        if llm.position() >= llm.context() {
+            break Stop::ContextFull;
+        }
+        logits = llm.decode(be, id)?;
+        tm.decode_passes += 1;
+    };
+    emit(&text.finish())?;
+    tm.decode_secs = t.elapsed().as_secs_f64();
+    tm.generated_tokens = out.len();
+    Ok((out, stop, tm))
+}
+
+/// Writes streamed text to stdout as it arrives.
+pub fn print_flush(s: &str) -> Result<()> {
+    if !s.is_empty() {
+        let mut out = std::io::stdout().lock();
+        out.write_all(s.as_bytes())?;
+        out.flush()?;
+    }
+    Ok(())
+}
+
+/// (VmRSS, VmHWM) of this process in bytes, where /proc exists.
+pub fn process_memory() -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |name: &str| {
+        s.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// The kernel paths a model runs on: each projection's layout, and the matmul implementation.
+pub fn active_paths(be: &Backend, llm: &Llm) -> BTreeMap<String, String> {
+    let mut m: BTreeMap<String, String> = llm.paths().into_iter().collect();
+    let mm = match be {
+        Backend::Cpu(c) => format!("CPU {:?}, {} threads", CpuIsa::detected(), c.threads()),
+        Backend::Gpu(_) => "WGSL".to_string(),
+    };
+    m.insert("quant_matmul".into(), mm);
+    m
+}
