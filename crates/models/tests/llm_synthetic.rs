@@ -1,0 +1,524 @@
+//! The runner on tiny random GGUF models written here: quantized and dense weights of the same values
+//! agree (whatever fusion their layouts allow), a prompt in one pass agrees with the same tokens in
+//! chunks and one by one (sliding window included), the GPU agrees with the CPU, and bad files and
+//! bad inputs give errors — never a panic.
+
+use tinygpt_formats::{GgmlType, GgufFile, GgufWriter, MetadataValue};
+use tinygpt_kernels::Backend;
+use tinygpt_kernels::gate::PathId;
+use tinygpt_kernels::testing::{SeedRng, assert_nmse, cpu_backend, gpu_backend};
+use tinygpt_models::llm::{Llm, LlmError, LoadOptions};
+
+/// A tiny model of either architecture.
+#[derive(Clone, Copy)]
+struct Shape {
+    arch: &'static str,
+    layers: usize,
+    d: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    ff: usize,
+    vocab: usize,
+    context: usize,
+}
+
+const LLAMA: Shape = Shape {
+    arch: "llama",
+    layers: 2,
+    d: 64,
+    heads: 4,
+    kv_heads: 2,
+    head_dim: 16,
+    ff: 96,
+    vocab: 80,
+    context: 64,
+};
+
+/// Seven layers: five local (window 4), one global (layer 5), one local again.
+const GEMMA3: Shape = Shape {
+    arch: "gemma3",
+    layers: 7,
+    d: 64,
+    heads: 2,
+    kv_heads: 1,
+    head_dim: 32,
+    ff: 96,
+    vocab: 80,
+    context: 64,
+};
+
+/// Every tensor of `s`: (name, cols, rows, is a norm).
+fn tensors(s: &Shape) -> Vec<(String, usize, usize, bool)> {
+    let (qd, kvd) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+    let mut v = vec![
+        ("token_embd.weight".to_string(), s.d, s.vocab, false),
+        ("output_norm.weight".to_string(), s.d, 1, true),
+    ];
+    for i in 0..s.layers {
+        let n = |t: &str| format!("blk.{i}.{t}.weight");
+        v.extend([
+            (n("attn_norm"), s.d, 1, true),
+            (n("attn_q"), s.d, qd, false),
+            (n("attn_k"), s.d, kvd, false),
+            (n("attn_v"), s.d, kvd, false),
+            (n("attn_output"), qd, s.d, false),
+            (n("ffn_norm"), s.d, 1, true),
+            (n("ffn_gate"), s.d, s.ff, false),
+            (n("ffn_up"), s.d, s.ff, false),
+            (n("ffn_down"), s.ff, s.d, false),
+        ]);
+        if s.arch == "gemma3" {
+            v.extend([
+                (n("attn_q_norm"), s.head_dim, 1, true),
+                (n("attn_k_norm"), s.head_dim, 1, true),
+                (n("post_attention_norm"), s.d, 1, true),
+                (n("post_ffw_norm"), s.d, 1, true),
+            ]);
+        }
+    }
+    v
+}
+
+/// GGUF bytes of `s` with each matrix's type from `ty` and its values from `values`.
+fn write(
+    s: &Shape,
+    ty: &dyn Fn(&str) -> GgmlType,
+    values: &dyn Fn(&str, usize) -> Vec<f32>,
+) -> Vec<u8> {
+    write_with(s, ty, values, &[])
+}
+
+/// [`write`] with some metadata values replaced (`key` without the architecture prefix).
+fn write_with(
+    s: &Shape,
+    ty: &dyn Fn(&str) -> GgmlType,
+    values: &dyn Fn(&str, usize) -> Vec<f32>,
+    replace: &[(&str, MetadataValue)],
+) -> Vec<u8> {
+    let mut w = GgufWriter::new();
+    let k = |key: &str| format!("{}.{key}", s.arch);
+    let mut md: Vec<(String, MetadataValue)> = vec![
+        ("general.architecture".into(), s.arch.into()),
+        (k("block_count"), (s.layers as u32).into()),
+        (k("embedding_length"), (s.d as u32).into()),
+        (k("feed_forward_length"), (s.ff as u32).into()),
+        (k("attention.head_count"), (s.heads as u32).into()),
+        (k("attention.head_count_kv"), (s.kv_heads as u32).into()),
+        (k("attention.key_length"), (s.head_dim as u32).into()),
+        (k("context_length"), (s.context as u32).into()),
+        (k("attention.layer_norm_rms_epsilon"), 1e-5f32.into()),
+        (k("rope.freq_base"), 10000.0f32.into()),
+    ];
+    for (key, v) in replace {
+        if let Some(e) = md.iter_mut().find(|e| e.0 == k(key)) {
+            e.1 = v.clone();
+        }
+    }
+    for (key, v) in md {
+        w.add_metadata(key, v).expect("metadata");
+    }
+    if s.arch == "gemma3" {
+        w.add_metadata(k("attention.sliding_window"), 4u32)
+            .expect("metadata");
+    }
+    for (name, cols, rows, norm) in tensors(s) {
+        let t = if norm { GgmlType::F32 } else { ty(&name) };
+        let dims = [cols as u64, rows as u64];
+        let dims = &dims[..if rows == 1 { 1 } else { 2 }];
+        if t.can_dequantize() {
+            w.add_tensor_f32(&name, dims, t, &values(&name, cols * rows))
+                .expect("tensor");
+        } else {
+            // A type the formats crate cannot encode: zero bytes of the right size.
+            let n = t.bytes_for((cols * rows) as u64).expect("whole blocks") as usize;
+            w.add_tensor_bytes(&name, dims, t, vec![0; n])
+                .expect("tensor");
+        }
+    }
+    w.to_bytes().expect("bytes")
+}
+
+/// Random values: norms near 1, matrices in ±0.3 (embeddings ±1), the same for a name every time.
+fn random(name: &str, n: usize) -> Vec<f32> {
+    let seed = name.bytes().fold(1469598103934665603u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(1099511628211)
+    });
+    let mut rng = SeedRng::new(seed);
+    if name.contains("norm") {
+        rng.vec(n, 0.8, 1.2)
+    } else if name.starts_with("token_embd") {
+        rng.vec(n, -1.0, 1.0)
+    } else {
+        rng.vec(n, -0.3, 0.3)
+    }
+}
+
+/// A quantized model and its dense twin holding exactly the dequantized values.
+fn quantized_and_dense(s: &Shape, ty: &dyn Fn(&str) -> GgmlType) -> (GgufFile, GgufFile) {
+    let q = GgufFile::from_bytes(write(s, ty, &random)).expect("quantized file");
+    let dense = write(s, &|_| GgmlType::F32, &|name, _| {
+        q.dequantize(name).expect("dequantize")
+    });
+    (q, GgufFile::from_bytes(dense).expect("dense file"))
+}
+
+fn load(be: &Backend, f: &GgufFile, batch: usize) -> Llm {
+    Llm::from_gguf(
+        be,
+        f,
+        &LoadOptions {
+            context: None,
+            batch,
+        },
+        &mut |_| {},
+    )
+    .expect("loads")
+}
+
+const PROMPT: [u32; 12] = [3, 17, 42, 5, 79, 0, 23, 23, 61, 8, 30, 11];
+
+/// The prompt's last logits, then those of three decoded tokens, concatenated.
+fn run(be: &Backend, llm: &mut Llm) -> Vec<f32> {
+    llm.reset();
+    let mut out = llm.prefill(be, &PROMPT).expect("prefill");
+    for t in [7, 70, 1] {
+        out.extend(llm.decode(be, t).expect("decode"));
+    }
+    out
+}
+
+fn mixed_types(name: &str) -> GgmlType {
+    match name.rsplit('.').nth(1).unwrap_or("") {
+        "attn_q" => GgmlType::Q4_1,
+        "attn_k" => GgmlType::Q4_0,
+        "attn_v" | "ffn_down" | "token_embd" => GgmlType::Q8_0,
+        "ffn_gate" => GgmlType::Q5_0,
+        _ => GgmlType::Q4_1,
+    }
+}
+
+#[test]
+fn quantized_and_dense_weights_give_the_same_logits() {
+    let be = cpu_backend();
+    for s in [LLAMA, GEMMA3] {
+        for (label, ty, qkv_groups) in [
+            (
+                "all Q8_0",
+                (&|_: &str| GgmlType::Q8_0) as &dyn Fn(&str) -> GgmlType,
+                "in 1",
+            ),
+            ("mixed", &mixed_types, "3 in 2"),
+        ] {
+            let (q, d) = quantized_and_dense(&s, ty);
+            let mut lq = load(&be, &q, 512);
+            let mut ld = load(&be, &d, 512);
+            // Fusion follows the kernel layouts: Q4_0 and Q4_1 share the 4-bit layout, Q8_0 has its own.
+            let paths = lq.paths();
+            assert!(
+                paths[0].1.contains(qkv_groups),
+                "{} {label}: qkv fused as {}",
+                s.arch,
+                paths[0].1
+            );
+            assert_nmse(
+                &format!("{} {label}", s.arch),
+                &run(&be, &mut ld),
+                &run(&be, &mut lq),
+                1e-10,
+            );
+        }
+    }
+}
+
+#[test]
+fn one_pass_chunks_and_single_tokens_agree() {
+    let be = cpu_backend();
+    for s in [LLAMA, GEMMA3] {
+        let (q, _) = quantized_and_dense(&s, &mixed_types);
+        let whole = run(&be, &mut load(&be, &q, 512));
+        let chunks = run(&be, &mut load(&be, &q, 5));
+        let single = run(&be, &mut load(&be, &q, 1));
+        assert!(whole.iter().all(|x| x.is_finite()));
+        assert_nmse(&format!("{} chunks of 5", s.arch), &whole, &chunks, 1e-10);
+        assert_nmse(
+            &format!("{} one token per pass", s.arch),
+            &whole,
+            &single,
+            1e-10,
+        );
+    }
+}
+
+#[test]
+fn the_sliding_window_limits_what_local_layers_see() {
+    // A one-layer Gemma 3 model is one local layer: the last position's logits depend on the tokens
+    // inside its window only.
+    let be = cpu_backend();
+    let one_local = Shape {
+        layers: 1,
+        ..GEMMA3
+    };
+    let f = GgufFile::from_bytes(write(&one_local, &|_| GgmlType::Q8_0, &random)).expect("file");
+    let mut llm = load(&be, &f, 512);
+    let mut last = |ids: [u32; 6]| {
+        llm.reset();
+        llm.prefill(&be, &ids).expect("prefill")
+    };
+    let a = last([1, 2, 3, 4, 5, 6]);
+    // The query at position 5 sees keys 2..=5 (k > q - window).
+    assert_eq!(
+        a,
+        last([9, 2, 3, 4, 5, 6]),
+        "position 0 is outside the window"
+    );
+    assert_eq!(
+        a,
+        last([1, 9, 3, 4, 5, 6]),
+        "position 1 is outside the window"
+    );
+    assert_ne!(
+        a,
+        last([1, 2, 9, 4, 5, 6]),
+        "position 2 is inside the window"
+    );
+}
+
+#[test]
+fn gpu_agrees_with_cpu_quantized_and_dequantized() {
+    let cpu = cpu_backend();
+    let Some(gpu) = gpu_backend(None) else { return };
+    let g = gpu.as_gpu().expect("a GPU backend");
+    for s in [LLAMA, GEMMA3] {
+        let (q, _) = quantized_and_dense(&s, &mixed_types);
+        let want = run(&cpu, &mut load(&cpu, &q, 5));
+        // Both ways the GPU may hold the weights: as blocks (the gated quantized kernels) and
+        // dequantized (the f32 path used when that gate fails).
+        for active in [true, false] {
+            g.set_path_active(PathId::QuantMatmul, active);
+            let got = run(&gpu, &mut load(&gpu, &q, 5));
+            assert_nmse(
+                &format!("{} gpu, quantized kernels {active}", s.arch),
+                &want,
+                &got,
+                1e-9,
+            );
+        }
+    }
+}
+
+fn load_err(bytes: Vec<u8>, opts: &LoadOptions) -> LlmError {
+    let f = GgufFile::from_bytes(bytes).expect("a valid container");
+    match Llm::from_gguf(&cpu_backend(), &f, opts, &mut |_| {}) {
+        Ok(_) => panic!("loaded a model that should have been refused"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn unsupported_models_are_refused_with_one_clear_error() {
+    let opts = LoadOptions::default();
+    let q8 = |_: &str| GgmlType::Q8_0;
+
+    let qwen = Shape {
+        arch: "qwen2",
+        ..LLAMA
+    };
+    let e = load_err(write(&qwen, &q8, &random), &opts);
+    assert!(
+        matches!(e, LlmError::UnsupportedArch(ref a) if a == "qwen2"),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("qwen2") && e.to_string().contains("llama, gemma3"),
+        "{e}"
+    );
+
+    let e = load_err(
+        write(
+            &LLAMA,
+            &|n| {
+                if n == "blk.1.ffn_up.weight" {
+                    GgmlType::Q5_1
+                } else {
+                    GgmlType::Q8_0
+                }
+            },
+            &random,
+        ),
+        &opts,
+    );
+    assert!(
+        matches!(e, LlmError::UnsupportedTensorType { ref tensor, ggml_type: GgmlType::Q5_1 } if tensor == "blk.1.ffn_up.weight"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("Q5_1"), "{e}");
+
+    // An extra tensor means a feature the runner would silently drop (here, a bias).
+    let mut w = GgufWriter::new();
+    let base = GgufFile::from_bytes(write(&LLAMA, &q8, &random)).expect("file");
+    for (k, v) in base.metadata().iter() {
+        w.add_metadata(k, v.clone()).expect("metadata");
+    }
+    for t in base.tensors() {
+        w.add_tensor_bytes(
+            &t.name,
+            &t.dims,
+            t.ggml_type,
+            base.tensor_data(t).expect("data").to_vec(),
+        )
+        .expect("tensor");
+    }
+    w.add_tensor_f32("blk.0.attn_q.bias", &[64], GgmlType::F32, &[0.0; 64])
+        .expect("bias");
+    let e = load_err(w.to_bytes().expect("bytes"), &opts);
+    assert!(e.to_string().contains("blk.0.attn_q.bias"), "{e}");
+
+    // Hyperparameters that contradict the tensors.
+    let e = load_err(
+        write_with(
+            &LLAMA,
+            &q8,
+            &random,
+            &[("feed_forward_length", 128u32.into())],
+        ),
+        &opts,
+    );
+    assert!(
+        matches!(e, LlmError::Invalid(_)) && e.to_string().contains("ffn_gate"),
+        "{e}"
+    );
+    let e = load_err(
+        write_with(
+            &LLAMA,
+            &q8,
+            &random,
+            &[("attention.head_count", 3u32.into())],
+        ),
+        &opts,
+    );
+    assert!(matches!(e, LlmError::Invalid(_)), "{e}");
+    let e = load_err(
+        write_with(
+            &LLAMA,
+            &q8,
+            &random,
+            &[("attention.head_count", u32::MAX.into())],
+        ),
+        &opts,
+    );
+    assert!(matches!(e, LlmError::Invalid(_)), "{e}");
+
+    let e = load_err(
+        write(&LLAMA, &q8, &random),
+        &LoadOptions {
+            context: Some(65),
+            batch: 8,
+        },
+    );
+    assert!(
+        e.to_string().contains("65") && e.to_string().contains("64"),
+        "{e}"
+    );
+}
+
+#[test]
+fn inputs_past_the_context_or_the_vocabulary_are_refused() {
+    let be = cpu_backend();
+    let f = GgufFile::from_bytes(write(&LLAMA, &|_| GgmlType::Q8_0, &random)).expect("file");
+    let mut llm = Llm::from_gguf(
+        &be,
+        &f,
+        &LoadOptions {
+            context: Some(16),
+            batch: 4,
+        },
+        &mut |_| {},
+    )
+    .expect("loads");
+    let e = llm
+        .prefill(&be, &[1; 17])
+        .expect_err("17 tokens in a context of 16");
+    assert!(
+        matches!(
+            e,
+            LlmError::ContextFull {
+                tokens: 17,
+                used: 0,
+                limit: 16
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("16"), "{e}");
+    llm.prefill(&be, &[1; 16]).expect("16 tokens fit");
+    assert!(matches!(
+        llm.decode(&be, 1),
+        Err(LlmError::ContextFull { used: 16, .. })
+    ));
+    llm.reset();
+    let e = llm
+        .prefill(&be, &[1, 80])
+        .expect_err("id 80 in a vocabulary of 80");
+    assert!(
+        matches!(e, LlmError::TokenOutOfRange { id: 80, vocab: 80 }),
+        "{e}"
+    );
+    assert_eq!(
+        llm.position(),
+        0,
+        "a refused input leaves the cache as it was"
+    );
+    assert!(llm.prefill(&be, &[]).is_err());
+}
+
+#[test]
+fn corrupted_files_never_panic() {
+    let be = cpu_backend();
+    for s in [LLAMA, GEMMA3] {
+        let good = write(&s, &mixed_types, &random);
+        let mut rng = SeedRng::new(99);
+        let mut ran = 0;
+        let header_end = GgufFile::from_bytes(good.clone())
+            .expect("file")
+            .tensors()
+            .iter()
+            .map(|t| t.data_start)
+            .min()
+            .unwrap_or(0) as usize;
+        for case in 0..300 {
+            let mut bytes = good.clone();
+            match case % 3 {
+                // Truncated anywhere.
+                0 => bytes.truncate(rng.below(good.len())),
+                // A few bytes flipped in the header (metadata and tensor records)...
+                1 => (0..1 + rng.below(4)).for_each(|_| {
+                    bytes[rng.below(header_end.min(good.len()))] ^= 1 << rng.below(8)
+                }),
+                // ...or anywhere (weights and scales included: NaN and Inf must not crash either).
+                _ => (0..1 + rng.below(8)).for_each(|_| {
+                    let i = rng.below(bytes.len());
+                    bytes[i] = rng.next_u64() as u8
+                }),
+            }
+            let Ok(f) = GgufFile::from_bytes(bytes) else {
+                continue;
+            };
+            let Ok(mut llm) = Llm::from_gguf(
+                &be,
+                &f,
+                &LoadOptions {
+                    context: Some(32),
+                    batch: 8,
+                },
+                &mut |_| {},
+            ) else {
+                continue;
+            };
+            let _ = llm.prefill(&be, &PROMPT).and_then(|_| llm.decode(&be, 3));
+            ran += 1;
+        }
+        // Damaged weights load and run (to whatever numbers); the rest must have been refused.
+        assert!(ran >= 30, "{}: only {ran} of 300 damaged files ran", s.arch);
+    }
+}
