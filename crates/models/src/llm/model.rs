@@ -196,7 +196,7 @@ impl Llm {
         }
         let batch = opts.batch.min(context);
         let w = Weights::load(be, file, &cfg, progress)?;
-        let cache = KvCache::new(be, cfg.n_layer, context, cfg.kv_dim())?;
+        let cache = KvCache::new(be, cfg.n_layer, context, 2 * cfg.kv_dim())?;
         let mut keys: Vec<(u32, u32)> = Vec::new();
         let mut ropes = Vec::new();
         let mut layer_rope = Vec::with_capacity(cfg.n_layer);
@@ -368,14 +368,7 @@ impl Llm {
             .get_rows(be, s.ids.at(0), s.x.at_mut(0), pass.m, cfg.embed_scale)?;
         for (l, lw) in w.layers.iter().enumerate() {
             let rope = &ropes[layer_rope[l]];
-            pass.attention(
-                lw,
-                &cfg.layers[l],
-                s,
-                &mut cache.k[l],
-                &mut cache.v[l],
-                rope,
-            )?;
+            pass.attention(lw, &cfg.layers[l], s, &mut cache.kv[l], rope)?;
             pass.feed_forward(lw, s)?;
         }
         // Only the last position's logits are needed.
@@ -465,58 +458,96 @@ impl Pass<'_> {
         lw: &LayerWeights,
         la: &LayerAttention,
         s: &mut Scratch,
-        k_cache: &mut Tensor,
-        v_cache: &mut Tensor,
+        cache: &mut Tensor,
         rope: &Tensor,
     ) -> Result<()> {
         let (be, cfg, m, p) = (self.be, self.cfg, self.m, self.pos0);
         let (d, hd, qd, kvd) = (cfg.d_model, cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
+        let (n_head, n_kv) = (cfg.n_head, cfg.n_kv_head);
         self.rms_norm(s.x.at(0), &lw.attn_norm, s.xn.at_mut(0), &mut s.stats, m, d)?;
         lw.qkv.apply(be, s.xn.at(0), &mut s.proj, m, self.batch)?;
         let [q, k, v] = [0, 1, 2].map(|i| lw.qkv.slot(i, self.batch));
+        // When Q, K and V come out of one product, each row holds [q | k | v]: without Q/K norms, one
+        // RoPE call rotates the heads of q and k together, and one copy moves k and v into the cache.
+        let follows = |a: Slot, b: Slot, width: usize| b.ld == a.ld && b.offset == a.offset + width;
+        let qk_together = lw.q_norm.is_none() && lw.k_norm.is_none() && follows(q, k, qd);
+        let kv_together = lw.k_norm.is_none() && follows(k, v, kvd);
+        // A cache row holds one position's [k | v].
+        let (row, at) = (2 * kvd, p * 2 * kvd);
 
         // Queries: normed per head into `qn` then rotated (Gemma), or rotated where they are.
         let (q_src, q_slot) = match &lw.q_norm {
             Some(nw) => {
                 let src = contiguous(be, &s.proj, q, qd, m, &mut s.split_a, &s.one)?;
-                self.rms_norm(src, nw, s.qn.at_mut(0), &mut s.stats, m * cfg.n_head, hd)?;
-                self.rope(s.qn.at_mut(0), rope, cfg.n_head, qd)?;
+                self.rms_norm(src, nw, s.qn.at_mut(0), &mut s.stats, m * n_head, hd)?;
+                self.rope(s.qn.at_mut(0), rope, n_head, qd)?;
                 (&s.qn, Slot { offset: 0, ld: qd })
             }
             None => {
-                self.rope(s.proj.at_mut(q.offset), rope, cfg.n_head, q.ld)?;
+                let heads = if qk_together { n_head + n_kv } else { n_head };
+                self.rope(s.proj.at_mut(q.offset), rope, heads, q.ld)?;
                 (&s.proj, q)
             }
         };
 
-        // Keys go into the cache (normed on the way for Gemma) and are rotated there; values are copied.
-        let k_rows = k_cache.at_mut(p * kvd);
+        // Keys into the cache (normed on the way for Gemma, then rotated there unless already rotated).
         match &lw.k_norm {
             Some(nw) => {
                 let src = contiguous(be, &s.proj, k, kvd, m, &mut s.split_b, &s.one)?;
-                self.rms_norm(src, nw, k_rows, &mut s.stats, m * cfg.n_kv_head, hd)?;
+                if m == 1 {
+                    self.rms_norm(src, nw, cache.at_mut(at), &mut s.stats, n_kv, hd)?;
+                } else {
+                    // The norm writes packed rows; cache rows are [k | v].
+                    self.rms_norm(src, nw, s.split_a.at_mut(0), &mut s.stats, m * n_kv, hd)?;
+                    copy_rows(
+                        be,
+                        s.split_a.at(0),
+                        kvd,
+                        cache.at_mut(at),
+                        row,
+                        m,
+                        kvd,
+                        &s.one,
+                    )?;
+                }
             }
-            None => copy_rows(be, s.proj.at(k.offset), k.ld, k_rows, kvd, m, kvd, &s.one)?,
+            None => {
+                let width = if kv_together { 2 * kvd } else { kvd };
+                copy_rows(
+                    be,
+                    s.proj.at(k.offset),
+                    k.ld,
+                    cache.at_mut(at),
+                    row,
+                    m,
+                    width,
+                    &s.one,
+                )?;
+            }
         }
-        self.rope(k_cache.at_mut(p * kvd), rope, cfg.n_kv_head, kvd)?;
-        copy_rows(
-            be,
-            s.proj.at(v.offset),
-            v.ld,
-            v_cache.at_mut(p * kvd),
-            kvd,
-            m,
-            kvd,
-            &s.one,
-        )?;
+        if !qk_together {
+            self.rope(cache.at_mut(at), rope, n_kv, row)?;
+        }
+        if !kv_together {
+            copy_rows(
+                be,
+                s.proj.at(v.offset),
+                v.ld,
+                cache.at_mut(at + kvd),
+                row,
+                m,
+                kvd,
+                &s.one,
+            )?;
+        }
 
         let shape = DecodeShape {
             rows: m,
-            heads: cfg.n_head,
-            kv_heads: cfg.n_kv_head,
+            heads: n_head,
+            kv_heads: n_kv,
             head_dim: hd,
             ld_q: q_slot.ld,
-            ld_kv: kvd,
+            ld_kv: row,
             ld_o: qd,
             q_pos0: p,
             kv_len: p + m,
@@ -524,11 +555,12 @@ impl Pass<'_> {
             scale: cfg.attn_scale,
             softcap: 0.0,
         };
+        let (keys, values) = (cache.at(0), cache.at(kvd));
         attend(
             be,
             q_src.at(q_slot.offset),
-            (&*k_cache).into(),
-            (&*v_cache).into(),
+            keys,
+            values,
             s.att.at_mut(0),
             shape,
         )?;
