@@ -279,7 +279,7 @@ pub fn active_paths(be: &Backend, llm: &Llm) -> BTreeMap<String, String> {
     let mut m: BTreeMap<String, String> = llm.paths().into_iter().collect();
     let mm = match be {
         Backend::Cpu(c) => format!("CPU {:?}, {} threads", CpuIsa::detected(), c.threads()),
-        Backend::Gpu(_) => "WGSL".to_string(),
+        Backend::Gpu(_) => format!("WGSL ({})", crate::gates::pills(be)),
     };
     m.insert("quant_matmul".into(), mm);
     m

@@ -61,13 +61,21 @@ impl Matrix {
         }
     }
 
-    /// The kernel layout, for reports: "q8/32", "q8/16", "q4" or "f32".
+    /// The kernel layout, for reports: "q8/32", "q8/16", "q4", "f32", or "f32 (dequantized q4)".
     pub fn layout(&self) -> String {
         match self {
-            Matrix::Quant(q) => match q.kind() {
-                QKind::Q8 { block } => format!("q8/{block}"),
-                QKind::Q4 => "q4".into(),
-            },
+            Matrix::Quant(q) => {
+                let kind = match q.kind() {
+                    QKind::Q8 { block } => format!("q8/{block}"),
+                    QKind::Q4 => "q4".into(),
+                };
+                // On a GPU whose quantized kernels did not pass the numerics gate.
+                if q.is_quantized() {
+                    kind
+                } else {
+                    format!("f32 (dequantized {kind})")
+                }
+            }
             Matrix::Dense { .. } => "f32".into(),
         }
     }
