@@ -19,4 +19,4 @@ fi
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
 
 bash scripts/fetch-models.sh
-cargo test --workspace --release
+cargo test --workspace --release --no-fail-fast

@@ -2,12 +2,13 @@
 //! never a panic, and parsing must never allocate more than a small multiple of the input's size (a
 //! corrupt length field must not turn into a huge allocation).
 //!
-//! A counting global allocator measures the peak heap growth while parsing; the tests in this binary
-//! take a lock around each measurement so they do not see each other's allocations.
+//! A counting global allocator measures the peak heap growth while parsing, per thread: the test
+//! harness runs tests (and formats their failures) on other threads at the same time, and their
+//! allocations must not count against the parse being measured.
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::cell::Cell;
+use std::sync::OnceLock;
 
 use proptest::prelude::*;
 use tinygpt_formats::{
@@ -16,33 +17,38 @@ use tinygpt_formats::{
 
 struct CountingAlloc;
 
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
+thread_local! {
+    // Bytes this thread holds (negative when it frees memory another thread allocated), and the peak.
+    static CURRENT: Cell<isize> = const { Cell::new(0) };
+    static PEAK: Cell<isize> = const { Cell::new(0) };
+}
 
-// SAFETY: defers to the system allocator; the counters are plain atomics.
+fn account(delta: isize) {
+    // `try_with`: allocations can happen while a thread's locals are being torn down.
+    let _ = CURRENT.try_with(|c| {
+        let now = c.get() + delta;
+        c.set(now);
+        let _ = PEAK.try_with(|p| p.set(p.get().max(now)));
+    });
+}
+
+// SAFETY: defers to the system allocator; the counters are thread-local cells that never allocate.
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
-            let now = CURRENT.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
+            account(layout.size() as isize);
         }
         p
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         unsafe { System.dealloc(ptr, layout) };
-        CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
+        account(-(layout.size() as isize));
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if !p.is_null() {
-            if new_size >= layout.size() {
-                let now = CURRENT.fetch_add(new_size - layout.size(), Ordering::Relaxed) + new_size
-                    - layout.size();
-                PEAK.fetch_max(now, Ordering::Relaxed);
-            } else {
-                CURRENT.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
-            }
+            account(new_size as isize - layout.size() as isize);
         }
         p
     }
@@ -51,22 +57,23 @@ unsafe impl GlobalAlloc for CountingAlloc {
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
-static MEASURE: Mutex<()> = Mutex::new(());
-
 /// Parsed structures may take more memory than their encoding (a `String` is 24 bytes, its encoding
 /// at least 8; a metadata entry is also indexed by key), so allow a constant factor over the input size,
-/// plus slack for the test harness's own allocations on other threads.
+/// plus slack for small fixed allocations.
 const FACTOR: usize = 16;
 const SLACK: usize = 64 * 1024;
 
+/// Runs `f` and returns its result with the peak heap growth of this thread while it ran.
+fn measure<T>(f: impl FnOnce() -> T) -> (T, usize) {
+    let base = CURRENT.with(Cell::get);
+    PEAK.with(|p| p.set(base));
+    let out = f();
+    (out, (PEAK.with(Cell::get) - base).max(0) as usize)
+}
+
 /// Parses `bytes`, exercises every tensor of a successful parse, and checks the allocation bound.
 fn check(bytes: &[u8]) {
-    let guard = MEASURE.lock().unwrap_or_else(|e| e.into_inner());
-    let base = CURRENT.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
-    let parsed = GgufHeader::parse(bytes);
-    let peak = PEAK.load(Ordering::Relaxed) - base;
-    drop(guard);
+    let (parsed, peak) = measure(|| GgufHeader::parse(bytes));
     assert!(
         peak <= FACTOR * bytes.len() + SLACK,
         "parsing {} bytes allocated {peak} bytes at peak",
@@ -239,13 +246,8 @@ proptest! {
 
 /// Peak heap growth while parsing `bytes` (which must parse).
 fn parse_peak(bytes: &[u8]) -> usize {
-    let guard = MEASURE.lock().unwrap_or_else(|e| e.into_inner());
-    let base = CURRENT.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
-    let header = GgufHeader::parse(bytes).expect("the crafted file parses");
-    let peak = PEAK.load(Ordering::Relaxed) - base;
+    let (header, peak) = measure(|| GgufHeader::parse(bytes).expect("the crafted file parses"));
     drop(header);
-    drop(guard);
     peak
 }
 
@@ -337,13 +339,8 @@ fn files_of_many_tiny_records_stay_within_the_factor() {
 #[test]
 fn the_allocation_bound_catches_a_length_driven_allocation() {
     // Guards the guard: a deliberate capacity taken from a "length field" must trip the same check.
-    let guard = MEASURE.lock().unwrap_or_else(|e| e.into_inner());
-    let base = CURRENT.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
-    let v: Vec<u64> = Vec::with_capacity(1 << 20);
-    let peak = PEAK.load(Ordering::Relaxed) - base;
+    let (v, peak) = measure(|| Vec::<u64>::with_capacity(1 << 20));
     drop(v);
-    drop(guard);
     assert!(
         peak > FACTOR * 1000 + SLACK,
         "a 8 MiB allocation was not counted ({peak})"
