@@ -83,8 +83,12 @@ pub fn load(be: &Backend, gate: &GateArgs, args: &ModelArgs) -> Result<Loaded> {
     let tok = Tokenizer::from_gguf(file.metadata())
         .with_context(|| format!("reading the tokenizer of {}", path.display()))?;
     let chat_template = tok.chat_template().map(str::to_string);
-    let bar = (file.bytes().len() as u64 >= BAR_BYTES).then(|| {
-        let b = ProgressBar::new(file.bytes().len() as u64);
+    let file_bytes = file.bytes().len() as u64;
+    // The model maps the file again and releases each tensor's pages as it converts them, so memory
+    // does not peak at the file plus the converted weights.
+    drop(file);
+    let bar = (file_bytes >= BAR_BYTES).then(|| {
+        let b = ProgressBar::new(file_bytes);
         b.set_style(
             ProgressStyle::with_template(
                 "loading {msg} {bar:30} {bytes}/{total_bytes} ({elapsed})",
@@ -98,7 +102,7 @@ pub fn load(be: &Backend, gate: &GateArgs, args: &ModelArgs) -> Result<Loaded> {
         context: args.ctx,
         ..LoadOptions::default()
     };
-    let llm = Llm::from_gguf(be, &file, &opts, &mut |p| {
+    let llm = Llm::load(be, path, &opts, &mut |p| {
         if let Some(b) = &bar {
             b.set_length(p.total);
             b.set_position(p.done);
@@ -110,7 +114,6 @@ pub fn load(be: &Backend, gate: &GateArgs, args: &ModelArgs) -> Result<Loaded> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-    drop(file);
     let load_secs = t.elapsed().as_secs_f64();
     let cfg = llm.config();
     let name = display_name(path, &cfg.file_type);

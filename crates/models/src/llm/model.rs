@@ -154,7 +154,9 @@ pub struct Llm {
 }
 
 impl Llm {
-    /// Loads the model at `path` (memory-mapped; only the converted weights stay resident).
+    /// Loads the model at `path`. The file is memory-mapped and each tensor's pages are released once
+    /// converted, so memory peaks near the converted weights alone (with [`Llm::from_gguf`], the whole
+    /// file stays resident while its caller keeps it open).
     #[cfg(not(target_arch = "wasm32"))]
     pub fn load(
         be: &Backend,
@@ -163,7 +165,7 @@ impl Llm {
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Llm> {
         let file = GgufFile::open(path)?;
-        Llm::from_gguf(be, &file, opts, progress)
+        Llm::build(be, &file, opts, progress, true)
     }
 
     /// Loads the model of an opened GGUF file.
@@ -172,6 +174,17 @@ impl Llm {
         file: &GgufFile,
         opts: &LoadOptions,
         progress: &mut dyn FnMut(LoadProgress),
+    ) -> Result<Llm> {
+        Llm::build(be, file, opts, progress, false)
+    }
+
+    /// `release_pages`: the file is a mapping only this call reads (see [`Weights::load`]).
+    fn build(
+        be: &Backend,
+        file: &GgufFile,
+        opts: &LoadOptions,
+        progress: &mut dyn FnMut(LoadProgress),
+        release_pages: bool,
     ) -> Result<Llm> {
         let cfg = LlmConfig::from_gguf(file)?;
         let context = match opts.context {
@@ -195,7 +208,7 @@ impl Llm {
             ));
         }
         let batch = opts.batch.min(context);
-        let w = Weights::load(be, file, &cfg, progress)?;
+        let w = Weights::load(be, file, &cfg, progress, release_pages)?;
         let cache = KvCache::new(be, cfg.n_layer, context, 2 * cfg.kv_dim())?;
         let mut keys: Vec<(u32, u32)> = Vec::new();
         let mut ropes = Vec::new();

@@ -302,17 +302,20 @@ impl Weights {
                 .sum::<u64>()
     }
 
-    /// Plans, checks and loads every tensor of `file` for `cfg`.
+    /// Plans, checks and loads every tensor of `file` for `cfg`. With `release_pages` (only for a
+    /// memory-mapped file), each tensor's pages leave the resident set once converted.
     pub fn load(
         be: &Backend,
         file: &GgufFile,
         cfg: &LlmConfig,
         progress: &mut dyn FnMut(LoadProgress),
+        release_pages: bool,
     ) -> Result<Weights> {
         let plan = Plan::new(file, cfg)?;
         let mut ld = Loader {
             be,
             file,
+            release_pages,
             done: 0,
             total: plan.total_bytes,
             progress,
@@ -485,6 +488,7 @@ impl Plan {
 struct Loader<'a> {
     be: &'a Backend,
     file: &'a GgufFile,
+    release_pages: bool,
     done: u64,
     total: u64,
     progress: &'a mut dyn FnMut(LoadProgress),
@@ -492,7 +496,11 @@ struct Loader<'a> {
 
 impl Loader<'_> {
     fn advance(&mut self, name: &str) -> Result<()> {
-        self.done += self.file.tensor_info(name)?.n_bytes;
+        let info = self.file.tensor_info(name)?;
+        if self.release_pages {
+            release_pages(self.file.tensor_data(info)?);
+        }
+        self.done += info.n_bytes;
         (self.progress)(LoadProgress {
             done: self.done,
             total: self.total,
@@ -525,3 +533,25 @@ impl Loader<'_> {
         Ok(self.be.from_f32(&v, v.len().max(1))?)
     }
 }
+
+/// Drops the whole pages of a converted tensor's data from the resident set, so loading peaks at the
+/// converted weights plus one tensor's worth of file, not the converted weights plus the whole file.
+/// The caller guarantees `data` lies in a read-only mapping of a file: such pages are reread from the file
+/// if touched again, unchanged (in anonymous memory, MADV_DONTNEED would zero them instead).
+#[cfg(unix)]
+fn release_pages(data: &[u8]) {
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .unwrap_or(4096)
+        .max(1);
+    let start = (data.as_ptr() as usize).next_multiple_of(page);
+    let end = (data.as_ptr() as usize + data.len()) / page * page;
+    if end > start {
+        // SAFETY: [start, end) lies inside `data`, a file mapping (see above); the advice changes no
+        // byte a reader of the mapping can observe. A failure only leaves the pages resident.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+    }
+}
+
+#[cfg(not(unix))]
+fn release_pages(_: &[u8]) {}

@@ -53,8 +53,8 @@ fn reference_dir(key: &str) -> PathBuf {
         .join(key)
 }
 
-/// Opens the model file; a missing file fails the test (it must never pass without the model).
-pub fn open(model: &RealModel) -> GgufFile {
+/// The model file's path; a missing file fails the test (it must never pass without the model).
+pub fn path(model: &RealModel) -> PathBuf {
     let path = models_dir().join(model.file);
     if !path.exists() {
         panic!(
@@ -62,6 +62,11 @@ pub fn open(model: &RealModel) -> GgufFile {
             path.display()
         );
     }
+    path
+}
+
+pub fn open(model: &RealModel) -> GgufFile {
+    let path = path(model);
     GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
@@ -92,7 +97,9 @@ pub fn load(be: &Backend, model: &RealModel) -> (Tokenizer, Llm) {
         context: Some(512),
         ..LoadOptions::default()
     };
-    let llm = Llm::from_gguf(be, &file, &opts, &mut |_| {}).expect("model loads");
+    drop(file);
+    // As the CLI loads: the file mapped again and each tensor's pages released once converted.
+    let llm = Llm::load(be, path(model), &opts, &mut |_| {}).expect("model loads");
     eprintln!(
         "[{} {}] loaded in {:.2}s, {:.1} MB of weights",
         model.key,
