@@ -86,6 +86,11 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &ChatArgs) -> Result<()> {
             .collect();
         let prompt = template.render(&msgs, true, &bos, &eos)?;
         let ids = m.tok.encode_with(&prompt, true, true);
+        if ids.is_empty() {
+            messages.pop();
+            eprintln!("the chat template rendered nothing for this message");
+            continue;
+        }
         if ids.len() >= m.llm.context() {
             messages.pop();
             eprintln!(
