@@ -41,6 +41,14 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &RunArgs) -> Result<()> {
     if prompt_ids.is_empty() {
         anyhow::bail!("the prompt is empty and the model adds no BOS token: give some text");
     }
+    if prompt_ids.len() > m.llm.context() {
+        anyhow::bail!(
+            "the prompt is {} tokens long; the context holds {} (--ctx sets it, up to the model's {})",
+            prompt_ids.len(),
+            m.llm.context(),
+            m.llm.config().train_context
+        );
+    }
     let text_mode = a.format == Format::Text;
     if text_mode {
         print_flush(&a.prompt)?;
