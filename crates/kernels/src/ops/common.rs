@@ -9,6 +9,38 @@ pub(crate) const PRELUDE: &str = "
 fn group_index(wid: vec3<u32>, nwg: vec3<u32>) -> u32 { return wid.x + wid.y * nwg.x; }
 ";
 
+/// Workgroup-wide reductions for kernels of 256 threads, one row per workgroup (the row-wise ops:
+/// norms, softmax, cross-entropy, attention). Prepended by [`row_kernel`]. Every thread of the workgroup
+/// must call them (they contain barriers), with the same number of calls.
+pub(crate) const ROW_REDUCE: &str = "
+const WG: u32 = 256u;
+var<workgroup> red: array<f32, WG>;
+
+fn reduce_sum(v: f32, lid: u32) -> f32 {
+  red[lid] = v;
+  workgroupBarrier();
+  for (var s = WG / 2u; s > 0u; s = s >> 1u) {
+    if (lid < s) { red[lid] = red[lid] + red[lid + s]; }
+    workgroupBarrier();
+  }
+  let r = red[0];
+  workgroupBarrier();
+  return r;
+}
+
+fn reduce_max(v: f32, lid: u32) -> f32 {
+  red[lid] = v;
+  workgroupBarrier();
+  for (var s = WG / 2u; s > 0u; s = s >> 1u) {
+    if (lid < s) { red[lid] = max(red[lid], red[lid + s]); }
+    workgroupBarrier();
+  }
+  let r = red[0];
+  workgroupBarrier();
+  return r;
+}
+";
+
 /// How a segmented op maps units to workgroups.
 #[derive(Clone, Copy)]
 pub(crate) enum Grid {
@@ -27,6 +59,18 @@ pub(crate) fn kernel(
 ) -> Result<Rc<Pipeline>> {
     g.pipeline(key, bindings, PipelineOptions::default(), || {
         format!("{PRELUDE}\n{source}")
+    })
+}
+
+/// The pipeline for a row-wise kernel: `PRELUDE` + [`ROW_REDUCE`] + `source`.
+pub(crate) fn row_kernel(
+    g: &GpuBackend,
+    key: &str,
+    source: &str,
+    bindings: &[Access],
+) -> Result<Rc<Pipeline>> {
+    g.pipeline(key, bindings, PipelineOptions::default(), || {
+        format!("{PRELUDE}\n{ROW_REDUCE}\n{source}")
     })
 }
 

@@ -13,34 +13,9 @@ struct Params { n: u32, start: u32, o_q: u32, o_k: u32, o_v: u32, o_out: u32,
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read_write> s: array<f32>;
 
-const WG: u32 = 256u;
 var<workgroup> qs: array<f32, 512>;
-var<workgroup> red: array<f32, WG>;
 
-fn reduce_max(x: f32, lid: u32) -> f32 {
-  red[lid] = x;
-  workgroupBarrier();
-  for (var k2 = WG / 2u; k2 > 0u; k2 = k2 >> 1u) {
-    if (lid < k2) { red[lid] = max(red[lid], red[lid + k2]); }
-    workgroupBarrier();
-  }
-  let r = red[0];
-  workgroupBarrier();
-  return r;
-}
-
-fn reduce_sum(x: f32, lid: u32) -> f32 {
-  red[lid] = x;
-  workgroupBarrier();
-  for (var k2 = WG / 2u; k2 > 0u; k2 = k2 >> 1u) {
-    if (lid < k2) { red[lid] = red[lid] + red[lid + k2]; }
-    workgroupBarrier();
-  }
-  let r = red[0];
-  workgroupBarrier();
-  return r;
-}
-
+// reduce_sum / reduce_max and WG: ops/common.rs, ROW_REDUCE.
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {

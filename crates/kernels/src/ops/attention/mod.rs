@@ -7,7 +7,7 @@
 //! Inference ([`attend`]) runs query rows against a KV cache with grouped-query heads and an optional
 //! sliding window, in one kernel.
 
-use super::common::kernel;
+use super::common::row_kernel;
 use super::dropout::dropout;
 use super::matmul::{Gemm, matmul};
 use super::softmax::{SoftmaxShape, softmax, softmax_backward};
@@ -338,7 +338,7 @@ pub fn attend(
             let (bk, ok) = place(k, nkv, "the K cache")?;
             let (bv, ov) = place(v, nkv, "the V cache")?;
             let (bo, oo) = place(out.as_ref(), no, "out")?;
-            let pipe = kernel(
+            let pipe = row_kernel(
                 g,
                 "attend",
                 include_str!("attend.wgsl"),

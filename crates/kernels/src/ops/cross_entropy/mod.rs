@@ -1,6 +1,6 @@
 //! Fused softmax cross-entropy: per-row losses and, for training, the logits' gradient in one pass.
 
-use super::common::{Grid, kernel, run};
+use super::common::{Grid, row_kernel, run};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, Operand};
@@ -104,7 +104,7 @@ pub fn cross_entropy(
                     Operand::rows(td, od, per)
                 },
             ];
-            let pipe = kernel(
+            let pipe = row_kernel(
                 g,
                 "cross_entropy",
                 include_str!("cross_entropy.wgsl"),

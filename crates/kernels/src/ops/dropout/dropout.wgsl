@@ -1,10 +1,11 @@
-// y = x * keep(i) / (1 - p), keep(i) = hash(i, seed) >= p * 2^32. The mask is a pure function of
-// (seed, element index), so the backward pass recomputes it (same seed) instead of storing it, and the
-// CPU twin draws the same mask bit for bit.
-struct Params { n: u32, start: u32, o_x: u32, o_y: u32, threshold: u32, seed: u32, scale: f32 }
+// out = [residual +] x * keep(i) / (1 - p), keep(i) = hash(i, seed) >= p * 2^32. The mask is a pure
+// function of (seed, element index), so the backward pass recomputes it (same seed) instead of storing
+// it, and the CPU twin draws the same mask bit for bit.
+struct Params { n: u32, start: u32, o_r: u32, o_x: u32, o_out: u32, threshold: u32, seed: u32, scale: f32, has_residual: u32 }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
-@group(0) @binding(2) var<storage, read_write> y: array<f32>;
+@group(0) @binding(1) var<storage, read> residual: array<f32>;
+@group(0) @binding(2) var<storage, read> x: array<f32>;
+@group(0) @binding(3) var<storage, read_write> out: array<f32>;
 
 // "lowbias32" integer hash (Chris Wellons' hash-prospector), as in dropout/mod.rs.
 fn hash(v: u32) -> u32 {
@@ -23,5 +24,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let i = group_index(wid, nwg) * 256u + lid;
   if (i >= p.n) { return; }
   let keep = hash((p.start + i) ^ hash(p.seed)) >= p.threshold;
-  y[p.o_y + i] = select(0.0, x[p.o_x + i] * p.scale, keep);
+  var v = select(0.0, x[p.o_x + i] * p.scale, keep);
+  if (p.has_residual != 0u) { v = v + residual[p.o_r + i]; }
+  out[p.o_out + i] = v;
 }

@@ -31,127 +31,81 @@ fn threshold(p: f32) -> u32 {
 
 /// y = dropout(x) over `n` elements with drop probability `p` (also the backward pass: dx =
 /// dropout(dy) with the same seed). `seed` should differ per layer, site and step.
-pub fn dropout(
+pub fn dropout(be: &Backend, x: TRef<'_>, y: TMut<'_>, n: usize, p: f32, seed: u32) -> Result<()> {
+    launch(be, None, x, y, n, p, seed)
+}
+
+/// out = residual + dropout(x): a dropped-out branch joining the residual stream, in one pass (the
+/// same mask as [`dropout`] for the same seed).
+pub fn dropout_add(
     be: &Backend,
+    residual: TRef<'_>,
     x: TRef<'_>,
-    mut y: TMut<'_>,
+    out: TMut<'_>,
     n: usize,
     p: f32,
     seed: u32,
 ) -> Result<()> {
-    if !(0.0..1.0).contains(&p) {
-        return Err(Error::Shape {
-            op: "dropout",
-            msg: format!("drop probability {p} must be in [0, 1)"),
-        });
-    }
-    let (th, scale) = (threshold(p), 1.0 / (1.0 - p));
-    match be {
-        Backend::Cpu(c) => {
-            let xs = x.cpu("dropout", "x", n)?;
-            let ys = y.cpu("dropout", "y", n)?;
-            c.install(|| {
-                ys.par_iter_mut()
-                    .with_min_len(1 << 14)
-                    .zip(xs)
-                    .enumerate()
-                    .for_each(|(i, (y, &x))| {
-                        *y = if keep(i as u32, seed, th) {
-                            x * scale
-                        } else {
-                            0.0
-                        }
-                    })
-            });
-            Ok(())
-        }
-        Backend::Gpu(g) => {
-            let ops = [
-                Operand::rows(x.gpu("dropout", "x", n)?, x.offset(), 1),
-                Operand::rows(y.gpu("dropout", "y", n)?, y.offset(), 1),
-            ];
-            let pipe = kernel(
-                g,
-                "dropout",
-                include_str!("dropout.wgsl"),
-                &[Access::Read, Access::ReadWrite],
-            )?;
-            run(
-                g,
-                "dropout",
-                &pipe,
-                n,
-                &ops,
-                &[th, seed, scale.to_bits()],
-                Grid::Threads(256),
-            )
-        }
-    }
+    launch(be, Some(residual), x, out, n, p, seed)
 }
 
-/// out = residual + dropout(x): a dropped-out branch joining the residual stream, in one pass.
-#[allow(clippy::too_many_arguments)]
-pub fn dropout_add(
+fn launch(
     be: &Backend,
-    residual: TRef<'_>,
+    residual: Option<TRef<'_>>,
     x: TRef<'_>,
     mut out: TMut<'_>,
     n: usize,
     p: f32,
     seed: u32,
 ) -> Result<()> {
+    const OP: &str = "dropout";
     if !(0.0..1.0).contains(&p) {
         return Err(Error::Shape {
-            op: "dropout_add",
+            op: OP,
             msg: format!("drop probability {p} must be in [0, 1)"),
         });
     }
     let (th, scale) = (threshold(p), 1.0 / (1.0 - p));
     match be {
         Backend::Cpu(c) => {
-            let rs = residual.cpu("dropout_add", "residual", n)?;
-            let xs = x.cpu("dropout_add", "x", n)?;
-            let os = out.cpu("dropout_add", "out", n)?;
+            let rs = residual.map(|r| r.cpu(OP, "residual", n)).transpose()?;
+            let xs = x.cpu(OP, "x", n)?;
+            let os = out.cpu(OP, "out", n)?;
             c.install(|| {
                 os.par_iter_mut()
                     .with_min_len(1 << 14)
-                    .zip(rs.par_iter().zip(xs))
+                    .zip(xs)
                     .enumerate()
-                    .for_each(|(i, (o, (&r, &x)))| {
-                        *o = r + if keep(i as u32, seed, th) {
+                    .for_each(|(i, (o, &x))| {
+                        let kept = if keep(i as u32, seed, th) {
                             x * scale
                         } else {
                             0.0
-                        }
+                        };
+                        *o = rs.map_or(kept, |r| r[i] + kept);
                     })
             });
             Ok(())
         }
         Backend::Gpu(g) => {
+            // Without a residual, x stands in for it (read-only, never read: `has_residual` is 0).
+            let (rt, ro) = match &residual {
+                Some(r) => (r.gpu(OP, "residual", n)?, r.offset()),
+                None => (x.gpu(OP, "x", n)?, x.offset()),
+            };
             let ops = [
-                Operand::rows(
-                    residual.gpu("dropout_add", "residual", n)?,
-                    residual.offset(),
-                    1,
-                ),
-                Operand::rows(x.gpu("dropout_add", "x", n)?, x.offset(), 1),
-                Operand::rows(out.gpu("dropout_add", "out", n)?, out.offset(), 1),
+                Operand::rows(rt, ro, 1),
+                Operand::rows(x.gpu(OP, "x", n)?, x.offset(), 1),
+                Operand::rows(out.gpu(OP, "out", n)?, out.offset(), 1),
             ];
             let pipe = kernel(
                 g,
-                "dropout_add",
-                include_str!("dropout_add.wgsl"),
+                OP,
+                include_str!("dropout.wgsl"),
                 &[Access::Read, Access::Read, Access::ReadWrite],
             )?;
-            run(
-                g,
-                "dropout_add",
-                &pipe,
-                n,
-                &ops,
-                &[th, seed, scale.to_bits()],
-                Grid::Threads(256),
-            )
+            let extra = [th, seed, scale.to_bits(), residual.is_some() as u32];
+            run(g, OP, &pipe, n, &ops, &extra, Grid::Threads(256))
         }
     }
 }

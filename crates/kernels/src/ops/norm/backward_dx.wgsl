@@ -10,21 +10,7 @@ struct Params { n: u32, start: u32, o_x: u32, o_w: u32, o_dy: u32, o_mean: u32, 
 @group(0) @binding(5) var<storage, read> rstd_in: array<f32>;
 @group(0) @binding(6) var<storage, read_write> dx: array<f32>;
 
-const WG: u32 = 256u;
-var<workgroup> red: array<f32, WG>;
-
-fn reduce(v: f32, lid: u32) -> f32 {
-  red[lid] = v;
-  workgroupBarrier();
-  for (var s = WG / 2u; s > 0u; s = s >> 1u) {
-    if (lid < s) { red[lid] = red[lid] + red[lid + s]; }
-    workgroupBarrier();
-  }
-  let r = red[0];
-  workgroupBarrier();
-  return r;
-}
-
+// reduce_sum / reduce_max and WG: ops/common.rs, ROW_REDUCE.
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
@@ -42,8 +28,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     sgx = sgx + g * (x[xb + c] - mean) * rstd;
   }
   let inv = 1.0 / f32(p.cols);
-  var mg = reduce(sg, lid) * inv;
-  let mgx = reduce(sgx, lid) * inv;
+  var mg = reduce_sum(sg, lid) * inv;
+  let mgx = reduce_sum(sgx, lid) * inv;
   if (p.rms != 0u) { mg = 0.0; }
   let ob = p.o_dx + row * p.cols;
   for (var c = lid; c < p.cols; c = c + WG) {

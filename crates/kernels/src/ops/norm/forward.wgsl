@@ -10,21 +10,7 @@ struct Params { n: u32, start: u32, o_x: u32, o_w: u32, o_y: u32, o_mean: u32, o
 @group(0) @binding(4) var<storage, read_write> mean_out: array<f32>;
 @group(0) @binding(5) var<storage, read_write> rstd_out: array<f32>;
 
-const WG: u32 = 256u;
-var<workgroup> red: array<f32, WG>;
-
-fn reduce(v: f32, lid: u32) -> f32 {
-  red[lid] = v;
-  workgroupBarrier();
-  for (var s = WG / 2u; s > 0u; s = s >> 1u) {
-    if (lid < s) { red[lid] = red[lid] + red[lid + s]; }
-    workgroupBarrier();
-  }
-  let r = red[0];
-  workgroupBarrier();
-  return r;
-}
-
+// reduce_sum / reduce_max and WG: ops/common.rs, ROW_REDUCE.
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
@@ -36,11 +22,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   if (p.rms == 0u) {
     var s = 0.0;
     for (var c = lid; c < p.cols; c = c + WG) { s = s + x[base + c]; }
-    mean = reduce(s, lid) * inv;
+    mean = reduce_sum(s, lid) * inv;
   }
   var q = 0.0;
   for (var c = lid; c < p.cols; c = c + WG) { let d = x[base + c] - mean; q = q + d * d; }
-  let rstd = 1.0 / sqrt(reduce(q, lid) * inv + p.eps);
+  let rstd = 1.0 / sqrt(reduce_sum(q, lid) * inv + p.eps);
   let ybase = p.o_y + row * p.cols;
   for (var c = lid; c < p.cols; c = c + WG) {
     y[ybase + c] = (x[base + c] - mean) * rstd * w[p.o_w + c];

@@ -3,7 +3,7 @@
 //! Row statistics live in one `stats` tensor of `2 * rows` elements: the rows' means (zero for RMSNorm)
 //! followed by their reciprocal standard deviations, saved by the forward pass for the backward pass.
 
-use super::common::{Grid, kernel, run};
+use super::common::{Grid, kernel, row_kernel, run};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, GpuBackend, Operand, segments};
@@ -93,7 +93,7 @@ pub fn norm_forward(
                 Operand::rows(ts, stats.offset(), 1),
                 Operand::rows(ts, stats.offset() + rows, 1),
             ];
-            let pipe = kernel(
+            let pipe = row_kernel(
                 g,
                 "norm_forward",
                 include_str!("forward.wgsl"),
@@ -230,7 +230,7 @@ fn gpu_backward(
         Operand::rows(ts, stats.offset() + rows, 1),
         Operand::rows(dx.gpu("norm_backward", "dx", n)?, dx.offset(), cols),
     ];
-    let pipe = kernel(
+    let pipe = row_kernel(
         g,
         "norm_backward_dx",
         include_str!("backward_dx.wgsl"),

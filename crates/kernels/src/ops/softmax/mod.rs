@@ -1,7 +1,7 @@
 //! Row softmax (in place), optionally scaled and causally masked, and its backward (in place on the
 //! incoming gradient).
 
-use super::common::{Grid, kernel, run};
+use super::common::{Grid, row_kernel, run};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, Operand};
@@ -120,7 +120,7 @@ fn launch(be: &Backend, mut x: TMut<'_>, y: Option<TRef<'_>>, s: SoftmaxShape) -
                     Operand::rows(ty, oy, per)
                 },
             ];
-            let pipe = kernel(
+            let pipe = row_kernel(
                 g,
                 "softmax",
                 include_str!("softmax.wgsl"),
