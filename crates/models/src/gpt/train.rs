@@ -450,19 +450,16 @@ impl Trainer {
         let g = &mut self.grads;
 
         // Head: dwte = dlogitsᵀ · lnf; dlnf = dlogits · wte; back through the final LayerNorm.
-        matmul(
+        linear_backward(
             be,
             self.dlogits.at(0),
             self.lnf.at(0),
-            g.at_mut(lay.wte()),
-            &Gemm::tn(v, c, n),
-        )?;
-        matmul(
-            be,
-            self.dlogits.at(0),
             w.at(lay.wte()),
+            g.at_mut(lay.wte()),
             self.dln.at_mut(0),
-            &Gemm::nn(n, c, v),
+            n,
+            v,
+            c,
         )?;
         norm_backward(
             be,
@@ -490,19 +487,16 @@ impl Trainer {
                 p,
                 drop_seed(seed, step, l, 3),
             )?;
-            matmul(
+            linear_backward(
                 be,
                 self.tmp.at(0),
                 a.act.at(0),
-                g.at_mut(o.mlp_proj),
-                &Gemm::tn(c, 4 * c, n),
-            )?;
-            matmul(
-                be,
-                self.tmp.at(0),
                 w.at(o.mlp_proj),
+                g.at_mut(o.mlp_proj),
                 self.d4a.at_mut(0),
-                &Gemm::nn(n, 4 * c, c),
+                n,
+                c,
+                4 * c,
             )?;
             gelu_backward(
                 be,
@@ -511,19 +505,16 @@ impl Trainer {
                 self.d4b.at_mut(0),
                 n * 4 * c,
             )?;
-            matmul(
+            linear_backward(
                 be,
                 self.d4b.at(0),
                 a.ln2.at(0),
-                g.at_mut(o.c_fc),
-                &Gemm::tn(4 * c, c, n),
-            )?;
-            matmul(
-                be,
-                self.d4b.at(0),
                 w.at(o.c_fc),
+                g.at_mut(o.c_fc),
                 self.dln.at_mut(0),
-                &Gemm::nn(n, c, 4 * c),
+                n,
+                4 * c,
+                c,
             )?;
             norm_backward(
                 be,
@@ -547,19 +538,16 @@ impl Trainer {
                 p,
                 drop_seed(seed, step, l, 2),
             )?;
-            matmul(
+            linear_backward(
                 be,
                 self.tmp.at(0),
                 a.atty.at(0),
-                g.at_mut(o.attn_proj),
-                &Gemm::tn(c, c, n),
-            )?;
-            matmul(
-                be,
-                self.tmp.at(0),
                 w.at(o.attn_proj),
+                g.at_mut(o.attn_proj),
                 self.datty.at_mut(0),
-                &Gemm::nn(n, c, c),
+                n,
+                c,
+                c,
             )?;
             let drop = (p > 0.0).then(|| (p, drop_seed(seed, step, l, 1)));
             attention_backward(
@@ -573,19 +561,16 @@ impl Trainer {
                 shape,
                 drop,
             )?;
-            matmul(
+            linear_backward(
                 be,
                 self.dqkv.at(0),
                 a.ln1.at(0),
-                g.at_mut(o.c_attn),
-                &Gemm::tn(3 * c, c, n),
-            )?;
-            matmul(
-                be,
-                self.dqkv.at(0),
                 w.at(o.c_attn),
+                g.at_mut(o.c_attn),
                 self.dln.at_mut(0),
-                &Gemm::nn(n, c, 3 * c),
+                n,
+                3 * c,
+                c,
             )?;
             norm_backward(
                 be,
@@ -729,6 +714,24 @@ impl Trainer {
     pub fn grads_host(&self, be: &Backend) -> Result<Vec<f32>> {
         be.to_vec(&self.grads)
     }
+}
+
+/// Gradients of y = x · Wᵀ for `rows` rows (W is `out` x `inp`): dW = dyᵀ · x and dx = dy · W, as
+/// llm.c's matmul_backward.
+#[allow(clippy::too_many_arguments)]
+fn linear_backward(
+    be: &Backend,
+    dy: tinygpt_kernels::TRef<'_>,
+    x: tinygpt_kernels::TRef<'_>,
+    w: tinygpt_kernels::TRef<'_>,
+    dw: tinygpt_kernels::TMut<'_>,
+    dx: tinygpt_kernels::TMut<'_>,
+    rows: usize,
+    out: usize,
+    inp: usize,
+) -> Result<()> {
+    matmul(be, dy, x, dw, &Gemm::tn(out, inp, rows))?;
+    matmul(be, dy, w, dx, &Gemm::nn(rows, inp, out))
 }
 
 /// nanoGPT's schedule: linear warmup to `max_lr` over `warmup` iterations, then cosine decay to
