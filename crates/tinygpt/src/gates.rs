@@ -145,11 +145,26 @@ pub fn pills(be: &Backend) -> String {
     }
 }
 
+/// A stable 64-bit FNV-1a hash (of a model's parameters, for the token gate's cache key).
+pub fn fnv1a(words: impl IntoIterator<Item = u32>) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for w in words {
+        for b in w.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
 /// The end-to-end token gate: `greedy` produces the first tokens of a fixed prompt with whatever paths
 /// are active. Compares the fast paths against the f32 path, all together and then one by one when
-/// they diverge, and switches off every path whose tokens leave the f32 path's.
+/// they diverge, and switches off every path whose tokens leave the f32 path's. The verdict is cached
+/// under the adapter, driver, the active paths' kernel versions and `model_key` (which must identify
+/// the weights and the prompt), so a later start with the same model skips it; `--regate` re-runs it.
 pub fn token_gate(
     be: &Backend,
+    args: &GateArgs,
+    model_key: &str,
     mut greedy: impl FnMut(&Backend) -> Result<Vec<u32>>,
 ) -> Result<()> {
     let Some(g) = be.as_gpu() else { return Ok(()) };
@@ -162,17 +177,58 @@ pub fn token_gate(
             .iter()
             .for_each(|p| g.set_path_active(*p, on.contains(p)))
     };
+    let i = g.info();
+    let versions: Vec<String> = active
+        .iter()
+        .map(|p| {
+            format!(
+                "{}v{}",
+                p.name(),
+                tinygpt_kernels::gate::paths::def(*p).kernel_version
+            )
+        })
+        .collect();
+    let key = format!(
+        "{}|{}|{}|{}|{model_key}",
+        i.name,
+        i.driver,
+        i.driver_info,
+        versions.join(",")
+    );
+    let mut cache: HashMap<String, Vec<String>> = cache_dir()
+        .and_then(|d| std::fs::read(d.join("token-gate-cache.json")).ok())
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    if !args.regate
+        && let Some(kept) = cache.get(&key)
+    {
+        let keep: Vec<PathId> = active
+            .iter()
+            .copied()
+            .filter(|p| kept.iter().any(|k| k == p.name()))
+            .collect();
+        set(&keep);
+        eprintln!(
+            "[ops] token gate: cached verdict for this model and adapter — {}",
+            if keep.len() == active.len() {
+                "PASS".to_string()
+            } else {
+                format!("{} of {} paths kept", keep.len(), active.len())
+            }
+        );
+        return Ok(());
+    }
     set(&[]);
     let reference = greedy(be)?;
     set(&active);
     let fast = greedy(be)?;
-    match first_divergence(&reference, &fast) {
+    let keep = match first_divergence(&reference, &fast) {
         None => {
             eprintln!(
                 "[ops] token gate: {} greedy tokens identical on the f32 and fast paths — PASS",
                 reference.len()
             );
-            Ok(())
+            active.clone()
         }
         Some(pos) => {
             eprintln!(
@@ -192,10 +248,16 @@ pub fn token_gate(
                     ),
                 }
             }
-            set(&keep);
-            Ok(())
+            keep
         }
-    }
+    };
+    set(&keep);
+    cache.insert(key, keep.iter().map(|p| p.name().to_string()).collect());
+    write_file(
+        "token-gate-cache.json",
+        &serde_json::to_vec_pretty(&cache).unwrap_or_default(),
+    );
+    Ok(())
 }
 
 /// `tinygpt gates`: gate every path on the selected adapter and show the pills.

@@ -77,7 +77,12 @@ pub fn generate(be: &Backend, gate: &crate::gates::GateArgs, a: &GenerateArgs) -
     if crate::gates::prepare(be, gate, cfg.gate_cases()).is_some() {
         // End-to-end: the first 100 greedy tokens from a fixed prompt must not change.
         let start = vocab.encode("\n").unwrap_or_default();
-        crate::gates::token_gate(be, |be| {
+        let model_key = format!(
+            "gpt {:016x} {}",
+            crate::gates::fnv1a(ck.params.iter().map(|v| v.to_bits())),
+            serde_json::to_string(&ck.config.model).unwrap_or_default()
+        );
+        crate::gates::token_gate(be, gate, &model_key, |be| {
             let mut r = GptRunner::new(be, cfg, &ck.params)?;
             let mut greedy = Sampler::new(SamplerConfig {
                 temperature: 0.0,

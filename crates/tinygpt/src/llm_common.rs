@@ -84,6 +84,36 @@ pub fn load(be: &Backend, gate: &GateArgs, args: &ModelArgs) -> Result<Loaded> {
         .with_context(|| format!("reading the tokenizer of {}", path.display()))?;
     let chat_template = tok.chat_template().map(str::to_string);
     let file_bytes = file.bytes().len() as u64;
+    if be.as_gpu().is_some_and(|g| !g.active_paths().is_empty()) {
+        // End to end: 100 greedy tokens of a fixed prompt, f32 path against the fast paths. The cache
+        // key names the file by its size and a hash of its first MiB (header and tokenizer tables).
+        let head = &file.bytes()[..file.bytes().len().min(1 << 20)];
+        let key = format!(
+            "gguf {} {} {:016x}",
+            display_name(path, ""),
+            file_bytes,
+            crate::gates::fnv1a(
+                head.chunks(4)
+                    .map(|c| c.iter().rev().fold(0u32, |w, &b| (w << 8) | b as u32))
+            )
+        );
+        let prompt = tok.encode("The capital of France is", true);
+        crate::gates::token_gate(be, gate, &key, |be| {
+            let opts = LoadOptions {
+                context: Some(prompt.len() + 101),
+                ..LoadOptions::default()
+            };
+            let mut m = Llm::load(be, path, &opts, &mut |_| {})?;
+            let mut logits = m.prefill(be, &prompt)?;
+            let mut out = Vec::with_capacity(100);
+            for _ in 0..100 {
+                let t = tinygpt_models::sampler::argmax(&logits);
+                out.push(t);
+                logits = m.decode(be, t)?;
+            }
+            Ok(out)
+        })?;
+    }
     // The model maps the file again and releases each tensor's pages as it converts them, so memory
     // does not peak at the file plus the converted weights.
     drop(file);

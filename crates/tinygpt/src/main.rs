@@ -7,9 +7,9 @@ mod gates;
 mod generate;
 mod llm_common;
 mod paths;
-mod synthetic;
 mod plot;
 mod run;
+mod synthetic;
 mod train;
 
 use anyhow::Result;
@@ -130,14 +130,22 @@ fn run(cli: Cli) -> Result<()> {
             chat::run(&be, &cli.gate, a)
         }
         Cmd::Plot { dir } => {
-            let dir = dir.clone().unwrap_or_else(|| paths::bundled(paths::DEFAULT_MODEL));
+            let dir = dir
+                .clone()
+                .unwrap_or_else(|| paths::bundled(paths::DEFAULT_MODEL));
             let p = dir.join("train_state.json");
             let state: tinygpt_models::gpt::checkpoint::TrainState = serde_json::from_slice(
-                &std::fs::read(&p).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", p.display()))?,
+                &std::fs::read(&p)
+                    .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", p.display()))?,
             )
             .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
             let png = dir.join("loss.png");
-            plot::write_loss_png(&png, "TinyGPT training", &state.train_losses, &state.val_losses)?;
+            plot::write_loss_png(
+                &png,
+                "TinyGPT training",
+                &state.train_losses,
+                &state.val_losses,
+            )?;
             println!("wrote {}", png.display());
             Ok(())
         }
