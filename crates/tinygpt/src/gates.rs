@@ -133,7 +133,7 @@ pub fn prepare(be: &Backend, args: &GateArgs, model_cases: Vec<GateCase>) -> Opt
 /// One-line list of the paths in use, for status lines.
 pub fn pills(be: &Backend) -> String {
     match be.as_gpu() {
-        None => "CPU backend (f32)".into(),
+        None => "f32 path".into(),
         Some(g) => {
             let v: Vec<&str> = g.active_paths().iter().map(|p| p.pill()).collect();
             if v.is_empty() {
