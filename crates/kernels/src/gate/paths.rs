@@ -167,6 +167,46 @@ pub fn read_guarded(be: &Backend, t: &Tensor, c: &GateCase) -> Result<(Vec<f32>,
     Ok((v, guard.iter().all(|&g| g == GUARD)))
 }
 
+/// The harness every x · Wᵀ fast path's gate shares: seeded inputs, W uploaded as f32 or packed f16
+/// pairs, a poisoned output with a guard region behind it, `kernel(gpu, x, w, out)` (offsets 0), and the
+/// canonical f32 result.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn evaluate_nt(
+    be: &Backend,
+    c: &GateCase,
+    seed: u64,
+    f16_weights: bool,
+    kernel: impl FnOnce(
+        &GpuBackend,
+        &crate::gpu::GpuTensor,
+        &crate::gpu::GpuTensor,
+        &crate::gpu::GpuTensor,
+    ) -> Result<()>,
+) -> Result<CaseOutput> {
+    use crate::ops::matmul_f16::{pack_f16, packed_len};
+    let g = gpu_of(be)?;
+    let (x, w) = inputs(c, seed);
+    let tx = be.from_f32(&x, 1)?;
+    let mut tw = be.from_f32(&w, 1)?;
+    if f16_weights {
+        let mut packed = be.zeros_typed(packed_len(w.len()), 1, crate::DType::U32)?;
+        pack_f16(be, (&tw).into(), (&mut packed).into(), w.len())?;
+        tw = packed;
+    }
+    let out = guarded_output(be, c)?;
+    fn gpu(t: &Tensor) -> Result<&crate::gpu::GpuTensor> {
+        t.gpu()
+            .ok_or_else(|| Error::Gpu("gate tensors live on the GPU".into()))
+    }
+    kernel(g, gpu(&tx)?, gpu(&tw)?, gpu(&out)?)?;
+    let (fast, guard_intact) = read_guarded(be, &out, c)?;
+    Ok(CaseOutput {
+        reference: reference(c, &x, &w),
+        fast,
+        guard_intact,
+    })
+}
+
 /// Gates only make sense on a GPU.
 pub fn gpu_of(be: &Backend) -> Result<&GpuBackend> {
     be.as_gpu().ok_or_else(|| Error::Shape {

@@ -585,35 +585,20 @@ pub fn gate_evaluate_subgroups(
     c: &crate::gate::GateCase,
     seed: u64,
 ) -> Result<crate::gate::CaseOutput> {
-    use crate::gate::paths::{gpu_of, guarded_output, inputs, read_guarded, reference};
-    let g = gpu_of(be)?;
-    let (x, w) = inputs(c, seed);
-    let (tx, tw) = (be.from_f32(&x, 1)?, be.from_f32(&w, 1)?);
-    let out = guarded_output(be, c)?;
     let choice = KernelChoice {
         subgroups: true,
         ..KernelChoice::default()
     };
-    let gpu = |t: &crate::Tensor| {
-        t.gpu()
-            .cloned()
-            .ok_or_else(|| Error::Gpu("gate tensors live on the GPU".into()))
-    };
-    let (ta, tb, tc) = (gpu(&tx)?, gpu(&tw)?, gpu(&out)?);
-    gpu_matmul(
-        g,
-        (&ta, 0),
-        (&tb, 0),
-        (&tc, 0),
-        &Gemm::nt(c.m, c.n, c.k),
-        None,
-        choice,
-    )?;
-    let (fast, guard_intact) = read_guarded(be, &out, c)?;
-    Ok(crate::gate::CaseOutput {
-        reference: reference(c, &x, &w),
-        fast,
-        guard_intact,
+    crate::gate::paths::evaluate_nt(be, c, seed, false, |g, x, w, out| {
+        gpu_matmul(
+            g,
+            (x, 0),
+            (w, 0),
+            (out, 0),
+            &Gemm::nt(c.m, c.n, c.k),
+            None,
+            choice,
+        )
     })
 }
 

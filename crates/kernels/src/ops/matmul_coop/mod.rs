@@ -182,27 +182,8 @@ pub(crate) fn matmul_coop(
 /// mostly-empty tiles, which exercises its edge handling).
 #[cfg(not(target_arch = "wasm32"))]
 pub fn gate_evaluate(be: &Backend, c: &GateCase, seed: u64) -> Result<CaseOutput> {
-    use crate::gate::paths::{gpu_of, guarded_output, inputs, read_guarded, reference};
-    use crate::ops::matmul_f16::{pack_f16, packed_len};
-    let g = gpu_of(be)?;
-    let (x, w) = inputs(c, seed);
-    let tx = be.from_f32(&x, 1)?;
-    let tw = be.from_f32(&w, 1)?;
-    let mut packed = be.zeros_typed(packed_len(w.len()), 1, crate::DType::U32)?;
-    pack_f16(be, (&tw).into(), (&mut packed).into(), w.len())?;
-    let out = guarded_output(be, c)?;
-    let gt = |t: &crate::Tensor| {
-        t.gpu()
-            .cloned()
-            .ok_or_else(|| Error::Gpu("gate tensors live on the GPU".into()))
-    };
-    let (ta, tb, tc) = (gt(&tx)?, gt(&packed)?, gt(&out)?);
-    matmul_coop(g, (&ta, 0), (&tb, 0), (&tc, 0), &Gemm::nt(c.m, c.n, c.k))?;
-    let (fast, guard_intact) = read_guarded(be, &out, c)?;
-    Ok(CaseOutput {
-        reference: reference(c, &x, &w),
-        fast,
-        guard_intact,
+    crate::gate::paths::evaluate_nt(be, c, seed, true, |g, x, w, out| {
+        matmul_coop(g, (x, 0), (w, 0), (out, 0), &Gemm::nt(c.m, c.n, c.k))
     })
 }
 

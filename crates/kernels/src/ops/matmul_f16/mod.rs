@@ -154,39 +154,21 @@ pub fn gate_evaluate(
     seed: u64,
     shader_f16: bool,
 ) -> Result<CaseOutput> {
-    use crate::gate::paths::{gpu_of, guarded_output, inputs, read_guarded, reference};
-    let g = gpu_of(be)?;
-    let (x, w) = inputs(c, seed);
-    let tx = be.from_f32(&x, 1)?;
-    let tw = be.from_f32(&w, 1)?;
-    let mut packed = be.zeros_typed(packed_len(w.len()), 1, crate::DType::U32)?;
-    pack_f16(be, (&tw).into(), (&mut packed).into(), w.len())?;
-    let mut out = guarded_output(be, c)?;
     let choice = KernelChoice {
         b_f16: true,
         shader_f16,
         subgroups: false,
     };
-    let (ta, tb, tc) = (
-        tx.gpu().expect("gpu"),
-        packed.gpu().expect("gpu"),
-        out.gpu().expect("gpu"),
-    );
-    gpu_matmul(
-        g,
-        (ta, 0),
-        (tb, 0),
-        (tc, 0),
-        &Gemm::nt(c.m, c.n, c.k),
-        None,
-        choice,
-    )?;
-    let (fast, guard_intact) = read_guarded(be, &out, c)?;
-    let _ = &mut out;
-    Ok(CaseOutput {
-        reference: reference(c, &x, &w),
-        fast,
-        guard_intact,
+    crate::gate::paths::evaluate_nt(be, c, seed, true, |g, x, w, out| {
+        gpu_matmul(
+            g,
+            (x, 0),
+            (w, 0),
+            (out, 0),
+            &Gemm::nt(c.m, c.n, c.k),
+            None,
+            choice,
+        )
     })
 }
 
