@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
-use tinygpt_kernels::ops::quant_matmul::cpu::{
+use tinygpt_kernels::ops::matmul::quant::cpu::{
     CpuIsa, QmmOptions, q4_matmul_nt_with, q8_matmul_nt_with,
 };
 use tinygpt_kernels::quant::{Q4Matrix, Q8Matrix};

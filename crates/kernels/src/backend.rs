@@ -168,6 +168,10 @@ impl<'a> TMut<'a> {
     pub fn offset(&self) -> usize {
         self.offset
     }
+    /// The tensor viewed.
+    pub fn tensor(&self) -> &Tensor {
+        self.t
+    }
     /// A read-only view of the same elements.
     pub fn as_ref(&self) -> TRef<'_> {
         TRef {

@@ -253,5 +253,13 @@ pub async fn open_gpu(opts: &DeviceOptions) -> Result<GpuBackend> {
     } else {
         Vec::new()
     };
-    GpuBackend::new(device, queue, info, limits, opts, coop)
+    GpuBackend::new(
+        device,
+        queue,
+        info,
+        limits,
+        opts.low_end,
+        opts.max_binding_override,
+        coop,
+    )
 }

@@ -1,5 +1,6 @@
-//! Helpers for tests across the workspace: seeded inputs, the NMSE metric, poisoned outputs, and the
-//! GPU device the tests run on.
+//! Helpers for tests across the workspace (behind the `testing` feature, which the workspace's crates
+//! enable for their tests only): the NMSE metric, poisoned outputs, twin comparisons, and the GPU device
+//! the tests run on.
 //!
 //! GPU tests never pass silently without a GPU: when no adapter opens they fail with instructions,
 //! unless `TINYGPT_SKIP_GPU_TESTS=1` says to skip them.
@@ -54,47 +55,7 @@ pub fn assert_nmse(what: &str, want: &[f32], got: &[f32], bound: f64) {
     );
 }
 
-/// A small seeded generator (SplitMix64) so tests and gates draw the same inputs everywhere.
-pub struct SeedRng(u64);
-
-impl SeedRng {
-    pub fn new(seed: u64) -> Self {
-        SeedRng(seed ^ 0x9E37_79B9_7F4A_7C15)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1).
-    pub fn f32(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
-    }
-    /// Uniform in [lo, hi).
-    pub fn range(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * self.f32()
-    }
-    /// Uniform integer in 0..n.
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n.max(1) as u64) as usize
-    }
-    /// `n` values uniform in [lo, hi).
-    pub fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| self.range(lo, hi)).collect()
-    }
-    /// `n` standard normal values (Box–Muller).
-    pub fn normal_vec(&mut self, n: usize, std: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                let u1 = self.f32().max(1e-7);
-                let u2 = self.f32();
-                std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
-            })
-            .collect()
-    }
-}
+pub use crate::rng::SeedRng;
 
 /// Whether the user asked to skip GPU tests.
 pub fn skip_gpu() -> bool {
@@ -202,26 +163,14 @@ impl Arg {
 /// Runs `f` on the CPU backend and on the GPU backend — once with tensors below the binding limit and,
 /// when `split_bytes` is given, once with every tensor split into chunks of at most that many bytes —
 /// and asserts every output of the GPU runs is within `bound` NMSE of the CPU twin's.
-/// `f` gets the tensors in the order of `args`. Returns the CPU outputs for further checks.
+/// `f` gets the tensors in the order of `args` (a fast path's test passes its path set to the ops it
+/// calls). Returns the CPU outputs for further checks.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn check_twin(
     name: &str,
     bound: f64,
     args: &[Arg],
     split_bytes: Option<u64>,
-    f: impl Fn(&Backend, &mut [Tensor]) -> crate::Result<()>,
-) -> Vec<Vec<f32>> {
-    check_twin_with(name, bound, args, split_bytes, &[], f)
-}
-
-/// [`check_twin`] with fast paths switched on in the GPU backends (tests of a fast path's kernels).
-#[cfg(not(target_arch = "wasm32"))]
-pub fn check_twin_with(
-    name: &str,
-    bound: f64,
-    args: &[Arg],
-    split_bytes: Option<u64>,
-    paths: &[crate::gate::PathId],
     f: impl Fn(&Backend, &mut [Tensor]) -> crate::Result<()>,
 ) -> Vec<Vec<f32>> {
     let run = |be: &Backend| -> Vec<Vec<f32>> {
@@ -252,9 +201,6 @@ pub fn check_twin_with(
         gpus.push(("gpu split", g));
     }
     for (label, be) in &gpus {
-        if let Some(g) = be.as_gpu() {
-            paths.iter().for_each(|p| g.set_path_active(*p, true));
-        }
         let got = run(be);
         for (i, a) in args.iter().enumerate() {
             if a.words {

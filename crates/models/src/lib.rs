@@ -1,6 +1,7 @@
 //! TinyGPT models.
 
 pub mod chat_template;
+pub mod gating;
 pub mod gpt;
 pub mod llm;
 pub mod sampler;

@@ -5,8 +5,8 @@
 
 use tinygpt_formats::{GgmlType, GgufFile, GgufWriter, MetadataValue};
 use tinygpt_kernels::Backend;
-use tinygpt_kernels::gate::PathId;
 use tinygpt_kernels::testing::{SeedRng, assert_nmse, cpu_backend, gpu_backend};
+use tinygpt_kernels::{PathId, PathSet};
 use tinygpt_models::llm::{Llm, LlmError, LoadOptions};
 
 /// A tiny model of either architecture.
@@ -164,12 +164,17 @@ fn quantized_and_dense(s: &Shape, ty: &dyn Fn(&str) -> GgmlType) -> (GgufFile, G
 }
 
 fn load(be: &Backend, f: &GgufFile, batch: usize) -> Llm {
+    load_with(be, f, batch, PathSet::F32)
+}
+
+fn load_with(be: &Backend, f: &GgufFile, batch: usize, paths: PathSet) -> Llm {
     Llm::from_gguf(
         be,
         f,
         &LoadOptions {
             context: None,
             batch,
+            paths,
         },
         &mut |_| {},
     )
@@ -214,7 +219,7 @@ fn quantized_and_dense_weights_give_the_same_logits() {
             let mut lq = load(&be, &q, 512);
             let mut ld = load(&be, &d, 512);
             // Fusion follows the kernel layouts: Q4_0 and Q4_1 share the 4-bit layout, Q8_0 has its own.
-            let paths = lq.paths();
+            let paths = lq.layouts();
             assert!(
                 paths[0].1.contains(qkv_groups),
                 "{} {label}: qkv fused as {}",
@@ -288,15 +293,18 @@ fn the_sliding_window_limits_what_local_layers_see() {
 fn gpu_agrees_with_cpu_quantized_and_dequantized() {
     let cpu = cpu_backend();
     let Some(gpu) = gpu_backend(None) else { return };
-    let g = gpu.as_gpu().expect("a GPU backend");
     for s in [LLAMA, GEMMA3] {
         let (q, _) = quantized_and_dense(&s, &mixed_types);
         let want = run(&cpu, &mut load(&cpu, &q, 5));
         // Both ways the GPU may hold the weights: as blocks (the gated quantized kernels) and
         // dequantized (the f32 path used when that gate fails).
         for active in [true, false] {
-            g.set_path_active(PathId::QuantMatmul, active);
-            let got = run(&gpu, &mut load(&gpu, &q, 5));
+            let paths = if active {
+                PathSet::of(&[PathId::QuantMatmul])
+            } else {
+                PathSet::F32
+            };
+            let got = run(&gpu, &mut load_with(&gpu, &q, 5, paths));
             assert_nmse(
                 &format!("{} gpu, quantized kernels {active}", s.arch),
                 &want,
@@ -414,6 +422,7 @@ fn unsupported_models_are_refused_with_one_clear_error() {
         &LoadOptions {
             context: Some(65),
             batch: 8,
+            ..LoadOptions::default()
         },
     );
     assert!(
@@ -432,6 +441,7 @@ fn inputs_past_the_context_or_the_vocabulary_are_refused() {
         &LoadOptions {
             context: Some(16),
             batch: 4,
+            ..LoadOptions::default()
         },
         &mut |_| {},
     )
@@ -510,6 +520,7 @@ fn corrupted_files_never_panic() {
                 &LoadOptions {
                     context: Some(32),
                     batch: 8,
+                    ..LoadOptions::default()
                 },
                 &mut |_| {},
             ) else {

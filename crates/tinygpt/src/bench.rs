@@ -4,11 +4,12 @@
 use anyhow::Result;
 use clap::{Args, Subcommand};
 use std::time::Instant;
+use tinygpt_kernels::gate::pills;
 use tinygpt_kernels::ops::matmul::{
-    Gemm, TILE_LARGE, TILE_MEDIUM, TILE_SMALL, TILE_TALL, Tile, matmul_with_tile,
+    Choice, Gemm, Kernel, TILE_LARGE, TILE_MEDIUM, TILE_SMALL, TILE_TALL, Tile, choose,
 };
-use tinygpt_kernels::testing::SeedRng;
-use tinygpt_kernels::{Backend, ops};
+use tinygpt_kernels::rng::SeedRng;
+use tinygpt_kernels::{Backend, PathSet, ops};
 use tinygpt_models::gpt::{GptConfig, Layout, OptimConfig, Trainer};
 
 #[derive(Subcommand, Debug)]
@@ -75,26 +76,24 @@ pub struct TrainBenchArgs {
 pub fn run(be: &Backend, gate: &crate::gates::GateArgs, cmd: &BenchCmd) -> Result<()> {
     println!("backend: {}", be.describe());
     let t = Instant::now();
-    let gated = crate::gates::prepare(be, gate, Vec::new());
-    if let Some(s) = &gated {
+    let gated = crate::gates::prepare_ops(be, gate, Vec::new())?;
+    if let Some(g) = &gated {
         println!(
             "gates: {:.1} ms ({}) · {}",
             t.elapsed().as_secs_f64() * 1e3,
-            if s.reports
-                .iter()
-                .all(|r| r.from_cache || r.status == tinygpt_kernels::gate::Status::Unsupported)
-            {
+            if g.summary.all_cached() {
                 "warm cache"
             } else {
                 "cold"
             },
-            crate::gates::pills(be)
+            pills(g.paths)
         );
     }
+    let paths = gated.map_or(PathSet::F32, |g| g.paths);
     match cmd {
         BenchCmd::Ops(a) => ops_bench(be, a),
-        BenchCmd::Train(a) => train_bench(be, a),
-        BenchCmd::Llm(a) => llm_bench(be, a),
+        BenchCmd::Train(a) => train_bench(be, a, paths),
+        BenchCmd::Llm(a) => llm_bench(be, a, paths),
     }
 }
 
@@ -165,13 +164,25 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
                 Some(t) => format!("  tile {}", t.key()),
             };
             match time(be, reps, || {
-                Ok(matmul_with_tile(
+                let c = (&mut tc).into();
+                let choice = match tile {
+                    // The f32 kernel choice, or the tiled kernel with the tile forced.
+                    None => choose(be, (&ta).into(), (&tb).into(), &c, g, PathSet::F32),
+                    Some(tile) => Choice::forced(
+                        Kernel::Tiled {
+                            tile,
+                            shader_f16: false,
+                        },
+                        PathSet::F32,
+                    ),
+                };
+                Ok(ops::matmul::run(
                     be,
+                    choice,
                     (&ta).into(),
                     (&tb).into(),
-                    (&mut tc).into(),
+                    c,
                     g,
-                    tile,
                 )?)
             }) {
                 Ok(sec) => println!(
@@ -280,7 +291,7 @@ fn candidate_tiles() -> Vec<Tile> {
     v
 }
 
-fn train_bench(be: &Backend, a: &TrainBenchArgs) -> Result<()> {
+fn train_bench(be: &Backend, a: &TrainBenchArgs, paths: PathSet) -> Result<()> {
     let cfg = GptConfig {
         vocab_size: a.vocab,
         block_size: a.block_size,
@@ -296,7 +307,7 @@ fn train_bench(be: &Backend, a: &TrainBenchArgs) -> Result<()> {
         f16_forward: a.f16_forward,
         ..OptimConfig::default()
     };
-    let mut tr = Trainer::new(be, &cfg, a.batch, &params, None, optim)?;
+    let mut tr = Trainer::new(be, &cfg, a.batch, &params, None, optim, paths)?;
     println!(
         "config: {} layers, {} heads, {} wide, block {}, batch {}, dropout {} — {:.2}M parameters (set up in {:.2}s)",
         cfg.n_layer,
@@ -350,7 +361,7 @@ fn train_bench(be: &Backend, a: &TrainBenchArgs) -> Result<()> {
     Ok(())
 }
 
-fn llm_bench(be: &Backend, a: &LlmBenchArgs) -> Result<()> {
+fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet) -> Result<()> {
     use tinygpt_formats::GgufFile;
     use tinygpt_models::llm::{Llm, LoadOptions};
     let t0 = Instant::now();
@@ -363,6 +374,7 @@ fn llm_bench(be: &Backend, a: &LlmBenchArgs) -> Result<()> {
     let t1 = Instant::now();
     let opts = LoadOptions {
         context: Some((a.prompt + a.n + 8).max(64)),
+        paths,
         ..LoadOptions::default()
     };
     let mut llm = Llm::from_gguf(be, &file, &opts, &mut |_| {})?;
@@ -411,7 +423,7 @@ fn llm_bench(be: &Backend, a: &LlmBenchArgs) -> Result<()> {
         a.n,
         median(&mut tg),
         a.reps.max(1),
-        crate::gates::pills(be)
+        pills(llm.paths())
     );
     Ok(())
 }

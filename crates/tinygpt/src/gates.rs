@@ -1,26 +1,29 @@
-//! Running the numerics gate for a command: the cache of passed gates and the local telemetry report
-//! (both JSON in the user's cache directory; nothing leaves the machine), the `tinygpt gates` command,
-//! and the end-to-end token gate.
+//! The numerics gate for a command: the flags, the verdict store in the user's cache directory (JSON
+//! files; nothing leaves the machine), and `tinygpt gates`. The gate itself — op gates, token gate,
+//! registry — lives in `tinygpt_kernels::gate`; this file only decides where verdicts are kept and
+//! prints what the gate says.
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use clap::Args;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
 use std::path::PathBuf;
-use tinygpt_kernels::Backend;
 use tinygpt_kernels::gate::{
-    GateCase, GateOptions, GateSummary, PathId, PathReport, Status, first_divergence, run_gates,
+    GateModel, GateOptions, GateRecord, Gated, VerdictStore, gate_device, gate_for_model, registry,
 };
+use tinygpt_kernels::{Backend, PathId, PathSet};
 
 /// Flags every command that runs kernels takes.
 #[derive(Args, Clone, Debug, Default)]
 pub struct GateArgs {
-    /// Re-run every fast path's gate instead of trusting cached passes.
+    /// Re-run every fast path's gate instead of trusting stored passes.
     #[arg(long, global = true)]
     pub regate: bool,
     /// Use only the canonical f32 kernels (no fast path is gated or used).
     #[arg(long, global = true, env = "TINYGPT_F32_ONLY")]
     pub f32_only: bool,
-    /// Fast paths not to use, by name (f16-storage, shader-f16, subgroups, coop-matrix, q8-matmul).
+    /// Fast paths not to use, by name (see `tinygpt gates`).
     #[arg(
         long,
         global = true,
@@ -38,249 +41,215 @@ pub struct GatesCmd {
     pub json: bool,
 }
 
-fn cache_dir() -> Option<PathBuf> {
+/// The cache directory: `TINYGPT_CACHE_DIR`, else the user's cache directory.
+pub fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("TINYGPT_CACHE_DIR")
         .map(PathBuf::from)
         .or_else(|| dirs::cache_dir().map(|d| d.join("tinygpt")))
 }
 
-fn read_cache() -> HashMap<String, PathReport> {
-    cache_dir()
-        .and_then(|d| std::fs::read(d.join("gate-cache.json")).ok())
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default()
+/// Verdicts in `DIR/verdicts.json`, the last run in `DIR/gate-report.json`, every run appended to
+/// `DIR/gate-history.jsonl`. Each write re-reads the file under an exclusive lock and merges its one
+/// change, so processes sharing the directory never lose each other's verdicts; files are replaced
+/// atomically, so a reader never sees half a file. A directory that cannot be written is reported once.
+pub struct FileStore {
+    dir: Option<PathBuf>,
+    verdicts: BTreeMap<String, String>,
+    warned: bool,
 }
 
-/// Writes `bytes` next to the cache atomically; a failure to write is reported, never fatal.
-fn write_file(name: &str, bytes: &[u8]) {
-    let Some(dir) = cache_dir() else { return };
-    let result = std::fs::create_dir_all(&dir)
-        .map_err(anyhow::Error::from)
-        .and_then(|_| {
-            Ok(tinygpt_models::gpt::checkpoint::write_atomic(
-                &dir.join(name),
-                bytes,
-            )?)
-        });
-    if let Err(e) = result {
-        eprintln!("note: could not write {}: {e:#}", dir.join(name).display());
-    }
-}
-
-/// Gates the fast paths for this run (with the model's own shapes added), prints the log lines, updates
-/// the cache and the telemetry report, and returns the summary (None on the CPU backend).
-pub fn prepare(be: &Backend, args: &GateArgs, model_cases: Vec<GateCase>) -> Option<GateSummary> {
-    let g = be.as_gpu()?;
-    if args.f32_only {
-        for p in PathId::ALL {
-            g.set_path_active(p, false);
+impl FileStore {
+    pub fn open() -> Self {
+        let dir = cache_dir();
+        let verdicts = dir
+            .as_ref()
+            .and_then(|d| std::fs::read(d.join("verdicts.json")).ok())
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        FileStore {
+            dir,
+            verdicts,
+            warned: false,
         }
-        eprintln!("[ops] fast paths off (--f32-only): canonical f32 kernels only");
-        return None;
     }
-    let mut cache = read_cache();
-    for name in &args.disable_path {
-        if !PathId::ALL.iter().any(|p| p.name() == name) {
+
+    fn warn(&mut self, what: &str, e: impl std::fmt::Display) {
+        if !self.warned {
             eprintln!(
-                "note: --disable-path {name}: no such fast path (known: f16-storage, shader-f16, subgroups, coop-matrix, q8-matmul)"
+                "note: the gate's verdicts cannot be kept ({what}: {e}); they are checked again next run \
+                 (set TINYGPT_CACHE_DIR to a writable directory)"
+            );
+            self.warned = true;
+        }
+    }
+
+    /// Runs `f` on the verdict file's current contents under the directory's lock, then writes it back.
+    fn update(&mut self, f: impl FnOnce(&mut BTreeMap<String, String>)) {
+        let Some(dir) = self.dir.clone() else { return };
+        let result = (|| -> Result<()> {
+            std::fs::create_dir_all(&dir)?;
+            let lock = File::create(dir.join(".lock"))?;
+            lock.lock()?;
+            let path = dir.join("verdicts.json");
+            let mut now: BTreeMap<String, String> = std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .unwrap_or_default();
+            f(&mut now);
+            tinygpt_models::gpt::checkpoint::write_atomic(
+                &path,
+                &serde_json::to_vec_pretty(&now)?,
+            )?;
+            self.verdicts = now;
+            Ok(())
+        })();
+        if let Err(e) = result {
+            self.warn(&dir.display().to_string(), format!("{e:#}"));
+        }
+    }
+}
+
+impl VerdictStore for FileStore {
+    fn load(&self, key: &str) -> Option<String> {
+        self.verdicts.get(key).cloned()
+    }
+
+    fn store(&mut self, key: &str, verdict: Option<&str>) {
+        if self.verdicts.get(key).map(String::as_str) == verdict {
+            return;
+        }
+        self.update(|m| match verdict {
+            Some(v) => {
+                m.insert(key.to_string(), v.to_string());
+            }
+            None => {
+                m.remove(key);
+            }
+        });
+    }
+
+    fn record(&mut self, record: &GateRecord) {
+        let Some(dir) = self.dir.clone() else { return };
+        let result = (|| -> Result<()> {
+            std::fs::create_dir_all(&dir)?;
+            let lock = File::create(dir.join(".lock"))?;
+            lock.lock()?;
+            tinygpt_models::gpt::checkpoint::write_atomic(
+                &dir.join("gate-report.json"),
+                &serde_json::to_vec_pretty(record)?,
+            )?;
+            let mut history = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(dir.join("gate-history.jsonl"))?;
+            let mut line = serde_json::to_vec(record)?;
+            line.push(b'\n');
+            history.write_all(&line)?;
+            Ok(())
+        })();
+        if let Err(e) = result {
+            self.warn(&dir.display().to_string(), format!("{e:#}"));
+        }
+    }
+}
+
+/// The paths `args` allows (all, less `--disable-path`); an unknown name is an error that lists the
+/// known ones.
+fn allowed(args: &GateArgs) -> Result<Vec<PathId>> {
+    for name in &args.disable_path {
+        if PathId::from_name(name).is_none() {
+            bail!(
+                "--disable-path {name}: no such fast path (known: {})",
+                registry::names()
             );
         }
     }
-    let only: Vec<PathId> = PathId::ALL
+    Ok(PathId::ALL
         .into_iter()
         .filter(|p| !args.disable_path.iter().any(|d| d == p.name()))
-        .collect();
-    for p in PathId::ALL {
-        g.set_path_active(p, false);
-    }
-    let opts = GateOptions {
-        only: Some(only),
-        extra_cases: model_cases,
-        cached: cache.clone(),
+        .collect())
+}
+
+fn options(args: &GateArgs) -> Result<GateOptions> {
+    Ok(GateOptions {
+        only: Some(allowed(args)?),
         regate: args.regate,
         seed: 20261129,
         ..GateOptions::default()
-    };
-    let summary = run_gates(be, &opts);
-    for r in &summary.reports {
-        eprintln!("{}", r.log_line());
-    }
-    for r in &summary.reports {
-        if r.status == Status::Active {
-            cache.insert(r.cache_key.clone(), r.clone());
-        } else {
-            cache.remove(&r.cache_key);
-        }
-    }
-    write_file(
-        "gate-cache.json",
-        &serde_json::to_vec_pretty(&cache).unwrap_or_default(),
-    );
-    let report = serde_json::json!({
-        "time_unix": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
-        "adapter": summary.adapter,
-        "driver": summary.driver,
-        "gate_ms": summary.millis,
-        "paths": summary.reports,
-    });
-    write_file(
-        "gate-report.json",
-        &serde_json::to_vec_pretty(&report).unwrap_or_default(),
-    );
-    Some(summary)
+    })
 }
 
-/// One-line list of the paths in use, for status lines.
-pub fn pills(be: &Backend) -> String {
-    match be.as_gpu() {
-        None => "f32 path".into(),
-        Some(g) => {
-            let v: Vec<&str> = g.active_paths().iter().map(|p| p.pill()).collect();
-            if v.is_empty() {
-                "f32 path".into()
-            } else {
-                v.join(" ")
-            }
-        }
+/// Gates the fast paths for `model` on `be` (op gates at its shapes, then its token gate), printing
+/// the gate's lines, and returns the path set to build the model's runner with (the f32 path on the
+/// CPU backend, or with `--f32-only`).
+pub fn prepare<M: GateModel>(be: &Backend, args: &GateArgs, model: &M) -> Result<PathSet>
+where
+    M::Error: std::error::Error + Send + Sync + 'static,
+{
+    let opts = options(args)?;
+    if be.as_gpu().is_none() {
+        return Ok(PathSet::F32);
     }
+    if args.f32_only {
+        eprintln!("[ops] fast paths off (--f32-only): canonical f32 kernels only");
+        return Ok(PathSet::F32);
+    }
+    let mut store = FileStore::open();
+    let gated = pollster::block_on(gate_for_model(be, &mut store, model, &opts, &mut |l| {
+        eprintln!("{l}")
+    }))?;
+    Ok(gated.paths)
 }
 
-/// A stable 64-bit FNV-1a hash (of a model's parameters, for the token gate's cache key).
-pub fn fnv1a(words: impl IntoIterator<Item = u32>) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for w in words {
-        for b in w.to_le_bytes() {
-            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    h
-}
-
-/// The end-to-end token gate: `greedy` produces the first tokens of a fixed prompt with whatever paths
-/// are active. Compares the fast paths against the f32 path, all together and then one by one when
-/// they diverge, and switches off every path whose tokens leave the f32 path's. The verdict is cached
-/// under the adapter, driver, the active paths' kernel versions and `model_key` (which must identify
-/// the weights and the prompt), so a later start with the same model skips it; `--regate` re-runs it.
-pub fn token_gate(
+/// The op gates alone, at the default shapes plus `cases` (training and benchmarks, where no model's
+/// tokens can be compared).
+pub fn prepare_ops(
     be: &Backend,
     args: &GateArgs,
-    model_key: &str,
-    mut greedy: impl FnMut(&Backend) -> Result<Vec<u32>>,
-) -> Result<()> {
-    let Some(g) = be.as_gpu() else { return Ok(()) };
-    let active = g.active_paths();
-    if active.is_empty() {
-        return Ok(());
+    cases: Vec<tinygpt_kernels::gate::GateCase>,
+) -> Result<Option<Gated>> {
+    let mut opts = options(args)?;
+    if be.as_gpu().is_none() {
+        return Ok(None);
     }
-    let set = |on: &[PathId]| {
-        PathId::ALL
-            .iter()
-            .for_each(|p| g.set_path_active(*p, on.contains(p)))
-    };
-    let i = g.info();
-    let versions: Vec<String> = active
-        .iter()
-        .map(|p| {
-            format!(
-                "{}v{}",
-                p.name(),
-                tinygpt_kernels::gate::paths::def(*p).kernel_version
-            )
-        })
-        .collect();
-    let key = format!(
-        "{}|{}|{}|{}|{model_key}",
-        i.name,
-        i.driver,
-        i.driver_info,
-        versions.join(",")
-    );
-    let mut cache: HashMap<String, Vec<String>> = cache_dir()
-        .and_then(|d| std::fs::read(d.join("token-gate-cache.json")).ok())
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default();
-    if !args.regate
-        && let Some(kept) = cache.get(&key)
-    {
-        let keep: Vec<PathId> = active
-            .iter()
-            .copied()
-            .filter(|p| kept.iter().any(|k| k == p.name()))
-            .collect();
-        set(&keep);
-        eprintln!(
-            "[ops] token gate: cached verdict for this model and adapter — {}",
-            if keep.len() == active.len() {
-                "PASS".to_string()
-            } else {
-                format!("{} of {} paths kept", keep.len(), active.len())
-            }
-        );
-        return Ok(());
+    if args.f32_only {
+        eprintln!("[ops] fast paths off (--f32-only): canonical f32 kernels only");
+        return Ok(None);
     }
-    set(&[]);
-    let reference = greedy(be)?;
-    set(&active);
-    let fast = greedy(be)?;
-    let keep = match first_divergence(&reference, &fast) {
-        None => {
-            eprintln!(
-                "[ops] token gate: {} greedy tokens identical on the f32 and fast paths — PASS",
-                reference.len()
-            );
-            active.clone()
-        }
-        Some(pos) => {
-            eprintln!(
-                "[ops] token gate: fast paths diverge from the f32 path at token {pos} — checking each path"
-            );
-            let mut keep = Vec::new();
-            for p in &active {
-                // Paths that need another path are checked together with it.
-                let with: Vec<PathId> = keep.iter().copied().chain([*p]).collect();
-                set(&with);
-                let t = greedy(be)?;
-                match first_divergence(&reference, &t) {
-                    None => keep.push(*p),
-                    Some(at) => eprintln!(
-                        "[ops] token gate: {} diverges at token {at} — FAIL, falling back to f32 for it",
-                        p.name()
-                    ),
-                }
-            }
-            keep
-        }
-    };
-    set(&keep);
-    cache.insert(key, keep.iter().map(|p| p.name().to_string()).collect());
-    write_file(
-        "token-gate-cache.json",
-        &serde_json::to_vec_pretty(&cache).unwrap_or_default(),
-    );
-    Ok(())
+    opts.extra_cases = cases;
+    let mut store = FileStore::open();
+    Ok(Some(pollster::block_on(gate_device(
+        be,
+        &mut store,
+        &opts,
+        &mut |l| eprintln!("{l}"),
+    ))))
 }
 
 /// `tinygpt gates`: gate every path on the selected adapter and show the pills.
 pub fn run(be: &Backend, args: &GateArgs, cmd: &GatesCmd) -> Result<()> {
-    let summary = match prepare(be, args, Vec::new()) {
-        Some(s) => s,
-        None => {
-            if cmd.json {
-                println!(
-                    "{}",
-                    serde_json::json!({"backend": be.describe(), "paths": []})
-                );
-            } else {
-                println!(
-                    "{}: no fast paths to gate (they are GPU kernels)",
-                    be.describe()
-                );
-            }
-            return Ok(());
+    let Some(gated) = prepare_ops(be, args, Vec::new())? else {
+        if cmd.json {
+            println!(
+                "{}",
+                serde_json::json!({"backend": be.describe(), "paths": []})
+            );
+        } else {
+            println!(
+                "{}: no fast paths to gate ({})",
+                be.describe(),
+                if args.f32_only {
+                    "--f32-only"
+                } else {
+                    "they are GPU kernels"
+                }
+            );
         }
+        return Ok(());
     };
+    let summary = &gated.summary;
     if cmd.json {
-        println!("{}", serde_json::to_string_pretty(&summary)?);
+        println!("{}", serde_json::to_string_pretty(summary)?);
         return Ok(());
     }
     println!("{}", be.describe());
@@ -289,11 +258,7 @@ pub fn run(be: &Backend, args: &GateArgs, cmd: &GatesCmd) -> Result<()> {
     println!(
         "gates took {:.0} ms{}",
         summary.millis,
-        if summary
-            .reports
-            .iter()
-            .all(|r| r.from_cache || r.status == Status::Unsupported)
-        {
+        if summary.all_cached() {
             " (all from cache)"
         } else {
             ""

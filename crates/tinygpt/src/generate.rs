@@ -7,6 +7,8 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 use tinygpt_kernels::Backend;
+use tinygpt_kernels::gate::pills;
+use tinygpt_models::gating::GptGate;
 use tinygpt_models::gpt::{Dataset, GptRunner, OptimConfig, Trainer, checkpoint};
 use tinygpt_models::sampler::{Sampler, SamplerConfig};
 
@@ -74,36 +76,20 @@ pub fn generate(be: &Backend, gate: &crate::gates::GateArgs, a: &GenerateArgs) -
         bail!("the prompt is empty; give at least one character (the default is a newline)");
     }
     let cfg = &ck.config.model;
-    if crate::gates::prepare(be, gate, cfg.gate_cases()).is_some() {
-        // End-to-end: the first 100 greedy tokens from a fixed prompt must not change.
-        let start = vocab.encode("\n").unwrap_or_default();
-        let model_key = format!(
-            "gpt {:016x} {}",
-            crate::gates::fnv1a(ck.params.iter().map(|v| v.to_bits())),
-            serde_json::to_string(&ck.config.model).unwrap_or_default()
-        );
-        crate::gates::token_gate(be, gate, &model_key, |be| {
-            let mut r = GptRunner::new(be, cfg, &ck.params)?;
-            let mut greedy = Sampler::new(SamplerConfig {
-                temperature: 0.0,
-                ..SamplerConfig::default()
-            });
-            let mut out = Vec::new();
-            r.generate(be, &start, 100, &mut greedy, |t| {
-                out.push(t);
-                Ok(())
-            })?;
-            Ok(out)
-        })?;
-    }
-    let mut runner = GptRunner::new(be, cfg, &ck.params)?;
+    let gate_model = GptGate {
+        cfg,
+        vocab: &vocab,
+        params: &ck.params,
+    };
+    let paths = crate::gates::prepare(be, gate, &gate_model)?;
+    let mut runner = GptRunner::new(be, cfg, &ck.params, paths)?;
     // Warm up: the first pass builds every pipeline.
     runner.prefill(be, &prompt[prompt.len().saturating_sub(cfg.block_size)..])?;
     eprintln!(
         "inference warmed up in {:.1}s · {} · {} — ready to generate.",
         t0.elapsed().as_secs_f64(),
         be.describe(),
-        crate::gates::pills(be)
+        pills(paths)
     );
     let mut out = std::io::stdout().lock();
     out.write_all(a.prompt.as_bytes())?;
@@ -141,7 +127,12 @@ pub fn eval(be: &Backend, gate: &crate::gates::GateArgs, a: &EvalArgs) -> Result
     let cfg = &ck.config.model;
     let data = Dataset::with_vocab(text, ck.config.vocab.clone(), cfg.block_size)?;
     let seed = ck.state.as_ref().map_or(1337, |s| s.seed);
-    crate::gates::prepare(be, gate, cfg.gate_cases());
+    let gate_model = GptGate {
+        cfg,
+        vocab: &ck.config.vocab,
+        params: &ck.params,
+    };
+    let paths = crate::gates::prepare(be, gate, &gate_model)?;
     let mut tr = Trainer::new(
         be,
         cfg,
@@ -149,6 +140,7 @@ pub fn eval(be: &Backend, gate: &crate::gates::GateArgs, a: &EvalArgs) -> Result
         &ck.params,
         None,
         OptimConfig::default(),
+        paths,
     )?;
     let t = Instant::now();
     let mut sum = 0.0f64;
@@ -164,7 +156,7 @@ pub fn eval(be: &Backend, gate: &crate::gates::GateArgs, a: &EvalArgs) -> Result
         cfg.block_size,
         t.elapsed().as_secs_f64(),
         be.describe(),
-        crate::gates::pills(be)
+        pills(tr.paths())
     );
     Ok(())
 }

@@ -11,7 +11,9 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use tinygpt_formats::GgufFile;
 use tinygpt_kernels::Backend;
-use tinygpt_kernels::ops::quant_matmul::cpu::CpuIsa;
+use tinygpt_kernels::gate::pills;
+use tinygpt_kernels::ops::matmul::quant::cpu::CpuIsa;
+use tinygpt_models::gating::GgufGate;
 use tinygpt_models::llm::{Llm, LlmConfig, LoadOptions};
 
 use crate::gates::GateArgs;
@@ -79,41 +81,20 @@ pub fn load(be: &Backend, gate: &GateArgs, args: &ModelArgs) -> Result<Loaded> {
     let path = &args.model;
     let file = GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?;
     let cfg = LlmConfig::from_gguf(&file).with_context(|| format!("loading {}", path.display()))?;
-    crate::gates::prepare(be, gate, cfg.gate_cases());
     let tok = Tokenizer::from_gguf(file.metadata())
         .with_context(|| format!("reading the tokenizer of {}", path.display()))?;
     let chat_template = tok.chat_template().map(str::to_string);
     let file_bytes = file.bytes().len() as u64;
-    if be.as_gpu().is_some_and(|g| !g.active_paths().is_empty()) {
-        // End to end: 100 greedy tokens of a fixed prompt, f32 path against the fast paths. The cache
-        // key names the file by its size and a hash of its first MiB (header and tokenizer tables).
-        let head = &file.bytes()[..file.bytes().len().min(1 << 20)];
-        let key = format!(
-            "gguf {} {} {:016x}",
-            display_name(path, ""),
-            file_bytes,
-            crate::gates::fnv1a(
-                head.chunks(4)
-                    .map(|c| c.iter().rev().fold(0u32, |w, &b| (w << 8) | b as u32))
-            )
-        );
-        let prompt = tok.encode("The capital of France is", true);
-        crate::gates::token_gate(be, gate, &key, |be| {
-            let opts = LoadOptions {
-                context: Some(prompt.len() + 101),
-                ..LoadOptions::default()
-            };
-            let mut m = Llm::load(be, path, &opts, &mut |_| {})?;
-            let mut logits = m.prefill(be, &prompt)?;
-            let mut out = Vec::with_capacity(100);
-            for _ in 0..100 {
-                let t = tinygpt_models::sampler::argmax(&logits);
-                out.push(t);
-                logits = m.decode(be, t)?;
-            }
-            Ok(out)
-        })?;
-    }
+    // On a GPU: the op gates at the model's shapes, then 100 greedy tokens of a fixed prompt, f32 path
+    // against the fast paths. The quantized kernels are used only if they pass (otherwise the weights
+    // are held dequantized).
+    let gate_model = GgufGate {
+        file: &file,
+        cfg: &cfg,
+        prompt: tok.encode("The capital of France is", true),
+        name: display_name(path, ""),
+    };
+    let paths = crate::gates::prepare(be, gate, &gate_model)?;
     // The model maps the file again and releases each tensor's pages as it converts them, so memory
     // does not peak at the file plus the converted weights.
     drop(file);
@@ -130,6 +111,7 @@ pub fn load(be: &Backend, gate: &GateArgs, args: &ModelArgs) -> Result<Loaded> {
     });
     let opts = LoadOptions {
         context: args.ctx,
+        paths,
         ..LoadOptions::default()
     };
     let llm = Llm::load(be, path, &opts, &mut |p| {
@@ -162,7 +144,7 @@ pub fn load(be: &Backend, gate: &GateArgs, args: &ModelArgs) -> Result<Loaded> {
         llm.context(),
         be.describe(),
         if be.as_gpu().is_some() {
-            format!(" · {}", crate::gates::pills(be))
+            format!(" · {}", pills(llm.paths()))
         } else {
             String::new()
         },
@@ -309,10 +291,10 @@ pub fn process_memory() -> Option<(u64, u64)> {
 
 /// The kernel paths a model runs on: each projection's layout, and the matmul implementation.
 pub fn active_paths(be: &Backend, llm: &Llm) -> BTreeMap<String, String> {
-    let mut m: BTreeMap<String, String> = llm.paths().into_iter().collect();
+    let mut m: BTreeMap<String, String> = llm.layouts().into_iter().collect();
     let mm = match be {
         Backend::Cpu(c) => format!("CPU {:?}, {} threads", CpuIsa::detected(), c.threads()),
-        Backend::Gpu(_) => format!("WGSL ({})", crate::gates::pills(be)),
+        Backend::Gpu(_) => format!("WGSL ({})", pills(llm.paths())),
     };
     m.insert("quant_matmul".into(), mm);
     m

@@ -4,7 +4,7 @@
 
 use anyhow::{Result, bail};
 use tinygpt_formats::{GgmlType, GgufWriter};
-use tinygpt_kernels::testing::SeedRng;
+use tinygpt_kernels::rng::SeedRng;
 
 /// A model shape to imitate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

@@ -131,7 +131,8 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
         }
     };
     let seed = state.seed;
-    crate::gates::prepare(be, gate, cfg.gate_cases());
+    let paths = crate::gates::prepare_ops(be, gate, cfg.gate_cases())?
+        .map_or(tinygpt_kernels::PathSet::F32, |g| g.paths);
     let optim = OptimConfig {
         weight_decay: a.weight_decay,
         grad_clip: a.grad_clip,
@@ -148,6 +149,7 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
             .as_ref()
             .map(|(m, v)| (m.as_slice(), v.as_slice(), state.step)),
         optim,
+        paths,
     )?;
     eprintln!(
         "training {:.2}M parameters ({} layers, {} heads, {} wide, block {}) on {} · {} — {} train / {} val characters, vocabulary {}; set up in {:.2}s",
@@ -157,7 +159,7 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
         cfg.n_embd,
         cfg.block_size,
         be.describe(),
-        crate::gates::pills(be),
+        tinygpt_kernels::gate::pills(tr.paths()),
         data.train.len(),
         data.val.len(),
         data.vocab.len(),

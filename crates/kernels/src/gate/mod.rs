@@ -1,87 +1,41 @@
 //! The numerics gate: no fast path is used before it has proven, on this device, that it computes what
-//! the canonical f32 path computes.
+//! the canonical f32 path computes. This module owns the whole guarantee:
 //!
-//! A fast path is five things, declared together in [`paths::REGISTRY`]: feature detection, its
-//! kernel(s) (living in their op folders), its gate (the shapes it is checked at and how to evaluate
-//! one), its activation flag ([`PathId`], a bit on the GPU backend that ops consult) and its capability
-//! pill ("+f16 storage"). [`run_gates`] checks every path on the open device and turns on those that
-//! pass; a failed gate, a shader that does not compile, a device error or a panicking shader compiler
-//! leaves the f32 path in place and says why.
+//! ```text
+//!   registry.rs   the fast paths, one row each: id, name, pill, detection, kernel version, evaluation
+//!   mod.rs        the metric, the op gates at several shapes (run_gates), their reports and log lines
+//!   token.rs      the end-to-end token gate: a model's greedy tokens, f32 path against the fast paths
+//!   model.rs      one call for a model: op gates at its shapes, then the token gate -> a PathSet
+//!   store.rs      where verdicts persist (VerdictStore: files for the CLI, browser storage on the web)
+//! ```
+//!
+//! The gate's output is a [`PathSet`], a plain value: whatever runs (a model runner, a trainer) holds it
+//! and hands it to the ops. Nothing is switched on behind anyone's back.
 //!
 //! The metric (our precision spec): with inputs drawn uniformly from [-0.2, 0.2] and
 //! rel_i = |f_i − r_i| / max(|r_i|, 1% of mean|ref|), a path passes a shape only if
 //! max_abs < 1% of mean|ref| and mean_rel < 0.5%, with no NaN or Inf anywhere and nothing written
 //! outside its output. max_rel is reported, not gating. Every shape must pass.
 //!
-//! This crate does no file I/O (it also runs in browsers): the caller keeps the cache of passed gates
-//! and the telemetry report (see the `tinygpt` CLI), handing cached verdicts back in [`GateOptions`].
+//! The gate does no file I/O and never blocks (it also runs in browsers): reads are awaited, and
+//! verdicts go through the caller's [`VerdictStore`].
 
-pub mod paths;
+mod model;
+pub mod registry;
+mod store;
+mod token;
 
+pub use model::{GateModel, Gated, gate_device, gate_for_model};
+pub use store::{GateRecord, MemoryStore, VerdictStore};
+pub use token::{TokenOutcome, token_gate};
+
+use crate::backend::{Backend, Tensor};
+use crate::error::Result;
 use crate::gpu::GpuBackend;
+use crate::path::{Fault, PathId, PathSet};
+use registry::{PathDef, REGISTRY};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
-use std::time::Instant;
-
-/// A deliberately broken kernel, planted by tests to prove the gate rejects it
-/// ([`GpuBackend::plant_fault`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Fault {
-    /// int8 quants unpacked without sign extension (q8 matmul).
-    SignExtensionDropped,
-    /// Products accumulated in f16 instead of f32 (shader-f16 and f16-storage kernels).
-    F16Accumulation,
-    /// Scale index wraps after 64 blocks: wrong only when K >= 2048 (q8 matmul).
-    BlockIndexAtK2048,
-    /// One element written past the end of the output (every gated matmul kernel).
-    OutOfBoundsWrite,
-    /// A NaN written into the output (every gated matmul kernel).
-    NanOutput,
-}
-
-impl Fault {
-    pub const ALL: [Fault; 5] = [
-        Fault::SignExtensionDropped,
-        Fault::F16Accumulation,
-        Fault::BlockIndexAtK2048,
-        Fault::OutOfBoundsWrite,
-        Fault::NanOutput,
-    ];
-}
-
-/// A fast path's identity: its activation flag.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub enum PathId {
-    F16Storage,
-    ShaderF16,
-    Subgroups,
-    CoopMatrix,
-    QuantMatmul,
-}
-
-impl PathId {
-    pub const ALL: [PathId; 5] = [
-        PathId::F16Storage,
-        PathId::ShaderF16,
-        PathId::Subgroups,
-        PathId::CoopMatrix,
-        PathId::QuantMatmul,
-    ];
-
-    pub(crate) fn bit(self) -> u32 {
-        1 << (self as u32)
-    }
-
-    /// The name used in log lines and the cache ("f16-storage").
-    pub fn name(self) -> &'static str {
-        paths::def(self).name
-    }
-
-    /// The capability pill ("+f16 storage").
-    pub fn pill(self) -> &'static str {
-        paths::def(self).pill
-    }
-}
+use web_time::Instant;
 
 /// One shape a path is gated at: y[m, n] = x[m, k] · W[n, k]ᵀ.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -115,12 +69,11 @@ pub fn default_cases() -> Vec<GateCase> {
     ]
 }
 
-/// What one evaluation of a path at one shape produced.
-pub struct CaseOutput {
+/// One kernel run of a path's evaluation, recorded but not yet read back: its output tensor (m·n
+/// results poisoned with NaN beforehand, then a guard region) and the canonical f32 result.
+pub struct Pending {
     pub reference: Vec<f32>,
-    pub fast: Vec<f32>,
-    /// Whether the guard region after the fast path's output was left untouched.
-    pub guard_intact: bool,
+    pub output: Tensor,
 }
 
 /// The metric at one shape.
@@ -237,7 +190,7 @@ impl PathReport {
             (_, Some(s)) => {
                 let verdict = if s.pass { "PASS" } else { "FAIL" };
                 let tail = match self.status {
-                    Status::Active => format!(" — {}", paths::def(self.path).active_text),
+                    Status::Active => format!(" — {}", self.path.active_text()),
                     _ => self
                         .reason
                         .as_ref()
@@ -282,32 +235,44 @@ pub struct GateSummary {
 }
 
 impl GateSummary {
-    /// Pills of the paths in use, e.g. "+f16 storage +q8 matmul"; "f32 path" when none.
-    pub fn active_pills(&self) -> String {
-        let v: Vec<&str> = self
-            .reports
+    /// The paths that passed: what a runner should be built with.
+    pub fn active(&self) -> PathSet {
+        self.reports
             .iter()
             .filter(|r| r.status == Status::Active)
-            .map(|r| r.pill.as_str())
-            .collect();
-        if v.is_empty() {
-            "f32 path".into()
-        } else {
-            v.join(" ")
-        }
+            .map(|r| r.path)
+            .collect()
+    }
+
+    /// Pills of the paths in use, e.g. "+f16 storage +q8 matmul"; "f32 path" when none.
+    pub fn active_pills(&self) -> String {
+        pills(self.active())
+    }
+
+    /// Whether nothing had to be evaluated (every verdict came from the store, or the path is absent).
+    pub fn all_cached(&self) -> bool {
+        self.reports
+            .iter()
+            .all(|r| r.from_cache || r.status == Status::Unsupported)
     }
 }
 
+/// "+f16 storage +q8 matmul" for a path set; "f32 path" when it is empty.
+pub fn pills(paths: PathSet) -> String {
+    if paths.is_empty() {
+        return "f32 path".into();
+    }
+    paths.iter().map(PathId::pill).collect::<Vec<_>>().join(" ")
+}
+
 /// How to run the gates.
-#[derive(Default)]
+#[derive(Clone, Debug, Default)]
 pub struct GateOptions {
     /// Shapes added to [`default_cases`] (the loaded model's real shapes).
     pub extra_cases: Vec<GateCase>,
     /// Gate only these paths (None: all).
     pub only: Option<Vec<PathId>>,
-    /// Reports of earlier passes, by cache key; a passed path found here is not re-run.
-    pub cached: HashMap<String, PathReport>,
-    /// Ignore the cache.
+    /// Ignore stored verdicts.
     pub regate: bool,
     /// Replace the default shapes instead of adding to them (the planted-fault tests gate at K=128 only
     /// to show what a single small shape misses).
@@ -316,27 +281,57 @@ pub struct GateOptions {
     pub seed: u64,
 }
 
+/// The adapter's identity in cache keys: name, driver and driver version.
+pub(crate) fn adapter_key(g: &GpuBackend) -> String {
+    let i = g.info();
+    format!("{}|{}|{}", i.name, i.driver, i.driver_info)
+}
+
 /// Cache key of a path's verdict: adapter, driver, path, kernel version and the shapes gated.
 pub fn cache_key(g: &GpuBackend, id: PathId, cases: &[GateCase]) -> String {
-    let i = g.info();
     let shapes: Vec<String> = cases
         .iter()
         .map(|c| format!("{}x{}x{}", c.m, c.n, c.k))
         .collect();
     format!(
-        "{}|{}|{}|{}|v{}|{}",
-        i.name,
-        i.driver,
-        i.driver_info,
+        "{}|{}|v{}|{}",
+        adapter_key(g),
         id.name(),
-        paths::def(id).kernel_version,
+        id.kernel_version(),
         shapes.join(",")
     )
 }
 
-/// Gates every registered path on the GPU backend `be` and activates those that pass (paths not gated
-/// stay off). On the CPU backend there is nothing to gate: the summary is empty.
-pub fn run_gates(be: &crate::Backend, opts: &GateOptions) -> GateSummary {
+/// Gates every registered path on the GPU backend `be` (paths not in `opts.only` are not gated and not
+/// passed). On the CPU backend there is nothing to gate: the summary is empty. Passed verdicts are
+/// taken from and written to `store`.
+pub async fn run_gates(
+    be: &Backend,
+    opts: &GateOptions,
+    store: &mut dyn VerdictStore,
+) -> GateSummary {
+    run_gates_from(be, opts, store, None).await
+}
+
+/// [`run_gates`] with `fault` planted into the kernels of path `victim` (the other paths stay healthy):
+/// the test-only way to prove the gate rejects each kind of fault.
+#[cfg(any(test, feature = "testing"))]
+pub async fn run_gates_planted(
+    be: &Backend,
+    opts: &GateOptions,
+    store: &mut dyn VerdictStore,
+    fault: Fault,
+    victim: PathId,
+) -> GateSummary {
+    run_gates_from(be, opts, store, Some((fault, victim))).await
+}
+
+async fn run_gates_from(
+    be: &Backend,
+    opts: &GateOptions,
+    store: &mut dyn VerdictStore,
+    planted: Option<(Fault, PathId)>,
+) -> GateSummary {
     let t0 = Instant::now();
     let Some(g) = be.as_gpu() else {
         return GateSummary {
@@ -352,12 +347,12 @@ pub fn run_gates(be: &crate::Backend, opts: &GateOptions) -> GateSummary {
         default_cases()
     };
     cases.extend(opts.extra_cases.iter().cloned());
-    let mut reports = Vec::new();
-    for def in paths::REGISTRY {
+    let mut reports: Vec<PathReport> = Vec::new();
+    let mut passed = PathSet::F32;
+    for def in REGISTRY {
         if opts.only.as_ref().is_some_and(|o| !o.contains(&def.id)) {
             continue;
         }
-        g.set_path_active(def.id, false);
         let key = cache_key(g, def.id, &cases);
         let ts = Instant::now();
         let mut report = PathReport {
@@ -372,23 +367,40 @@ pub fn run_gates(be: &crate::Backend, opts: &GateOptions) -> GateSummary {
             cache_key: key.clone(),
             kernel_version: def.kernel_version,
         };
+        let cached = (!opts.regate)
+            .then(|| store.load(&key))
+            .flatten()
+            .and_then(|s| serde_json::from_str::<PathReport>(&s).ok())
+            .filter(|c| c.status == Status::Active);
         if let Err(why) = (def.detect)(g) {
             report.status = Status::Unsupported;
             report.reason = Some(why);
-        } else if let Some(missing) = def.requires.iter().find(|r| !g.path_active(**r)) {
+        } else if let Some(missing) = def.requires.iter().find(|r| !passed.has(**r)) {
             report.reason = Some(format!("needs {} first", missing.name()));
-        } else if let (false, Some(c)) = (
-            opts.regate,
-            opts.cached.get(&key).filter(|c| c.status == Status::Active),
-        ) {
+        } else if let Some(c) = cached {
             report.status = Status::Active;
-            report.shapes = c.shapes.clone();
+            report.shapes = c.shapes;
             report.from_cache = true;
         } else {
-            evaluate_path(be, def, &cases, opts.seed, &mut report);
+            let base = match planted {
+                Some((fault, victim)) if victim == def.id => PathSet::planted(fault),
+                _ => PathSet::F32,
+            };
+            let paths = def
+                .requires
+                .iter()
+                .fold(base.with(def.id), |s, r| s.with(*r));
+            evaluate_path(be, def, &cases, opts.seed, paths, &mut report).await;
+            // Only passes are remembered: a failure is re-checked next time (a driver update may fix it).
+            let verdict = (report.status == Status::Active)
+                .then(|| serde_json::to_string(&report).ok())
+                .flatten();
+            store.store(&key, verdict.as_deref());
         }
         report.millis = ts.elapsed().as_secs_f64() * 1e3;
-        g.set_path_active(def.id, report.status == Status::Active);
+        if report.status == Status::Active {
+            passed = passed.with(def.id);
+        }
         reports.push(report);
     }
     let i = g.info();
@@ -400,51 +412,123 @@ pub fn run_gates(be: &crate::Backend, opts: &GateOptions) -> GateSummary {
     }
 }
 
-fn evaluate_path(
-    be: &crate::Backend,
-    def: &paths::PathDef,
+/// Runs `def`'s evaluation at every shape with the kernels of `paths`; the report says the first shape
+/// that fails and why.
+async fn evaluate_path(
+    be: &Backend,
+    def: &PathDef,
     cases: &[GateCase],
     seed: u64,
+    paths: PathSet,
     report: &mut PathReport,
 ) {
     for case in cases {
-        // A shader compiler that panics (naga does, on some experimental features) must become a failed
-        // gate, not a crashed program.
-        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            (def.evaluate)(be, case, seed)
-        }));
-        let out = match out {
-            Ok(Ok(o)) => o,
-            Ok(Err(e)) => {
+        let runs = match record(be, def, case, seed, paths) {
+            Ok(r) => r,
+            Err(e) => {
                 report.reason = Some(format!("{}: {e}", case.label));
                 return;
             }
+        };
+        // The worst of the path's kernels at this shape decides (the quantized path runs two layouts).
+        let mut worst: Option<ShapeReport> = None;
+        for run in runs {
+            let (fast, guard_intact) = match read_guarded(be, &run.output, case).await {
+                Ok(r) => r,
+                Err(e) => {
+                    report.reason = Some(format!("{}: {e}", case.label));
+                    return;
+                }
+            };
+            let s = measure(case, &run.reference, &fast, guard_intact);
+            let worse = match &worst {
+                None => true,
+                Some(w) => w.pass && (!s.pass || s.mean_rel > w.mean_rel),
+            };
+            if worse {
+                worst = Some(s);
+            }
+        }
+        let Some(s) = worst else { continue };
+        let pass = s.pass;
+        report.reason = (!pass).then(|| {
+            format!(
+                "{}: {}",
+                case.label,
+                if !s.guard_intact {
+                    "wrote outside its output"
+                } else if !s.all_finite {
+                    "produced NaN or Inf"
+                } else {
+                    "outside the error limits"
+                }
+            )
+        });
+        report.shapes.push(s);
+        if !pass {
+            return;
+        }
+    }
+    report.status = Status::Active;
+}
+
+/// Records a path's kernels at one shape. A shader compiler that panics (naga does, on some
+/// experimental features) becomes a failed gate, not a crashed program.
+fn record(
+    be: &Backend,
+    def: &PathDef,
+    case: &GateCase,
+    seed: u64,
+    paths: PathSet,
+) -> std::result::Result<Vec<Pending>, String> {
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            (def.evaluate)(be, case, seed, paths)
+        }));
+        match out {
+            Ok(r) => r.map_err(|e| e.to_string()),
             Err(p) => {
                 let msg = p
                     .downcast_ref::<String>()
                     .cloned()
                     .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
                     .unwrap_or_else(|| "panic".into());
-                report.reason = Some(format!("{}: kernel panicked: {msg}", case.label));
-                return;
+                Err(format!("kernel panicked: {msg}"))
             }
-        };
-        let s = measure(case, &out.reference, &out.fast, out.guard_intact);
-        let pass = s.pass;
-        report.shapes.push(s);
-        if !pass {
-            let last = report.shapes.last().expect("just pushed");
-            report.reason = Some(if !last.guard_intact {
-                format!("{}: wrote outside its output", case.label)
-            } else if !last.all_finite {
-                format!("{}: produced NaN or Inf", case.label)
-            } else {
-                format!("{}: outside the error limits", case.label)
-            });
-            return;
         }
     }
-    report.status = Status::Active;
+    #[cfg(target_arch = "wasm32")]
+    (def.evaluate)(be, case, seed, paths).map_err(|e| e.to_string())
+}
+
+/// Value the guard region after a gated output is filled with (and must still hold afterwards).
+pub const GUARD: f32 = 1234.5;
+
+/// An output of m·n elements poisoned with NaN, followed by a guard region.
+pub fn guarded_output(be: &Backend, c: &GateCase) -> Result<Tensor> {
+    let mut v = vec![f32::NAN; c.m * c.n];
+    v.extend(std::iter::repeat_n(GUARD, c.n + 64));
+    be.from_f32(&v, 1)
+}
+
+/// Reads a guarded output back: (the m·n results, whether the guard is intact).
+pub async fn read_guarded(be: &Backend, t: &Tensor, c: &GateCase) -> Result<(Vec<f32>, bool)> {
+    be.flush()?;
+    let mut v = be.read_f32(t.into(), t.len()).await?;
+    let guard = v.split_off(c.m * c.n);
+    Ok((v, guard.iter().all(|&g| g == GUARD)))
+}
+
+/// A stable 64-bit FNV-1a hash of `words`: names a model's weights in the token gate's store key.
+pub fn fingerprint(words: impl IntoIterator<Item = u32>) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for w in words {
+        for b in w.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
 }
 
 /// The token gate: the first position where the fast path's greedy tokens leave the f32 path's.

@@ -1,8 +1,13 @@
 use super::*;
-use crate::testing::gpu_backend;
+use crate::ops::matmul::{Gemm, Kernel, QMatrix, choose, quant::quantize_q8_32};
+use crate::testing::{cpu_backend, gpu_backend};
 
 fn case() -> GateCase {
     GateCase::new("t", 2, 3, 4)
+}
+
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    pollster::block_on(f)
 }
 
 #[test]
@@ -42,14 +47,21 @@ fn token_gate_finds_the_first_divergence() {
     assert_eq!(first_divergence(&[1, 2, 3], &[1, 2]), Some(2));
 }
 
+/// The paths to gate so that `p` can be evaluated: its prerequisites, then itself.
+fn with_requirements(p: PathId) -> Vec<PathId> {
+    let mut v = registry::def(p).requires.to_vec();
+    v.push(p);
+    v
+}
+
+/// Gates `paths` on a fresh GPU backend (a fresh store: nothing cached), with `fault` planted into the
+/// kernels of one of them.
 fn gate(
     paths: &[PathId],
-    fault: Option<Fault>,
+    fault: Option<(Fault, PathId)>,
     cases: Option<Vec<GateCase>>,
 ) -> Option<GateSummary> {
     let be = gpu_backend(None)?;
-    let g = be.as_gpu().expect("gpu");
-    g.plant_fault(fault);
     let opts = GateOptions {
         only: Some(paths.to_vec()),
         replace_cases: cases.is_some(),
@@ -57,14 +69,24 @@ fn gate(
         seed: 7,
         ..GateOptions::default()
     };
-    Some(run_gates(&be, &opts))
+    let mut store = MemoryStore::default();
+    Some(block_on(match fault {
+        Some((f, victim)) => futures_either(run_gates_planted(&be, &opts, &mut store, f, victim)),
+        None => futures_either(run_gates(&be, &opts, &mut store)),
+    }))
 }
 
-fn status(s: &GateSummary, p: PathId) -> Status {
+/// Boxes either future so both arms of a match have one type.
+fn futures_either<'a>(
+    f: impl std::future::Future<Output = GateSummary> + 'a,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = GateSummary> + 'a>> {
+    Box::pin(f)
+}
+
+fn report(s: &GateSummary, p: PathId) -> &PathReport {
     s.reports
         .iter()
         .find(|r| r.path == p)
-        .map(|r| r.status)
         .expect("path was gated")
 }
 
@@ -77,7 +99,7 @@ fn every_healthy_path_passes_on_this_adapter() {
     let gpu = g.as_gpu().expect("gpu");
     for r in &s.reports {
         eprintln!("{}", r.log_line());
-        let supported = (paths::def(r.path).detect)(gpu).is_ok();
+        let supported = (registry::def(r.path).detect)(gpu).is_ok();
         if supported && r.path != PathId::CoopMatrix {
             assert_eq!(
                 r.status,
@@ -88,7 +110,7 @@ fn every_healthy_path_passes_on_this_adapter() {
             );
             assert_eq!(r.shapes.len(), default_cases().len());
             assert!(
-                r.log_line().ends_with(paths::def(r.path).active_text),
+                r.log_line().ends_with(r.path.active_text()),
                 "{}",
                 r.log_line()
             );
@@ -98,16 +120,20 @@ fn every_healthy_path_passes_on_this_adapter() {
         }
     }
     assert!(s.active_pills().contains("+f16 storage") && s.active_pills().contains("+q8 matmul"));
+    assert!(s.active().has(PathId::F16Storage) && s.active().has(PathId::QuantMatmul));
 }
 
 /// Which paths each planted fault breaks (the kernels it is planted into).
 fn victims(f: Fault) -> Vec<PathId> {
     match f {
         Fault::SignExtensionDropped | Fault::BlockIndexAtK2048 => vec![PathId::QuantMatmul],
-        Fault::F16Accumulation => vec![PathId::F16Storage],
-        Fault::OutOfBoundsWrite | Fault::NanOutput => {
-            vec![PathId::F16Storage, PathId::Subgroups, PathId::QuantMatmul]
-        }
+        Fault::F16Accumulation => vec![PathId::F16Storage, PathId::ShaderF16],
+        Fault::OutOfBoundsWrite | Fault::NanOutput => vec![
+            PathId::F16Storage,
+            PathId::Subgroups,
+            PathId::CoopMatrix,
+            PathId::QuantMatmul,
+        ],
     }
 }
 
@@ -115,11 +141,13 @@ fn victims(f: Fault) -> Vec<PathId> {
 fn every_planted_fault_is_rejected() {
     for f in Fault::ALL {
         for p in victims(f) {
-            let Some(s) = gate(&[p], Some(f), None) else {
+            let Some(s) = gate(&with_requirements(p), Some((f, p)), None) else {
                 return;
             };
-            let r = &s.reports[0];
-            if r.status == Status::Unsupported {
+            let r = report(&s, p);
+            if r.status == Status::Unsupported
+                || r.reason.as_deref().is_some_and(|w| w.starts_with("needs"))
+            {
                 continue;
             }
             assert_eq!(
@@ -140,116 +168,198 @@ fn every_planted_fault_is_rejected() {
             );
             assert!(r.log_line().contains("FAIL"), "{}", r.log_line());
             assert!(r.pill_text().starts_with('-'));
+            assert!(!s.active().has(p));
+            // The fault stays where it was planted: the prerequisites it was gated with still pass.
+            for q in registry::def(p).requires {
+                assert_eq!(report(&s, *q).status, Status::Active);
+            }
         }
     }
 }
 
 #[test]
-fn shader_f16_with_f16_accumulation_is_rejected() {
+fn shader_f16_with_f16_accumulation_is_rejected_for_its_numbers() {
     let Some(be) = gpu_backend(None) else { return };
-    let g = be.as_gpu().expect("gpu");
-    if !g.has_feature(wgpu::Features::SHADER_F16) {
+    if !be
+        .as_gpu()
+        .expect("gpu")
+        .has_feature(wgpu::Features::SHADER_F16)
+    {
         return;
     }
-    // shader-f16 needs f16-storage to pass first (healthy), then is gated with the fault planted.
-    let opts = GateOptions {
-        only: Some(vec![PathId::F16Storage]),
-        seed: 7,
-        ..GateOptions::default()
-    };
-    assert_eq!(run_gates(&be, &opts).reports[0].status, Status::Active);
-    g.plant_fault(Some(Fault::F16Accumulation));
-    let opts = GateOptions {
-        only: Some(vec![PathId::ShaderF16]),
-        seed: 7,
-        ..GateOptions::default()
-    };
-    let s = run_gates(&be, &opts);
-    assert_eq!(
-        s.reports[0].status,
-        Status::Rejected,
-        "{}",
-        s.reports[0].log_line()
-    );
+    let s = gate(
+        &with_requirements(PathId::ShaderF16),
+        Some((Fault::F16Accumulation, PathId::ShaderF16)),
+        None,
+    )
+    .expect("gpu");
+    let r = report(&s, PathId::ShaderF16);
+    assert_eq!(r.status, Status::Rejected, "{}", r.log_line());
     assert!(
-        s.reports[0]
-            .reason
-            .as_deref()
-            .unwrap_or("")
-            .contains("error limits"),
+        r.reason.as_deref().unwrap_or("").contains("error limits"),
         "{:?}",
-        s.reports[0].reason
+        r.reason
     );
 }
 
 #[test]
 fn a_single_small_gate_misses_the_block_index_fault_that_the_multi_shape_gate_catches() {
     let small = vec![GateCase::new("K=128", 4, 64, 128)];
-    let Some(s) = gate(
-        &[PathId::QuantMatmul],
-        Some(Fault::BlockIndexAtK2048),
-        Some(small),
-    ) else {
+    let planted = Some((Fault::BlockIndexAtK2048, PathId::QuantMatmul));
+    let Some(s) = gate(&[PathId::QuantMatmul], planted, Some(small)) else {
         return;
     };
     assert_eq!(
-        status(&s, PathId::QuantMatmul),
+        report(&s, PathId::QuantMatmul).status,
         Status::Active,
         "the fault only shows at K >= 2048"
     );
-    let s = gate(&[PathId::QuantMatmul], Some(Fault::BlockIndexAtK2048), None).expect("gpu");
-    assert_eq!(status(&s, PathId::QuantMatmul), Status::Rejected);
+    let s = gate(&[PathId::QuantMatmul], planted, None).expect("gpu");
+    let r = report(&s, PathId::QuantMatmul);
+    assert_eq!(r.status, Status::Rejected);
     assert!(
-        s.reports[0]
-            .reason
-            .as_deref()
-            .unwrap_or("")
-            .contains("K=49152"),
+        r.reason.as_deref().unwrap_or("").contains("K=49152"),
         "{:?}",
-        s.reports[0].reason
+        r.reason
     );
 }
 
 #[test]
-fn passed_gates_are_cached_and_regate_reruns_them() {
+fn passed_gates_are_stored_and_regate_reruns_them() {
     let Some(be) = gpu_backend(None) else { return };
     let opts = GateOptions {
         only: Some(vec![PathId::F16Storage]),
         seed: 7,
         ..GateOptions::default()
     };
-    let first = run_gates(&be, &opts);
+    let mut store = MemoryStore::default();
+    let first = block_on(run_gates(&be, &opts, &mut store));
     assert_eq!(first.reports[0].status, Status::Active);
-    let cached: HashMap<String, PathReport> = first
-        .reports
-        .iter()
-        .map(|r| (r.cache_key.clone(), r.clone()))
-        .collect();
-    let again = run_gates(
+    assert!(!first.reports[0].from_cache);
+    assert_eq!(store.verdicts.len(), 1, "the pass is stored");
+    let again = block_on(run_gates(&be, &opts, &mut store));
+    assert!(again.reports[0].from_cache && again.reports[0].status == Status::Active);
+    assert!(again.all_cached() && again.active().has(PathId::F16Storage));
+    let forced = block_on(run_gates(
         &be,
         &GateOptions {
-            cached: cached.clone(),
+            regate: true,
+            ..opts.clone()
+        },
+        &mut store,
+    ));
+    assert!(!forced.reports[0].from_cache);
+    // A failure forgets what was stored, so it is checked again next time.
+    let failed = block_on(run_gates_planted(
+        &be,
+        &GateOptions {
+            regate: true,
             ..opts
         },
+        &mut store,
+        Fault::NanOutput,
+        PathId::F16Storage,
+    ));
+    assert_eq!(failed.reports[0].status, Status::Rejected);
+    assert!(store.verdicts.is_empty());
+}
+
+/// The kernel choice is a function of the path set handed in: gating (which runs every fast kernel on
+/// the device) changes nothing for a caller that holds the f32 set.
+#[test]
+fn what_runs_depends_only_on_the_path_set_held() {
+    let Some(be) = gpu_backend(None) else { return };
+    let mut store = MemoryStore::default();
+    let s = block_on(run_gates(&be, &GateOptions::default(), &mut store));
+    let x = be.zeros(64, 1).unwrap();
+    let w = be.zeros(64 * 8, 1).unwrap();
+    let mut y = be.zeros(8, 1).unwrap();
+    let g = Gemm::nt(1, 8, 64);
+    let yv: crate::TMut<'_> = (&mut y).into();
+    let f32_choice = choose(&be, (&x).into(), (&w).into(), &yv, &g, PathSet::F32);
+    assert_eq!(
+        f32_choice.kernel,
+        Kernel::Gemv {
+            shader_f16: false,
+            subgroups: false
+        }
     );
-    assert!(again.reports[0].from_cache && again.reports[0].status == Status::Active);
-    assert!(be.as_gpu().expect("gpu").path_active(PathId::F16Storage));
-    let forced = run_gates(
-        &be,
-        &GateOptions {
-            cached,
-            regate: true,
-            only: Some(vec![PathId::F16Storage]),
-            seed: 7,
-            ..GateOptions::default()
-        },
+    let fast = choose(&be, (&x).into(), (&w).into(), &yv, &g, s.active());
+    if s.active().has(PathId::Subgroups) {
+        assert_eq!(
+            fast.kernel,
+            Kernel::Gemv {
+                shader_f16: false,
+                subgroups: true
+            }
+        );
+    }
+    // A quantized matrix is held as blocks only for a set with the quantized kernels.
+    let src = quantize_q8_32(&vec![0.1; 8 * 64], 8, 64);
+    assert!(
+        !QMatrix::upload(&be, src.clone(), PathSet::F32)
+            .unwrap()
+            .is_quantized()
     );
-    assert!(!forced.reports[0].from_cache);
+    let q = PathSet::of(&[PathId::QuantMatmul]);
+    assert!(QMatrix::upload(&be, src, q).unwrap().is_quantized());
 }
 
 #[test]
 fn the_cpu_backend_has_nothing_to_gate() {
-    let s = run_gates(&crate::testing::cpu_backend(), &GateOptions::default());
+    let mut store = MemoryStore::default();
+    let s = block_on(run_gates(
+        &cpu_backend(),
+        &GateOptions::default(),
+        &mut store,
+    ));
     assert!(s.reports.is_empty());
     assert_eq!(s.active_pills(), "f32 path");
+}
+
+/// The token gate keeps the paths whose greedy tokens equal the f32 path's, drops the others (and what
+/// needs them), stores its verdict and reuses it.
+#[test]
+fn token_gate_drops_exactly_the_paths_that_diverge() {
+    let be = cpu_backend();
+    let mut store = MemoryStore::default();
+    let active = PathSet::of(&[PathId::F16Storage, PathId::ShaderF16, PathId::Subgroups]);
+    let reference = vec![5u32, 6, 7, 8];
+    let mut calls = Vec::new();
+    let run = |store: &mut MemoryStore, regate: bool, calls: &mut Vec<PathSet>| {
+        let mut log = Vec::new();
+        let out = block_on(token_gate(
+            &be,
+            store,
+            "model",
+            active,
+            regate,
+            async |p: PathSet| -> std::result::Result<Vec<u32>, String> {
+                calls.push(p);
+                let mut t = reference.clone();
+                if p.has(PathId::F16Storage) {
+                    t[2] = 0; // f16 weights change the third token
+                }
+                Ok(t)
+            },
+            &mut |l| log.push(l.to_string()),
+        ))
+        .unwrap();
+        (out, log)
+    };
+    let (out, log) = run(&mut store, false, &mut calls);
+    assert_eq!(out.kept, vec![PathId::Subgroups]);
+    assert_eq!(out.dropped[0], (PathId::F16Storage, 2));
+    assert_eq!(out.dropped[1].0, PathId::ShaderF16, "it needs f16-storage");
+    assert_eq!(out.kept_set(active), PathSet::of(&[PathId::Subgroups]));
+    assert!(
+        log[0].contains("diverge from the f32 path at token 2"),
+        "{log:?}"
+    );
+    assert_eq!(calls[0], PathSet::F32, "the reference runs on the f32 path");
+    let (again, log) = run(&mut store, false, &mut calls);
+    assert!(again.from_cache && again.kept == out.kept, "{log:?}");
+    assert_eq!(calls.len(), 4, "a stored verdict runs nothing");
+    let (forced, _) = run(&mut store, true, &mut calls);
+    assert!(!forced.from_cache && calls.len() > 4);
 }

@@ -14,7 +14,6 @@ pub(crate) use pipeline::{Pipeline, PipelineOptions};
 pub use split::GpuTensor;
 pub(crate) use split::{Operand, Segment, segments};
 
-use crate::device::DeviceOptions;
 use crate::error::{Error, Result};
 use split::Chunk;
 
@@ -83,9 +82,6 @@ pub struct GpuBackend {
     counters: Cell<GpuCounters>,
     next_pipeline_id: Cell<u64>,
     scratch: RefCell<HashMap<&'static str, GpuTensor>>,
-    /// Fast paths whose gates passed (bit i = `PathId::ALL[i]`).
-    active_paths: Cell<u32>,
-    planted_fault: Cell<Option<crate::gate::Fault>>,
 }
 
 #[derive(Hash, PartialEq, Eq)]
@@ -119,7 +115,8 @@ impl GpuBackend {
         queue: wgpu::Queue,
         ai: wgpu::AdapterInfo,
         limits: wgpu::Limits,
-        opts: &DeviceOptions,
+        low_end: bool,
+        max_binding_override: Option<u64>,
         coop: Vec<wgpu::CooperativeMatrixProperties>,
     ) -> Result<Self> {
         let error = Arc::new(Mutex::new(None::<String>));
@@ -144,8 +141,7 @@ impl GpuBackend {
         let binding = limits
             .max_storage_buffer_binding_size
             .min(limits.max_buffer_size);
-        let max_chunk_bytes = opts
-            .max_binding_override
+        let max_chunk_bytes = max_binding_override
             .map_or(binding, |o| o.min(binding))
             .max(256);
         let params_buffer = device.create_buffer(&wgpu::BufferDescriptor {
@@ -163,7 +159,7 @@ impl GpuBackend {
             vendor: ai.vendor,
             device: ai.device,
             features: feature_names(features),
-            low_end: opts.low_end,
+            low_end,
             max_storage_binding: limits.max_storage_buffer_binding_size,
             max_buffer: limits.max_buffer_size,
             max_storage_buffers_per_stage: limits.max_storage_buffers_per_shader_stage,
@@ -203,8 +199,6 @@ impl GpuBackend {
             counters: Cell::default(),
             next_pipeline_id: Cell::new(0),
             scratch: RefCell::default(),
-            active_paths: Cell::new(0),
-            planted_fault: Cell::new(None),
         })
     }
 
@@ -216,39 +210,6 @@ impl GpuBackend {
     /// Whether the device was opened with `f`.
     pub fn has_feature(&self, f: wgpu::Features) -> bool {
         self.features.contains(f)
-    }
-
-    /// Whether fast path `p` passed its gate and is in use.
-    pub fn path_active(&self, p: crate::gate::PathId) -> bool {
-        self.active_paths.get() & p.bit() != 0
-    }
-
-    /// Turns fast path `p` on or off (the numerics gate does this; tests and the token gate too).
-    pub fn set_path_active(&self, p: crate::gate::PathId, on: bool) {
-        let b = self.active_paths.get();
-        self.active_paths
-            .set(if on { b | p.bit() } else { b & !p.bit() });
-    }
-
-    /// The fast paths in use, in registry order.
-    pub fn active_paths(&self) -> Vec<crate::gate::PathId> {
-        crate::gate::PathId::ALL
-            .into_iter()
-            .filter(|p| self.path_active(*p))
-            .collect()
-    }
-
-    /// Swaps broken kernels in (or back out with `None`) for every pipeline built from now on: the
-    /// test-only way to prove the numerics gate rejects each kind of fault. Clears the pipeline cache.
-    pub fn plant_fault(&self, fault: Option<crate::gate::Fault>) {
-        self.planted_fault.set(fault);
-        self.pipelines.borrow_mut().clear();
-        self.bind_groups.borrow_mut().clear();
-    }
-
-    /// The fault planted by [`GpuBackend::plant_fault`], if any.
-    pub fn planted_fault(&self) -> Option<crate::gate::Fault> {
-        self.planted_fault.get()
     }
 
     /// Submits and dispatches so far (benchmarks print the per-step figures).

@@ -13,13 +13,18 @@ pub mod fill;
 pub mod gelu;
 pub mod glu;
 pub mod matmul;
-pub mod matmul_coop;
-pub mod matmul_f16;
 pub mod norm;
-pub mod quant_matmul;
 pub mod reduce;
 pub mod rope;
 pub mod softmax;
+
+/// How a backward op writes a gradient: overwriting its output, or adding into it (a tensor that
+/// already holds another branch's contribution, such as the residual stream's gradient).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Grad {
+    Overwrite,
+    Accumulate,
+}
 
 #[cfg(test)]
 mod tests;

@@ -102,7 +102,7 @@ impl Dataset {
         block: usize,
     ) -> (Vec<u32>, Vec<u32>) {
         let data = if val { &self.val } else { &self.train };
-        let mut rng = tinygpt_kernels::testing::SeedRng::new(
+        let mut rng = tinygpt_kernels::rng::SeedRng::new(
             seed ^ (index.wrapping_mul(0x9E37_79B9_7F4A_7C15)) ^ if val { 0x5A5A_5A5A } else { 0 },
         );
         let span = data.len() - block - 1;

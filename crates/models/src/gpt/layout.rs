@@ -154,7 +154,7 @@ impl Layout {
     /// Initial parameters as nanoGPT draws them: N(0, 0.02) for matrices and embeddings, N(0, 0.02 /
     /// sqrt(2 · layers)) for the projections into the residual stream, 1 for LayerNorm weights.
     pub fn init(&self, cfg: &GptConfig, seed: u64) -> Vec<f32> {
-        let mut rng = tinygpt_kernels::testing::SeedRng::new(seed);
+        let mut rng = tinygpt_kernels::rng::SeedRng::new(seed);
         let mut p = vec![0.0f32; self.total];
         let proj_std = 0.02 / (2.0 * cfg.n_layer as f32).sqrt();
         for e in &self.entries {

@@ -1,6 +1,7 @@
 //! TinyGPT's own model: a character-level GPT-2-style transformer, trained and sampled with the same
 //! code on the CPU and GPU backends.
 
+mod block;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

@@ -1,24 +1,29 @@
 //! Training: the forward pass, the backward pass and the AdamW step, all recorded into one submission
 //! per step on the GPU (or run directly on the CPU backend), with every buffer planned up front.
 //!
-//! Reading the functions top to bottom is reading the model: `forward` walks embedding → blocks →
-//! final LayerNorm → tied head → cross-entropy; `backward` walks the same path in reverse.
+//! Reading the functions top to bottom is reading the model: `forward` walks embedding → blocks
+//! ([`block_forward`], the same one inference runs) → final LayerNorm → tied head → cross-entropy;
+//! `backward` walks the same path in reverse.
 
+use super::block::{
+    Attention, BackScratch, BlockActs, Dims, EPS, Params, ResidualDropout, SavedAttention,
+    block_backward, block_forward, linear_backward,
+};
 use super::config::GptConfig;
-use super::infer::linear;
+use super::infer::packed_copy;
 use super::layout::Layout;
+use tinygpt_kernels::ops::Grad;
 use tinygpt_kernels::ops::adamw::{AdamW, Clip, adamw};
-use tinygpt_kernels::ops::attention::{AttnShape, attention_backward, attention_forward};
+use tinygpt_kernels::ops::attention::AttnShape;
 use tinygpt_kernels::ops::cross_entropy::cross_entropy;
-use tinygpt_kernels::ops::dropout::{dropout, dropout_add, hash};
+use tinygpt_kernels::ops::dropout::{dropout, hash};
 use tinygpt_kernels::ops::embedding::{
     EmbedShape, GradIndex, Positions, embedding, embedding_backward,
 };
-use tinygpt_kernels::ops::gelu::{gelu, gelu_backward};
-use tinygpt_kernels::ops::matmul::{Gemm, matmul};
+use tinygpt_kernels::ops::matmul::{Gemm, matmul, pack_f16};
 use tinygpt_kernels::ops::norm::{NormKind, NormShape, norm_backward, norm_forward};
 use tinygpt_kernels::ops::reduce::{Reduce, reduce};
-use tinygpt_kernels::{Backend, DType, Result, Tensor};
+use tinygpt_kernels::{Backend, DType, PathId, PathSet, Result, Tensor};
 
 /// Optimizer settings (nanoGPT's shakespeare-char recipe by default).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -28,9 +33,9 @@ pub struct OptimConfig {
     pub eps: f32,
     pub weight_decay: f32,
     pub grad_clip: f32,
-    /// Read the forward pass's block matrices from an f16 copy (re-packed every step) when the
-    /// f16-storage path passed its gate. Off by default: a training batch's activations dwarf its weights,
-    /// so halving weight reads does not pay for the packing (measured on an H200, docs/perf.md).
+    /// Read the forward pass's block matrices from an f16 copy (re-packed every step) when the path set
+    /// has f16 storage. Off by default: a training batch's activations dwarf its weights, so halving
+    /// weight reads does not pay for the packing (measured on an H200, docs/perf.md).
     pub f16_forward: bool,
 }
 
@@ -47,22 +52,13 @@ impl Default for OptimConfig {
     }
 }
 
-const EPS: f32 = 1e-5;
-
-/// Per-layer saved activations.
+/// One layer's saved activations: the block's input, its activations, and what its attention kept.
 struct LayerActs {
-    x: Tensor,         // residual stream entering the block [N, C]
-    ln1: Tensor,       // [N, C]
-    ln1_stats: Tensor, // [2N]
-    qkv: Tensor,       // [N, 3C]
-    probs: Tensor,     // [B, H, T, T]
+    x: Tensor, // residual stream entering the block [N, C]
+    acts: BlockActs,
+    qkv: Tensor,   // [N, 3C]
+    probs: Tensor, // [B, H, T, T]
     dropped: Option<Tensor>,
-    atty: Tensor, // attention output before the projection [N, C]
-    xmid: Tensor, // residual after the attention branch [N, C]
-    ln2: Tensor,
-    ln2_stats: Tensor,
-    fc: Tensor,  // MLP hidden before GELU [N, 4C]
-    act: Tensor, // after GELU [N, 4C]
 }
 
 /// Everything a training step needs, allocated once for a batch size.
@@ -77,6 +73,8 @@ pub struct Trainer {
     v: Tensor,
     /// AdamW steps taken so far.
     pub step: u32,
+    /// The fast paths the forward pass runs on (the backward pass and the optimizer stay f32).
+    paths: PathSet,
     ids: Tensor,
     targets: Tensor,
     index: GradIndex,
@@ -89,17 +87,11 @@ pub struct Trainer {
     /// [0]: mean loss of the last forward pass; [1]: squared global gradient norm.
     stats: Tensor,
     // Scratch for the backward pass.
-    tmp: Tensor,
+    back: BackScratch,
     dresid: Tensor,
-    dln: Tensor,
-    datty: Tensor,
-    dqkv: Tensor,
-    d4a: Tensor,
-    d4b: Tensor,
-    dprobs: Tensor,
     dlogits: Tensor,
-    /// f16 copy of the parameters for the forward pass's block matrices, when the f16-storage path
-    /// passed its gate; re-packed at the top of every forward pass, so it is never stale.
+    /// f16 copy of the parameters for the forward pass's block matrices, with `f16_forward` and the
+    /// f16-storage path; re-packed at the top of every forward pass, so it is never stale.
     packed: Option<Tensor>,
 }
 
@@ -116,7 +108,9 @@ fn drop_seed(seed: u32, step: u32, layer: usize, site: u32) -> u32 {
 
 impl Trainer {
     /// Plans every buffer for batches of `batch` sequences, starting from `params` (host, in
-    /// [`Layout`] order) and, when resuming, the optimizer moments and step.
+    /// [`Layout`] order) and, when resuming, the optimizer moments and step. The forward pass uses the
+    /// fast paths of `paths` that suit training: f16 weights only with `optim.f16_forward`, never the
+    /// tensor cores (for this model they measured slower than the f32 kernels, docs/perf.md).
     pub fn new(
         be: &Backend,
         cfg: &GptConfig,
@@ -124,6 +118,7 @@ impl Trainer {
         params: &[f32],
         moments: Option<(&[f32], &[f32], u32)>,
         optim: OptimConfig,
+        paths: PathSet,
     ) -> Result<Self> {
         let layout = Layout::new(cfg);
         assert_eq!(
@@ -131,6 +126,10 @@ impl Trainer {
             layout.total,
             "parameters do not match the layout"
         );
+        let mut paths = paths.without(PathId::CoopMatrix);
+        if !optim.f16_forward {
+            paths = paths.without(PathId::F16Storage).without(PathId::ShaderF16);
+        }
         let (t, c, h, v) = (cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size);
         let n = batch * t;
         let shape = AttnShape {
@@ -145,8 +144,7 @@ impl Trainer {
         for _ in 0..cfg.n_layer {
             layers.push(LayerActs {
                 x: z(n * c, t * c)?,
-                ln1: z(n * c, c)?,
-                ln1_stats: z(2 * n, 1)?,
+                acts: BlockActs::new(be, n, c, t)?,
                 qkv: z(n * 3 * c, t * 3 * c)?,
                 probs: z(shape.probs_len(), probs_unit)?,
                 dropped: if cfg.dropout > 0.0 {
@@ -154,12 +152,6 @@ impl Trainer {
                 } else {
                     None
                 },
-                atty: z(n * c, t * c)?,
-                xmid: z(n * c, c)?,
-                ln2: z(n * c, c)?,
-                ln2_stats: z(2 * n, 1)?,
-                fc: z(n * 4 * c, 4 * c)?,
-                act: z(n * 4 * c, 4 * c)?,
             });
         }
         let (m, vv, step) = match moments {
@@ -174,12 +166,15 @@ impl Trainer {
                 0,
             ),
         };
+        let params = be.from_f32(params, layout.unit)?;
         Ok(Trainer {
-            params: be.from_f32(params, layout.unit)?,
+            packed: packed_copy(be, &params, paths)?,
+            params,
             grads: z(layout.total, layout.unit)?,
             m,
             v: vv,
             step,
+            paths,
             ids: be.zeros_typed(n, t, DType::U32)?,
             targets: be.zeros_typed(n, t, DType::U32)?,
             index: GradIndex::new(be, n, v)?,
@@ -190,20 +185,17 @@ impl Trainer {
             logits: z(n * v, v)?,
             losses: z(n, 1)?,
             stats: z(2, 1)?,
-            tmp: z(n * c, t * c)?,
-            dresid: z(n * c, t * c)?,
-            dln: z(n * c, c)?,
-            datty: z(n * c, t * c)?,
-            dqkv: z(n * 3 * c, t * 3 * c)?,
-            d4a: z(n * 4 * c, 4 * c)?,
-            d4b: z(n * 4 * c, 4 * c)?,
-            dprobs: z(shape.probs_len(), probs_unit)?,
-            dlogits: z(n * v, v)?,
-            packed: if optim.f16_forward {
-                super::infer::packed_buffer(be, layout.total)?
-            } else {
-                None
+            back: BackScratch {
+                tmp: z(n * c, t * c)?,
+                dln: z(n * c, c)?,
+                datty: z(n * c, t * c)?,
+                dqkv: z(n * 3 * c, t * 3 * c)?,
+                d4a: z(n * 4 * c, 4 * c)?,
+                d4b: z(n * 4 * c, 4 * c)?,
+                dprobs: z(shape.probs_len(), probs_unit)?,
             },
+            dresid: z(n * c, t * c)?,
+            dlogits: z(n * v, v)?,
             cfg: cfg.clone(),
             layout,
             batch,
@@ -215,12 +207,34 @@ impl Trainer {
         self.batch * self.cfg.block_size
     }
 
+    /// The fast paths the forward pass runs on.
+    pub fn paths(&self) -> PathSet {
+        self.paths
+    }
+
     fn attn_shape(&self) -> AttnShape {
         AttnShape {
             batch: self.batch,
             t: self.cfg.block_size,
             heads: self.cfg.n_head,
             head_dim: self.cfg.head_dim(),
+        }
+    }
+
+    fn dims(&self) -> Dims {
+        Dims {
+            rows: self.tokens(),
+            c: self.cfg.n_embd,
+            heads: self.cfg.n_head,
+        }
+    }
+
+    /// Dropout of layer `l`'s residual branches at this step (none outside training).
+    fn residual_dropout(&self, l: usize, p: f32, seed: u32) -> ResidualDropout {
+        ResidualDropout {
+            p,
+            attn_seed: drop_seed(seed, self.step, l, 2),
+            mlp_seed: drop_seed(seed, self.step, l, 3),
         }
     }
 
@@ -243,20 +257,21 @@ impl Trainer {
     /// Records the forward pass for the uploaded batch; the mean loss lands in `stats[0]`. With
     /// `train`, dropout is on (seeded by `seed` and the step) and the logits' gradient is computed.
     pub fn forward(&mut self, be: &Backend, train: bool, seed: u32) -> Result<()> {
-        let cfg = self.cfg.clone();
-        let (t, c, v) = (cfg.block_size, cfg.n_embd, cfg.vocab_size);
-        let n = self.tokens();
-        let p = if train { cfg.dropout } else { 0.0 };
-        let step = self.step;
+        let (t, c, v) = (self.cfg.block_size, self.cfg.n_embd, self.cfg.vocab_size);
+        let (n, n_layer) = (self.tokens(), self.cfg.n_layer);
+        let p = if train { self.cfg.dropout } else { 0.0 };
         let lay = self.layout.clone();
-        super::infer::pack_if_active(be, &self.params, self.packed.as_mut())?;
-        let w = &self.params;
-        let pk = self.packed.as_ref();
-        let shape = self.attn_shape();
-        let norm = NormShape {
-            rows: n,
-            cols: c,
-            eps: EPS,
+        if let Some(pk) = self.packed.as_mut() {
+            pack_f16(be, self.params.at(0), pk.at_mut(0), self.params.len())?;
+        }
+        let (shape, d) = (self.attn_shape(), self.dims());
+        let drops: Vec<ResidualDropout> = (0..n_layer)
+            .map(|l| self.residual_dropout(l, p, seed))
+            .collect();
+        let w = Params {
+            f32: &self.params,
+            f16: self.packed.as_ref(),
+            paths: self.paths,
         };
 
         // Token + position embedding, then dropout into the first block's residual stream.
@@ -267,180 +282,90 @@ impl Trainer {
             scale: 1.0,
         };
         let pos = Positions {
-            table: w.at(lay.wpe()),
+            table: w.f32.at(lay.wpe()),
             rows: t,
             period: t,
             pos0: 0,
         };
+        let tmp = &mut self.back.tmp;
         embedding(
             be,
             self.ids.at(0),
-            w.at(lay.wte()),
+            w.f32.at(lay.wte()),
             Some(pos),
-            self.tmp.at_mut(0),
+            tmp.at_mut(0),
             emb,
         )?;
-        dropout(
-            be,
-            self.tmp.at(0),
-            self.layers[0].x.at_mut(0),
-            n * c,
-            p,
-            drop_seed(seed, step, cfg.n_layer, 0),
-        )?;
+        let seed0 = drop_seed(seed, self.step, n_layer, 0);
+        dropout(be, tmp.at(0), self.layers[0].x.at_mut(0), n * c, p, seed0)?;
 
-        for l in 0..cfg.n_layer {
-            let o = lay.block(l);
-            let (head, tail) = self.layers.split_at_mut(l + 1);
+        for l in 0..n_layer {
+            let (head, rest) = self.layers.split_at_mut(l + 1);
             let a = &mut head[l];
-            // Attention branch.
-            norm_forward(
-                be,
-                NormKind::Layer,
-                a.x.at(0),
-                w.at(o.ln_1),
-                a.ln1.at_mut(0),
-                a.ln1_stats.at_mut(0),
-                norm,
-            )?;
-            linear(
-                be,
-                w,
-                pk,
-                a.ln1.at(0),
-                o.c_attn,
-                a.qkv.at_mut(0),
-                &Gemm::nt(n, 3 * c, c),
-                false,
-            )?;
-            let drop = (p > 0.0).then(|| (p, drop_seed(seed, step, l, 1)));
-            attention_forward(
-                be,
-                a.qkv.at(0),
-                a.atty.at_mut(0),
-                a.probs.at_mut(0),
-                a.dropped.as_mut().map(|d| d.at_mut(0)),
-                shape,
-                drop,
-            )?;
-            linear(
-                be,
-                w,
-                pk,
-                a.atty.at(0),
-                o.attn_proj,
-                self.tmp.at_mut(0),
-                &Gemm::nt(n, c, c),
-                false,
-            )?;
-            dropout_add(
-                be,
-                a.x.at(0),
-                self.tmp.at(0),
-                a.xmid.at_mut(0),
-                n * c,
-                p,
-                drop_seed(seed, step, l, 2),
-            )?;
-            // MLP branch.
-            norm_forward(
-                be,
-                NormKind::Layer,
-                a.xmid.at(0),
-                w.at(o.ln_2),
-                a.ln2.at_mut(0),
-                a.ln2_stats.at_mut(0),
-                norm,
-            )?;
-            linear(
-                be,
-                w,
-                pk,
-                a.ln2.at(0),
-                o.c_fc,
-                a.fc.at_mut(0),
-                &Gemm::nt(n, 4 * c, c),
-                false,
-            )?;
-            gelu(be, a.fc.at(0), a.act.at_mut(0), n * 4 * c)?;
-            linear(
-                be,
-                w,
-                pk,
-                a.act.at(0),
-                o.mlp_proj,
-                self.tmp.at_mut(0),
-                &Gemm::nt(n, c, 4 * c),
-                false,
-            )?;
-            let next = match tail.first_mut() {
+            let next = match rest.first_mut() {
                 Some(nx) => &mut nx.x,
                 None => &mut self.x_final,
             };
-            dropout_add(
+            let attn = Attention::Batch {
+                qkv: &mut a.qkv,
+                probs: &mut a.probs,
+                dropped: a.dropped.as_mut(),
+                shape,
+                drop: (p > 0.0).then(|| (p, drop_seed(seed, self.step, l, 1))),
+            };
+            let (o, x) = (lay.block(l), a.x.at(0));
+            block_forward(
                 be,
-                a.xmid.at(0),
-                self.tmp.at(0),
+                w,
+                o,
+                d,
+                x,
                 next.at_mut(0),
-                n * c,
-                p,
-                drop_seed(seed, step, l, 3),
+                &mut a.acts,
+                attn,
+                drops[l],
+                tmp,
             )?;
         }
 
         // Final LayerNorm, tied head, loss.
-        norm_forward(
-            be,
-            NormKind::Layer,
-            self.x_final.at(0),
-            w.at(lay.ln_f()),
-            self.lnf.at_mut(0),
-            self.lnf_stats.at_mut(0),
-            norm,
-        )?;
+        let norm = NormShape {
+            rows: n,
+            cols: c,
+            eps: EPS,
+        };
+        let (xf, wf) = (self.x_final.at(0), w.f32.at(lay.ln_f()));
+        let (lnf, stats) = (self.lnf.at_mut(0), self.lnf_stats.at_mut(0));
+        norm_forward(be, NormKind::Layer, xf, wf, lnf, stats, norm)?;
+        let head = Gemm::nt(n, v, c);
+        let wte = w.f32.at(lay.wte());
         matmul(
             be,
+            w.paths,
             self.lnf.at(0),
-            w.at(lay.wte()),
+            wte,
             self.logits.at_mut(0),
-            &Gemm::nt(n, v, c),
+            &head,
         )?;
-        let dl = if train {
-            Some(self.dlogits.at_mut(0))
-        } else {
-            None
-        };
-        cross_entropy(
-            be,
-            self.logits.at(0),
-            self.targets.at(0),
-            self.losses.at_mut(0),
-            dl,
-            n,
-            v,
-            1.0 / n as f32,
-        )?;
-        reduce(
-            be,
-            Reduce::Sum,
-            self.losses.at(0),
-            n,
-            self.stats.at_mut(0),
-            1.0 / n as f32,
-            false,
-        )
+        let dl = train.then(|| self.dlogits.at_mut(0));
+        let (logits, targets) = (self.logits.at(0), self.targets.at(0));
+        let inv_n = 1.0 / n as f32;
+        cross_entropy(be, logits, targets, self.losses.at_mut(0), dl, n, v, inv_n)?;
+        let mean = self.stats.at_mut(0);
+        reduce(be, Reduce::Sum, self.losses.at(0), n, mean, inv_n, false)
     }
 
     /// Records the backward pass of the last training forward pass into `grads` (every gradient is
     /// overwritten, so nothing needs zeroing between steps).
     pub fn backward(&mut self, be: &Backend, seed: u32) -> Result<()> {
-        let cfg = self.cfg.clone();
-        let (t, c, v) = (cfg.block_size, cfg.n_embd, cfg.vocab_size);
-        let n = self.tokens();
-        let p = cfg.dropout;
-        let step = self.step;
+        let (t, c, v) = (self.cfg.block_size, self.cfg.n_embd, self.cfg.vocab_size);
+        let (n, n_layer) = (self.tokens(), self.cfg.n_layer);
+        let p = self.cfg.dropout;
         let lay = self.layout.clone();
-        let shape = self.attn_shape();
+        let (shape, d) = (self.attn_shape(), self.dims());
+        let drops: Vec<ResidualDropout> = (0..n_layer)
+            .map(|l| self.residual_dropout(l, p, seed))
+            .collect();
         let norm = NormShape {
             rows: n,
             cols: c,
@@ -448,155 +373,55 @@ impl Trainer {
         };
         let w = &self.params;
         let g = &mut self.grads;
+        let s = &mut self.back;
 
         // Head: dwte = dlogitsᵀ · lnf; dlnf = dlogits · wte; back through the final LayerNorm.
-        linear_backward(
-            be,
-            self.dlogits.at(0),
-            self.lnf.at(0),
-            w.at(lay.wte()),
-            g.at_mut(lay.wte()),
-            self.dln.at_mut(0),
-            n,
-            v,
-            c,
-        )?;
+        let (dwte, dln) = (g.at_mut(lay.wte()), s.dln.at_mut(0));
+        let (dlogits, lnf) = (self.dlogits.at(0), self.lnf.at(0));
+        linear_backward(be, dlogits, lnf, w.at(lay.wte()), dwte, dln, n, v, c)?;
         norm_backward(
             be,
             NormKind::Layer,
             self.x_final.at(0),
             w.at(lay.ln_f()),
-            self.dln.at(0),
+            s.dln.at(0),
             self.lnf_stats.at(0),
             self.dresid.at_mut(0),
             g.at_mut(lay.ln_f()),
             norm,
-            false,
-            false,
+            Grad::Overwrite,
+            Grad::Overwrite,
         )?;
 
-        for l in (0..cfg.n_layer).rev() {
-            let o = lay.block(l);
+        for l in (0..n_layer).rev() {
             let a = &mut self.layers[l];
-            // MLP branch: dresid holds the gradient of the block's output.
-            dropout(
-                be,
-                self.dresid.at(0),
-                self.tmp.at_mut(0),
-                n * c,
-                p,
-                drop_seed(seed, step, l, 3),
-            )?;
-            linear_backward(
-                be,
-                self.tmp.at(0),
-                a.act.at(0),
-                w.at(o.mlp_proj),
-                g.at_mut(o.mlp_proj),
-                self.d4a.at_mut(0),
-                n,
-                c,
-                4 * c,
-            )?;
-            gelu_backward(
-                be,
-                a.fc.at(0),
-                self.d4a.at(0),
-                self.d4b.at_mut(0),
-                n * 4 * c,
-            )?;
-            linear_backward(
-                be,
-                self.d4b.at(0),
-                a.ln2.at(0),
-                w.at(o.c_fc),
-                g.at_mut(o.c_fc),
-                self.dln.at_mut(0),
-                n,
-                4 * c,
-                c,
-            )?;
-            norm_backward(
-                be,
-                NormKind::Layer,
-                a.xmid.at(0),
-                w.at(o.ln_2),
-                self.dln.at(0),
-                a.ln2_stats.at(0),
-                self.dresid.at_mut(0),
-                g.at_mut(o.ln_2),
-                norm,
-                true,
-                false,
-            )?;
-            // Attention branch: dresid now holds the gradient of xmid.
-            dropout(
-                be,
-                self.dresid.at(0),
-                self.tmp.at_mut(0),
-                n * c,
-                p,
-                drop_seed(seed, step, l, 2),
-            )?;
-            linear_backward(
-                be,
-                self.tmp.at(0),
-                a.atty.at(0),
-                w.at(o.attn_proj),
-                g.at_mut(o.attn_proj),
-                self.datty.at_mut(0),
-                n,
-                c,
-                c,
-            )?;
-            let drop = (p > 0.0).then(|| (p, drop_seed(seed, step, l, 1)));
-            attention_backward(
-                be,
-                a.qkv.at(0),
-                a.probs.at(0),
-                a.dropped.as_mut().map(|d| d.at_mut(0)),
-                self.datty.at(0),
-                self.dqkv.at_mut(0),
-                self.dprobs.at_mut(0),
+            let attn = SavedAttention {
+                qkv: &a.qkv,
+                probs: &a.probs,
+                dropped: a.dropped.as_mut(),
                 shape,
-                drop,
-            )?;
-            linear_backward(
+                drop: (p > 0.0).then(|| (p, drop_seed(seed, self.step, l, 1))),
+            };
+            let (o, x) = (lay.block(l), a.x.at(0));
+            block_backward(
                 be,
-                self.dqkv.at(0),
-                a.ln1.at(0),
-                w.at(o.c_attn),
-                g.at_mut(o.c_attn),
-                self.dln.at_mut(0),
-                n,
-                3 * c,
-                c,
-            )?;
-            norm_backward(
-                be,
-                NormKind::Layer,
-                a.x.at(0),
-                w.at(o.ln_1),
-                self.dln.at(0),
-                a.ln1_stats.at(0),
-                self.dresid.at_mut(0),
-                g.at_mut(o.ln_1),
-                norm,
-                true,
-                false,
+                w,
+                g,
+                o,
+                d,
+                x,
+                &a.acts,
+                attn,
+                drops[l],
+                &mut self.dresid,
+                s,
             )?;
         }
 
         // Embedding dropout, then the scatter-add into wte (which already holds the head's gradient)
         // and the position table's gradient.
-        dropout(
-            be,
-            self.dresid.at(0),
-            self.tmp.at_mut(0),
-            n * c,
-            p,
-            drop_seed(seed, step, cfg.n_layer, 0),
-        )?;
+        let seed0 = drop_seed(seed, self.step, n_layer, 0);
+        dropout(be, self.dresid.at(0), s.tmp.at_mut(0), n * c, p, seed0)?;
         let emb = EmbedShape {
             tokens: n,
             vocab: v,
@@ -609,13 +434,13 @@ impl Trainer {
         embedding_backward(
             be,
             &self.index,
-            self.tmp.at(0),
+            s.tmp.at(0),
             g.at_mut(gw),
-            Some((self.dln.at_mut(0), t)),
+            Some((s.dln.at_mut(0), t)),
             emb,
-            true,
+            Grad::Accumulate,
         )?;
-        tinygpt_kernels::ops::fill::copy(be, self.dln.at(0), g.at_mut(gp), t * c)
+        tinygpt_kernels::ops::fill::copy(be, s.dln.at(0), g.at_mut(gp), t * c)
     }
 
     /// Records the AdamW step (with global-norm clipping computed on the device) at learning rate `lr`.
@@ -679,10 +504,37 @@ impl Trainer {
         be.flush()
     }
 
-    /// The mean loss of the last forward pass (waits for the device).
+    /// The mean loss of the last forward pass.
+    pub async fn read_loss(&self, be: &Backend) -> Result<f32> {
+        Ok(be.read_f32(self.stats.at(0), 1).await?[0])
+    }
+
+    /// Mean loss of a batch without dropout or gradients.
+    pub async fn eval_loss_async(
+        &mut self,
+        be: &Backend,
+        ids: &[u32],
+        targets: &[u32],
+    ) -> Result<f32> {
+        self.set_batch(be, ids, targets, false)?;
+        self.forward(be, false, 0)?;
+        self.read_loss(be).await
+    }
+
+    /// Parameters, first and second moments, on the host.
+    pub async fn read_state(&self, be: &Backend) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let (p, m, v) = (&self.params, &self.m, &self.v);
+        Ok((
+            be.read_f32(p.into(), p.len()).await?,
+            be.read_f32(m.into(), m.len()).await?,
+            be.read_f32(v.into(), v.len()).await?,
+        ))
+    }
+
+    /// [`Trainer::read_loss`], blocking (native).
     #[cfg(not(target_arch = "wasm32"))]
     pub fn last_loss(&self, be: &Backend) -> Result<f32> {
-        Ok(pollster::block_on(be.read_f32(self.stats.at(0), 1))?[0])
+        pollster::block_on(self.read_loss(be))
     }
 
     /// The global gradient norm of the last backward pass (waits for the device).
@@ -691,22 +543,16 @@ impl Trainer {
         Ok(pollster::block_on(be.read_f32(self.stats.at(1), 1))?[0].sqrt())
     }
 
-    /// Mean loss of a batch without dropout or gradients.
+    /// [`Trainer::eval_loss_async`], blocking (native).
     #[cfg(not(target_arch = "wasm32"))]
     pub fn eval_loss(&mut self, be: &Backend, ids: &[u32], targets: &[u32]) -> Result<f32> {
-        self.set_batch(be, ids, targets, false)?;
-        self.forward(be, false, 0)?;
-        self.last_loss(be)
+        pollster::block_on(self.eval_loss_async(be, ids, targets))
     }
 
-    /// Parameters, first and second moments, on the host.
+    /// [`Trainer::read_state`], blocking (native).
     #[cfg(not(target_arch = "wasm32"))]
     pub fn state(&self, be: &Backend) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-        Ok((
-            be.to_vec(&self.params)?,
-            be.to_vec(&self.m)?,
-            be.to_vec(&self.v)?,
-        ))
+        pollster::block_on(self.read_state(be))
     }
 
     /// The last backward pass's gradients on the host.
@@ -714,24 +560,6 @@ impl Trainer {
     pub fn grads_host(&self, be: &Backend) -> Result<Vec<f32>> {
         be.to_vec(&self.grads)
     }
-}
-
-/// Gradients of y = x · Wᵀ for `rows` rows (W is `out` x `inp`): dW = dyᵀ · x and dx = dy · W, as
-/// llm.c's matmul_backward.
-#[allow(clippy::too_many_arguments)]
-fn linear_backward(
-    be: &Backend,
-    dy: tinygpt_kernels::TRef<'_>,
-    x: tinygpt_kernels::TRef<'_>,
-    w: tinygpt_kernels::TRef<'_>,
-    dw: tinygpt_kernels::TMut<'_>,
-    dx: tinygpt_kernels::TMut<'_>,
-    rows: usize,
-    out: usize,
-    inp: usize,
-) -> Result<()> {
-    matmul(be, dy, x, dw, &Gemm::tn(out, inp, rows))?;
-    matmul(be, dy, w, dx, &Gemm::nn(rows, inp, out))
 }
 
 /// nanoGPT's schedule: linear warmup to `max_lr` over `warmup` iterations, then cosine decay to

@@ -6,7 +6,7 @@
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use tinygpt_models::llm::{Llm, LoadOptions};
 //! use tinygpt_models::sampler::argmax;
-//! let be = tinygpt_kernels::testing::cpu_backend();
+//! let be = tinygpt_kernels::Backend::Cpu(tinygpt_kernels::cpu::CpuBackend::new(None));
 //! let mut model = Llm::load(&be, "model.gguf", &LoadOptions::default(), &mut |_| {})?;
 //! let logits = model.prefill(&be, &[504, 3575, 282, 4649, 314])?;
 //! let next = model.decode(&be, argmax(&logits))?;

@@ -22,7 +22,7 @@ use tinygpt_kernels::ops::glu::glu;
 use tinygpt_kernels::ops::matmul::{Gemm, matmul};
 use tinygpt_kernels::ops::norm::{NormKind, NormShape, norm_forward};
 use tinygpt_kernels::ops::rope::{RopeShape, rope, rope_table};
-use tinygpt_kernels::{Backend, DType, TMut, TRef, Tensor};
+use tinygpt_kernels::{Backend, DType, PathSet, TMut, TRef, Tensor};
 
 use super::config::{LayerAttention, LlmConfig};
 use super::error::{LlmError, Result};
@@ -36,6 +36,9 @@ pub struct LoadOptions {
     pub context: Option<usize>,
     /// Most tokens one forward pass takes (a longer prompt takes several); sizes the scratch buffers.
     pub batch: usize,
+    /// The fast paths the model runs on (what the numerics gate passed; default: the f32 path). On a GPU
+    /// without the quantized kernels in the set, quantized weights are held dequantized.
+    pub paths: PathSet,
 }
 
 /// The context used when none is asked for (the trained context when smaller).
@@ -47,6 +50,7 @@ impl Default for LoadOptions {
         LoadOptions {
             context: None,
             batch: 512,
+            paths: PathSet::F32,
         }
     }
 }
@@ -151,6 +155,8 @@ pub struct Llm {
     batch: usize,
     /// Positions in the cache.
     pos: usize,
+    /// The fast paths every product runs with.
+    paths: PathSet,
 }
 
 impl Llm {
@@ -208,7 +214,7 @@ impl Llm {
             ));
         }
         let batch = opts.batch.min(context);
-        let w = Weights::load(be, file, &cfg, progress, release_pages)?;
+        let w = Weights::load(be, file, &cfg, progress, release_pages, opts.paths)?;
         let cache = KvCache::new(be, cfg.n_layer, context, 2 * cfg.kv_dim())?;
         let mut keys: Vec<(u32, u32)> = Vec::new();
         let mut ropes = Vec::new();
@@ -238,7 +244,13 @@ impl Llm {
             s,
             batch,
             pos: 0,
+            paths: opts.paths,
         })
+    }
+
+    /// The fast paths the model runs on.
+    pub fn paths(&self) -> PathSet {
+        self.paths
     }
 
     pub fn config(&self) -> &LlmConfig {
@@ -274,7 +286,7 @@ impl Llm {
     }
 
     /// The kernel layout of each projection, for reports: ("qkv", "q4 fused") etc.
-    pub fn paths(&self) -> Vec<(String, String)> {
+    pub fn layouts(&self) -> Vec<(String, String)> {
         let fused = |f: &super::weights::Fused, n: usize| {
             if f.num_groups() == 1 {
                 format!("{} (fused {n} in 1)", f.layout())
@@ -366,9 +378,11 @@ impl Llm {
             s,
             batch,
             pos,
+            paths,
         } = self;
         let pass = Pass {
             be,
+            paths: *paths,
             cfg,
             m: tokens.len(),
             pos0: *pos,
@@ -387,7 +401,8 @@ impl Llm {
         // Only the last position's logits are needed.
         let last = s.x.at((pass.m - 1) * d);
         pass.rms_norm(last, &w.output_norm, s.xn.at_mut(0), &mut s.stats, 1, d)?;
-        w.head().matmul(be, s.xn.at(0), s.logits.at_mut(0), 1)?;
+        w.head()
+            .matmul(be, *paths, s.xn.at(0), s.logits.at_mut(0), 1)?;
         *pos += pass.m;
         Ok(())
     }
@@ -396,6 +411,7 @@ impl Llm {
 /// The fixed inputs of one forward pass.
 struct Pass<'a> {
     be: &'a Backend,
+    paths: PathSet,
     cfg: &'a LlmConfig,
     /// Token rows in this pass, at positions pos0..pos0 + m.
     m: usize,
@@ -478,7 +494,8 @@ impl Pass<'_> {
         let (d, hd, qd, kvd) = (cfg.d_model, cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
         let (n_head, n_kv) = (cfg.n_head, cfg.n_kv_head);
         self.rms_norm(s.x.at(0), &lw.attn_norm, s.xn.at_mut(0), &mut s.stats, m, d)?;
-        lw.qkv.apply(be, s.xn.at(0), &mut s.proj, m, self.batch)?;
+        lw.qkv
+            .apply(be, self.paths, s.xn.at(0), &mut s.proj, m, self.batch)?;
         let [q, k, v] = [0, 1, 2].map(|i| lw.qkv.slot(i, self.batch));
         // When Q, K and V come out of one product, each row holds [q | k | v]: without Q/K norms, one
         // RoPE call rotates the heads of q and k together, and one copy moves k and v into the cache.
@@ -577,7 +594,8 @@ impl Pass<'_> {
             s.att.at_mut(0),
             shape,
         )?;
-        lw.wo.matmul(be, s.att.at(0), s.out.at_mut(0), m)?;
+        lw.wo
+            .matmul(be, self.paths, s.att.at(0), s.out.at_mut(0), m)?;
         self.residual(lw.post_attn_norm.as_ref(), s)
     }
 
@@ -586,7 +604,7 @@ impl Pass<'_> {
         let (d, ff) = (cfg.d_model, cfg.n_ff);
         self.rms_norm(s.x.at(0), &lw.ffn_norm, s.xn.at_mut(0), &mut s.stats, m, d)?;
         lw.gate_up
-            .apply(be, s.xn.at(0), &mut s.proj, m, self.batch)?;
+            .apply(be, self.paths, s.xn.at(0), &mut s.proj, m, self.batch)?;
         let (g, u) = (
             lw.gate_up.slot(0, self.batch),
             lw.gate_up.slot(1, self.batch),
@@ -594,7 +612,8 @@ impl Pass<'_> {
         let gate = contiguous(be, &s.proj, g, ff, m, &mut s.split_a, &s.one)?;
         let up = contiguous(be, &s.proj, u, ff, m, &mut s.split_b, &s.one)?;
         glu(be, cfg.activation, gate, up, s.act.at_mut(0), m * ff)?;
-        lw.down.matmul(be, s.act.at(0), s.out.at_mut(0), m)?;
+        lw.down
+            .matmul(be, self.paths, s.act.at(0), s.out.at_mut(0), m)?;
         self.residual(lw.post_ffn_norm.as_ref(), s)
     }
 }
@@ -645,5 +664,5 @@ fn copy_rows(
     // The kernels have no strided copy; a batch of 1x1 · 1xcols products (one per row) is one op on
     // either backend and exact: each element is 1 · x with nothing added.
     let g = Gemm::nn(1, cols, 1).batched([1, rows], [0, 0], [0, ld_src], [0, ld_dst]);
-    Ok(matmul(be, one.into(), src, dst, &g)?)
+    Ok(matmul(be, PathSet::F32, one.into(), src, dst, &g)?)
 }

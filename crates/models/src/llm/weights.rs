@@ -11,9 +11,8 @@ use std::collections::HashSet;
 
 use tinygpt_formats::{GgmlType, GgufFile, KernelWeights};
 use tinygpt_kernels::ops::embedding::{EmbedShape, embedding};
-use tinygpt_kernels::ops::matmul::{Gemm, matmul};
-use tinygpt_kernels::ops::quant_matmul::{QKind, QMatrix, qget_rows, qmatmul};
-use tinygpt_kernels::{Backend, TMut, TRef, Tensor};
+use tinygpt_kernels::ops::matmul::{Gemm, QKind, QMatrix, get_rows, matmul};
+use tinygpt_kernels::{Backend, PathSet, TMut, TRef, Tensor};
 
 use super::config::{Arch, LlmConfig};
 use super::error::{LlmError, Result};
@@ -34,15 +33,16 @@ pub(crate) enum Matrix {
 }
 
 impl Matrix {
-    fn upload(be: &Backend, h: HostMatrix) -> Result<Matrix> {
+    /// Puts `h` on `be`; a quantized matrix stays blocks where `paths` has the quantized kernels.
+    fn upload(be: &Backend, h: HostMatrix, paths: PathSet) -> Result<Matrix> {
         Ok(match h.w {
             KernelWeights::F32(v) => Matrix::Dense {
                 t: be.from_f32(&v, h.cols)?,
                 rows: h.rows,
                 cols: h.cols,
             },
-            KernelWeights::Q8(m) => Matrix::Quant(QMatrix::upload(be, m)?),
-            KernelWeights::Q4(m) => Matrix::Quant(QMatrix::upload(be, m)?),
+            KernelWeights::Q8(m) => Matrix::Quant(QMatrix::upload(be, m, paths)?),
+            KernelWeights::Q4(m) => Matrix::Quant(QMatrix::upload(be, m, paths)?),
         })
     }
 
@@ -80,12 +80,19 @@ impl Matrix {
         }
     }
 
-    /// y[m, N] = x[m, K] · Wᵀ (rows contiguous from the views' offsets).
-    pub fn matmul(&self, be: &Backend, x: TRef<'_>, y: TMut<'_>, m: usize) -> Result<()> {
+    /// y[m, N] = x[m, K] · Wᵀ (rows contiguous from the views' offsets) on the kernels of `paths`.
+    pub fn matmul(
+        &self,
+        be: &Backend,
+        paths: PathSet,
+        x: TRef<'_>,
+        y: TMut<'_>,
+        m: usize,
+    ) -> Result<()> {
         match self {
-            Matrix::Quant(q) => qmatmul(be, x, q, y, m)?,
+            Matrix::Quant(q) => matmul(be, paths, x, q, y, &Gemm::nt(m, q.rows(), q.cols()))?,
             Matrix::Dense { t, rows, cols } => {
-                matmul(be, x, t.into(), y, &Gemm::nt(m, *rows, *cols))?
+                matmul(be, paths, x, t, y, &Gemm::nt(m, *rows, *cols))?
             }
         }
         Ok(())
@@ -101,7 +108,7 @@ impl Matrix {
         scale: f32,
     ) -> Result<()> {
         match self {
-            Matrix::Quant(q) => qget_rows(be, ids, q, out, n, scale)?,
+            Matrix::Quant(q) => get_rows(be, ids, q, out, n, scale)?,
             Matrix::Dense { t, rows, cols } => {
                 let s = EmbedShape {
                     tokens: n,
@@ -179,7 +186,7 @@ pub(crate) struct Fused {
 }
 
 impl Fused {
-    fn new(be: &Backend, parts: Vec<HostMatrix>) -> Result<Fused> {
+    fn new(be: &Backend, parts: Vec<HostMatrix>, paths: PathSet) -> Result<Fused> {
         let mut keys: Vec<(u8, usize)> = Vec::new();
         let mut buckets: Vec<Vec<HostMatrix>> = Vec::new();
         let mut members = Vec::with_capacity(parts.len());
@@ -198,7 +205,7 @@ impl Fused {
         }
         let groups = buckets
             .into_iter()
-            .map(|b| Matrix::upload(be, stack(b)))
+            .map(|b| Matrix::upload(be, stack(b), paths))
             .collect::<Result<_>>()?;
         Ok(Fused { groups, members })
     }
@@ -208,6 +215,7 @@ impl Fused {
     pub fn apply(
         &self,
         be: &Backend,
+        paths: PathSet,
         x: TRef<'_>,
         out: &mut Tensor,
         m: usize,
@@ -215,7 +223,7 @@ impl Fused {
     ) -> Result<()> {
         let mut base = 0;
         for g in &self.groups {
-            g.matmul(be, x, out.at_mut(base), m)?;
+            g.matmul(be, paths, x, out.at_mut(base), m)?;
             base += batch * g.rows();
         }
         Ok(())
@@ -310,10 +318,12 @@ impl Weights {
         cfg: &LlmConfig,
         progress: &mut dyn FnMut(LoadProgress),
         release_pages: bool,
+        paths: PathSet,
     ) -> Result<Weights> {
         let plan = Plan::new(file, cfg)?;
         let mut ld = Loader {
             be,
+            paths,
             file,
             release_pages,
             done: 0,
@@ -346,7 +356,7 @@ impl Weights {
             let q = ld.host(&n("attn_q"))?;
             let k = ld.host(&n("attn_k"))?;
             let v = ld.host(&n("attn_v"))?;
-            let qkv = Fused::new(be, vec![q, k, v])?;
+            let qkv = Fused::new(be, vec![q, k, v], paths)?;
             let q_norm = opt_vec(&mut ld, "attn_q_norm")?;
             let k_norm = opt_vec(&mut ld, "attn_k_norm")?;
             let wo = ld.matrix(&n("attn_output"))?;
@@ -354,7 +364,7 @@ impl Weights {
             let ffn_norm = ld.vector(&n("ffn_norm"))?;
             let gate = ld.host(&n("ffn_gate"))?;
             let up = ld.host(&n("ffn_up"))?;
-            let gate_up = Fused::new(be, vec![gate, up])?;
+            let gate_up = Fused::new(be, vec![gate, up], paths)?;
             let down = ld.matrix(&n("ffn_down"))?;
             let post_ffn_norm = opt_vec(&mut ld, "post_ffw_norm")?;
             layers.push(LayerWeights {
@@ -487,6 +497,7 @@ impl Plan {
 
 struct Loader<'a> {
     be: &'a Backend,
+    paths: PathSet,
     file: &'a GgufFile,
     release_pages: bool,
     done: u64,
@@ -519,7 +530,7 @@ impl Loader<'_> {
 
     fn matrix(&mut self, name: &str) -> Result<Matrix> {
         let h = self.host(name)?;
-        Matrix::upload(self.be, h)
+        Matrix::upload(self.be, h, self.paths)
     }
 
     fn vector(&mut self, name: &str) -> Result<Tensor> {

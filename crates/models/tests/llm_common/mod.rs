@@ -9,8 +9,9 @@ use std::time::Instant;
 use serde_json::Value;
 use tinygpt_formats::GgufFile;
 use tinygpt_kernels::Backend;
-use tinygpt_kernels::gate::{GateOptions, PathId, run_gates};
+use tinygpt_kernels::gate::{GateOptions, MemoryStore, run_gates};
 use tinygpt_kernels::testing::nmse;
+use tinygpt_kernels::{PathId, PathSet};
 use tinygpt_models::llm::{Llm, LlmConfig, LoadOptions};
 use tinygpt_models::sampler::argmax;
 use tinygpt_models::tokenizer::Tokenizer;
@@ -77,24 +78,27 @@ pub fn load(be: &Backend, model: &RealModel) -> (Tokenizer, Llm) {
     let t = Instant::now();
     let file = open(model);
     let tok = Tokenizer::from_gguf(file.metadata()).expect("tokenizer");
-    if let Some(g) = be.as_gpu() {
+    let mut paths = PathSet::F32;
+    if be.as_gpu().is_some() {
         let cfg = LlmConfig::from_gguf(&file).expect("config");
         let opts = GateOptions {
             only: Some(vec![PathId::QuantMatmul]),
             extra_cases: cfg.gate_cases(),
             ..GateOptions::default()
         };
-        let summary = run_gates(be, &opts);
+        let summary = pollster::block_on(run_gates(be, &opts, &mut MemoryStore::default()));
         for r in &summary.reports {
             eprintln!("{}", r.log_line());
         }
+        paths = summary.active();
         assert!(
-            g.path_active(PathId::QuantMatmul),
+            paths.has(PathId::QuantMatmul),
             "the quantized matmul gate did not pass on this adapter"
         );
     }
     let opts = LoadOptions {
         context: Some(512),
+        paths,
         ..LoadOptions::default()
     };
     drop(file);

@@ -14,6 +14,7 @@ use super::softmax::{SoftmaxShape, softmax, softmax_backward};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, Operand, segments};
+use crate::path::PathSet;
 use rayon::prelude::*;
 
 /// Shape of a training batch.
@@ -75,7 +76,14 @@ pub fn attention_forward(
             s.qkv_stride(),
             s.p_stride(),
         );
-    matmul(be, qkv, qkv.shift(c), probs.reborrow(), &scores)?;
+    matmul(
+        be,
+        PathSet::F32,
+        qkv,
+        qkv.shift(c),
+        probs.reborrow(),
+        &scores,
+    )?;
     softmax(
         be,
         probs.reborrow(),
@@ -91,13 +99,13 @@ pub fn attention_forward(
     match (drop, dropped) {
         (Some((p, seed)), Some(mut d)) if p > 0.0 => {
             dropout(be, probs.as_ref(), d.reborrow(), s.probs_len(), p, seed)?;
-            matmul(be, d.as_ref(), v, y.reborrow(), &mix)
+            matmul(be, PathSet::F32, d.as_ref(), v, y.reborrow(), &mix)
         }
         (Some((p, _)), None) if p > 0.0 => Err(Error::Shape {
             op: "attention_forward",
             msg: "dropout needs a tensor for the dropped-out probabilities".into(),
         }),
-        _ => matmul(be, probs.as_ref(), v, y, &mix),
+        _ => matmul(be, PathSet::F32, probs.as_ref(), v, y, &mix),
     }
 }
 
@@ -124,7 +132,14 @@ pub fn attention_backward(
         s.qkv_stride(),
         s.p_stride(),
     );
-    matmul(be, dy, qkv.shift(2 * c), scratch.reborrow(), &dp)?;
+    matmul(
+        be,
+        PathSet::F32,
+        dy,
+        qkv.shift(2 * c),
+        scratch.reborrow(),
+        &dp,
+    )?;
     // dV = P'ᵀ dY.
     let dv = Gemm::tn(t, hd, t).lda(t).ldb(c).ldc(3 * c).batched(
         [s.batch, s.heads],
@@ -139,7 +154,14 @@ pub fn attention_backward(
             (Some(d), true) => d.as_ref(),
             _ => probs,
         };
-        matmul(be, p_used, dy, dqkv.t.at_mut(dqkv.offset() + 2 * c), &dv)?;
+        matmul(
+            be,
+            PathSet::F32,
+            p_used,
+            dy,
+            dqkv.t.at_mut(dqkv.offset() + 2 * c),
+            &dv,
+        )?;
     }
     // dP = dropout'(dP'), then dS = softmax'(P, dP), both in place in one buffer.
     let ds: TMut<'_> = match (drop, dropped.as_mut(), use_drop) {
@@ -170,6 +192,7 @@ pub fn attention_backward(
         );
     matmul(
         be,
+        PathSet::F32,
         ds.as_ref(),
         qkv.shift(c),
         dqkv.t.at_mut(dqkv.offset()),
@@ -186,7 +209,14 @@ pub fn attention_backward(
             s.qkv_stride(),
             s.qkv_stride(),
         );
-    matmul(be, ds.as_ref(), qkv, dqkv.t.at_mut(dqkv.offset() + c), &dk)
+    matmul(
+        be,
+        PathSet::F32,
+        ds.as_ref(),
+        qkv,
+        dqkv.t.at_mut(dqkv.offset() + c),
+        &dk,
+    )
 }
 
 /// Query rows against a KV cache.

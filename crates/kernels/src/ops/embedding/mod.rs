@@ -5,6 +5,7 @@
 //! host (the ids are known there when the batch is made) and uploads that grouping with the batch, so
 //! the kernel sums each used row's tokens in a fixed order — deterministic, and equal to the twin.
 
+use super::Grad;
 use super::common::{Grid, kernel, run};
 use crate::backend::{Backend, DType, TMut, TRef, Tensor};
 use crate::error::{Error, Result};
@@ -233,7 +234,7 @@ impl GradIndex {
     }
 }
 
-/// dtable[id] (+)= scale · Σ dout[tokens with that id] (added to `dtable` when `accumulate`, since a
+/// dtable[id] (+)= scale · Σ dout[tokens with that id] (added to `dtable` with [`Grad::Accumulate`], as a
 /// tied head has written its own gradient there) and, with `dpos`, the position table's gradient
 /// (always overwritten), for the batch last given to `index`. `dout` must lie in one buffer.
 pub fn embedding_backward(
@@ -243,8 +244,9 @@ pub fn embedding_backward(
     mut dtable: TMut<'_>,
     dpos: Option<(TMut<'_>, usize)>,
     s: EmbedShape,
-    accumulate: bool,
+    into: Grad,
 ) -> Result<()> {
+    let accumulate = into == Grad::Accumulate;
     let (n, d) = (index.tokens, s.dim);
     let u = index.uniq_host.len();
     match be {

@@ -1,4 +1,5 @@
 use super::*;
+use crate::ops::Grad;
 use crate::testing::{Arg, SeedRng, check_twin};
 
 #[test]
@@ -57,9 +58,17 @@ fn embedding_forward_and_backward_match_twin() {
             tdt.into(),
             Some((tdp.into(), period)),
             s,
-            false,
+            Grad::Overwrite,
         )?;
-        embedding_backward(be, &index, (&*td).into(), tdt2.into(), None, s, true)
+        embedding_backward(
+            be,
+            &index,
+            (&*td).into(),
+            tdt2.into(),
+            None,
+            s,
+            Grad::Accumulate,
+        )
     });
     // Row 3 and row 7 share an id: that table row's gradient is scale * (dout[3] + dout[7] + others).
     let id = ids[3] as usize;

@@ -1,6 +1,17 @@
-//! General matrix multiply: C = alpha * op(A) * op(B) + beta * C, in the three layouts training needs
-//! (A·B, A·Bᵀ, Aᵀ·B, and Aᵀ·Bᵀ for completeness), any size, with a two-level batch of strided matrices
-//! (attention runs one product per (sequence, head) pair straight out of the fused QKV tensor).
+//! Matrix products, all of them: C = alpha · op(A) · op(B) + beta · C in the four layouts (A·B, A·Bᵀ,
+//! Aᵀ·B, Aᵀ·Bᵀ), any size, with a two-level batch of strided matrices, and B in one of three storage
+//! formats ([`Weights`]): f32, f16 pairs, or block-quantized. This folder holds every kernel of the family
+//! and its CPU twin; [`choose`] is the one function that picks the kernel of a product, from its shape,
+//! B's format, the device and the [`PathSet`] the caller holds.
+//!
+//! ```text
+//!   cpu.rs        the CPU twin (the `gemm` crate) and the f64 reference the tests hold both against
+//!   tiled.rs      the tiled GEMM (f32, or f16 weights, optionally f16 operands)        every layout
+//!   gemv.rs       the decode kernel (m <= 8 rows of x · Wᵀ), optionally with subgroups
+//!   f16.rs        packing weights into f16 pairs (the f16-storage path's format)
+//!   coop.rs       x · Wᵀ on the tensor cores (cooperative matrices, f16 weights)
+//!   quant/        x · Wᵀ from block-quantized weights: CPU (AVX-512, AVX2, portable) and WGSL kernels
+//! ```
 //!
 //! Storage is row-major with leading dimensions: op(A) is M x K, stored as M x K (`lda` >= K) or, when
 //! `trans_a`, as K x M (`lda` >= M); likewise op(B) is K x N, stored as K x N or N x K. C is M x N with
@@ -10,16 +21,22 @@
 //! Tensors split across buffers (larger than one binding) are handled by splitting the product: along M
 //! (rows of A and C), N (rows of a transposed B) and K (accumulating the partial products into C).
 
+mod coop;
 mod cpu;
-pub mod wgsl;
+mod f16;
+mod gemv;
+pub mod quant;
+mod tiled;
 
-use crate::backend::{Backend, TMut, TRef};
+use crate::backend::{Backend, TMut, TRef, Tensor};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, GpuBackend, GpuTensor, PipelineOptions};
+use crate::path::{Fault, PathId, PathSet};
 pub use cpu::gemm_reference;
-pub use wgsl::GemmOpts;
-pub use wgsl::Tile;
-use wgsl::gemm_source;
+pub use f16::{pack_f16, packed_len, unpack_f16};
+pub use quant::{QKind, QMatrix, QuantSource, get_rows};
+pub use tiled::Tile;
+use tiled::{GemmOpts, gemm_source};
 
 /// Shape and layout of one (batched) product.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -143,6 +160,46 @@ impl Gemm {
         ]
     }
 
+    /// x · Wᵀ products of f16 or quantized weights: unbatched, and for quantized weights with contiguous
+    /// rows and the matrix's own shape.
+    fn validate_nt(&self, b: &Weights<'_>) -> Result<()> {
+        let bad = |msg: String| Err(Error::Shape { op: "matmul", msg });
+        if self.trans_a || !self.trans_b || self.batches() != 1 {
+            return bad(
+                "f16 and quantized weights serve x·Wᵀ products (Gemm::nt), unbatched".into(),
+            );
+        }
+        match b {
+            Weights::F16(_) if !self.ldb.is_multiple_of(2) => {
+                bad("f16 weights need an even row length (ldb)".into())
+            }
+            Weights::Quant(q)
+                if self.n != q.rows()
+                    || self.k != q.cols()
+                    || self.lda != self.k
+                    || self.ldc != self.n
+                    || self.alpha != 1.0
+                    || self.beta != 0.0 =>
+            {
+                bad(format!(
+                    "a {} x {} quantized matrix multiplies x[m, {}] into y[m, {}] with contiguous rows \
+                     (got n {}, k {}, lda {}, ldc {}, alpha {}, beta {})",
+                    q.rows(),
+                    q.cols(),
+                    q.cols(),
+                    q.rows(),
+                    self.n,
+                    self.k,
+                    self.lda,
+                    self.ldc,
+                    self.alpha,
+                    self.beta
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn validate(&self) -> Result<()> {
         let (ac, bc) = (
             if self.trans_a { self.m } else { self.k },
@@ -162,47 +219,232 @@ impl Gemm {
     }
 }
 
-/// Runs the product described by `g`.
-pub fn matmul(be: &Backend, a: TRef<'_>, b: TRef<'_>, c: TMut<'_>, g: &Gemm) -> Result<()> {
-    matmul_with_tile(be, a, b, c, g, None)
+/// The CPU twin on host slices, C = alpha · op(A) op(B) + beta · C: the canonical f32 result (each
+/// slice from its view's offset).
+pub fn cpu_gemm(a: &[f32], b: &[f32], c: &mut [f32], g: &Gemm) {
+    cpu::gemm(a, b, c, g)
 }
 
-/// [`matmul`] with the GPU tile configuration forced (benchmarks compare tiles with it).
-pub fn matmul_with_tile(
+/// The right-hand operand B of a product, in one of its storage formats.
+#[derive(Clone, Copy)]
+pub enum Weights<'a> {
+    /// f32 elements, in any layout the [`Gemm`] describes.
+    F32(TRef<'a>),
+    /// f16 values packed two per u32 word ([`pack_f16`]), for x · Wᵀ products (`Gemm::nt`, unbatched):
+    /// the view starts at a word, and `ldb` counts f16 elements (even).
+    F16(TRef<'a>),
+    /// A block-quantized matrix, for x · Wᵀ with contiguous rows (`Gemm::nt(m, rows, cols)`).
+    Quant(&'a QMatrix),
+}
+
+impl<'a> From<TRef<'a>> for Weights<'a> {
+    fn from(t: TRef<'a>) -> Self {
+        Weights::F32(t)
+    }
+}
+
+impl<'a> From<&'a Tensor> for Weights<'a> {
+    fn from(t: &'a Tensor) -> Self {
+        Weights::F32(t.into())
+    }
+}
+
+impl<'a> From<&'a QMatrix> for Weights<'a> {
+    fn from(m: &'a QMatrix) -> Self {
+        Weights::Quant(m)
+    }
+}
+
+/// The kernel one product runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// The CPU twin (on the CPU backend, for every format).
+    Cpu,
+    /// C = beta · C: an empty sum (K = 0).
+    Scale,
+    /// The decode kernel: up to 8 rows of x · Wᵀ, every operand in one buffer.
+    Gemv { shader_f16: bool, subgroups: bool },
+    /// The tiled kernel (every layout, split tensors).
+    Tiled { tile: Tile, shader_f16: bool },
+    /// Tensor cores: x · Wᵀ with f16 weights, every operand in one buffer.
+    Coop,
+    /// Straight from the quantized blocks.
+    Quant,
+}
+
+/// A kernel and, in tests, the planted fault it is built with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Choice {
+    pub kernel: Kernel,
+    fault: Option<Fault>,
+}
+
+impl Choice {
+    /// `kernel`, built with the planted fault of `paths` if it has one (the gates force kernels this way).
+    pub fn forced(kernel: Kernel, paths: PathSet) -> Self {
+        Choice {
+            kernel,
+            fault: paths.fault(),
+        }
+    }
+}
+
+/// Picks the kernel of the product `g` with B = `b`: the one function that decides, from the shape, B's
+/// format, the device and the fast paths the caller holds. With [`PathSet::F32`] it is always a canonical
+/// f32 kernel (the CPU twin, the tiled or decode kernel on f32 data, or the scale-only kernel).
+pub fn choose(
     be: &Backend,
     a: TRef<'_>,
-    b: TRef<'_>,
+    b: Weights<'_>,
+    c: &TMut<'_>,
+    g: &Gemm,
+    paths: PathSet,
+) -> Choice {
+    let kernel = match be {
+        Backend::Cpu(_) => Kernel::Cpu,
+        Backend::Gpu(_) => {
+            let (bt, f16) = match b {
+                Weights::F32(t) => (t.tensor(), false),
+                Weights::F16(t) => (t.tensor(), true),
+                Weights::Quant(q) => match q.dense() {
+                    None => return Choice::forced(Kernel::Quant, paths),
+                    Some(t) => (t, false),
+                },
+            };
+            let single = [a.tensor(), bt, c.tensor()]
+                .iter()
+                .all(|t| t.gpu().is_some_and(|g| g.num_chunks() == 1));
+            let shader_f16 = f16 && paths.has(PathId::ShaderF16);
+            if g.k == 0 {
+                Kernel::Scale
+            } else if f16 && single && paths.has(PathId::CoopMatrix) && coop::suits(g) {
+                Kernel::Coop
+            } else if single && g.m <= 8 && g.batches() == 1 && !g.trans_a && g.trans_b {
+                Kernel::Gemv {
+                    shader_f16,
+                    subgroups: paths.has(PathId::Subgroups),
+                }
+            } else {
+                Kernel::Tiled {
+                    tile: choose_tile(g),
+                    shader_f16,
+                }
+            }
+        }
+    };
+    Choice::forced(kernel, paths)
+}
+
+/// C = alpha · A · op(B) + beta · C on the kernel [`choose`] picks for `paths`.
+pub fn matmul<'a>(
+    be: &Backend,
+    paths: PathSet,
+    a: TRef<'_>,
+    b: impl Into<Weights<'a>>,
+    c: TMut<'_>,
+    g: &Gemm,
+) -> Result<()> {
+    let b = b.into();
+    let choice = choose(be, a, b, &c, g, paths);
+    run(be, choice, a, b, c, g)
+}
+
+/// Runs the product on the kernel `choice` names (benchmarks compare tiles this way; gates force the
+/// kernel of the path they check). The kernel must suit the backend and B's format.
+pub fn run(
+    be: &Backend,
+    choice: Choice,
+    a: TRef<'_>,
+    b: Weights<'_>,
     mut c: TMut<'_>,
     g: &Gemm,
-    tile: Option<Tile>,
 ) -> Result<()> {
     g.validate()?;
     let [ea, eb, ec] = g.extents();
-    match be {
-        Backend::Cpu(cb) => {
-            let (a, b) = (a.cpu("matmul", "A", ea)?, b.cpu("matmul", "B", eb)?);
+    match b {
+        Weights::F16(_) | Weights::Quant(_) => g.validate_nt(&b)?,
+        Weights::F32(_) => {}
+    }
+    let fault = choice.fault;
+    match (be, b, choice.kernel) {
+        (Backend::Cpu(cb), b, Kernel::Cpu) => {
+            let a = a.cpu("matmul", "A", ea)?;
             let c = c.cpu("matmul", "C", ec)?;
-            cb.install(|| cpu::gemm(a, b, c, g));
+            match b {
+                Weights::F32(b) => {
+                    let b = b.cpu("matmul", "B", eb)?;
+                    cb.install(|| cpu::gemm(a, b, c, g));
+                }
+                Weights::F16(b) => {
+                    let w = unpack_f16(b.cpu_u32("matmul", "B", packed_len(eb))?, eb);
+                    cb.install(|| cpu::gemm(a, &w, c, g));
+                }
+                Weights::Quant(q) => q.cpu_matmul(cb, a, c, g.m)?,
+            }
             Ok(())
         }
-        Backend::Gpu(gb) => {
-            let ta = a.gpu("matmul", "A", ea)?;
-            let tb = b.gpu("matmul", "B", eb)?;
-            let tc = c.gpu("matmul", "C", ec)?;
-            let choice = KernelChoice {
-                subgroups: gb.path_active(crate::gate::PathId::Subgroups),
-                ..KernelChoice::default()
-            };
-            gpu_matmul(
-                gb,
-                (ta, a.offset()),
-                (tb, b.offset()),
-                (tc, c.offset()),
-                g,
-                tile,
-                choice,
-            )
+        (Backend::Gpu(gb), Weights::Quant(q), Kernel::Quant) => {
+            let tx = a.gpu("matmul", "A", ea)?;
+            let ty = c.gpu("matmul", "C", ec)?;
+            q.gpu_matmul(gb, (tx, a.offset()), (ty, c.offset()), g.m, fault)
         }
+        (Backend::Gpu(_), Weights::Quant(q), k) => match q.dense() {
+            Some(t) => run(be, Choice { kernel: k, fault }, a, t.into(), c, g),
+            None => Err(Error::Shape {
+                op: "matmul",
+                msg: format!("kernel {k:?} cannot read a matrix held as quantized blocks"),
+            }),
+        },
+        (Backend::Gpu(gb), b, k) => {
+            let (bv, f16) = match b {
+                Weights::F32(t) => (t, false),
+                Weights::F16(t) => (t, true),
+                Weights::Quant(_) => unreachable!("handled above"),
+            };
+            let ta = a.gpu("matmul", "A", ea)?;
+            let tb = bv.gpu("matmul", "B", if f16 { packed_len(eb) } else { eb })?;
+            let tc = c.gpu("matmul", "C", ec)?;
+            // Packed B counts f16 elements from the view's first word.
+            let ob = if f16 { 2 * bv.offset() } else { bv.offset() };
+            let (a, b, c) = ((ta, a.offset()), (tb, ob), (tc, c.offset()));
+            match k {
+                Kernel::Coop if f16 => coop::matmul_coop(gb, a, b, c, g, fault),
+                Kernel::Coop => Err(Error::Shape {
+                    op: "matmul",
+                    msg: "the cooperative-matrix kernel reads f16 weights".into(),
+                }),
+                Kernel::Scale => gpu_scale(gb, c, g),
+                Kernel::Gemv {
+                    shader_f16,
+                    subgroups,
+                } => {
+                    let opts = GemmOpts {
+                        trans_a: g.trans_a,
+                        trans_b: g.trans_b,
+                        b_f16: f16,
+                        shader_f16,
+                    };
+                    gpu_gemv(gb, a, b, c, g, opts, subgroups, fault)
+                }
+                Kernel::Tiled { tile, shader_f16 } => {
+                    let opts = GemmOpts {
+                        trans_a: g.trans_a,
+                        trans_b: g.trans_b,
+                        b_f16: f16,
+                        shader_f16,
+                    };
+                    gpu_tiled(gb, a, b, c, g, tile, opts, fault)
+                }
+                Kernel::Cpu | Kernel::Quant => Err(Error::Shape {
+                    op: "matmul",
+                    msg: format!("kernel {k:?} does not run on a GPU with these weights"),
+                }),
+            }
+        }
+        (Backend::Cpu(_), _, k) => Err(Error::Shape {
+            op: "matmul",
+            msg: format!("kernel {k:?} does not run on the CPU backend"),
+        }),
     }
 }
 
@@ -317,29 +559,115 @@ fn ranges(mut cut: Vec<usize>, len: usize) -> Vec<(usize, usize)> {
     cut.windows(2).map(|w| (w[0], w[1])).collect()
 }
 
-/// Which kernel family a product runs on: the canonical f32 kernels, or a fast path's.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct KernelChoice {
-    /// B is packed f16 (offsets, strides and `ldb` in f16 elements).
-    pub b_f16: bool,
-    pub shader_f16: bool,
-    pub subgroups: bool,
+/// C = beta · C for an empty sum (K = 0). The kernels read nothing from A and B then; a dummy buffer
+/// stands in for the empty tensors (which own no element to bind at).
+fn gpu_scale(gb: &GpuBackend, (tc, oc): (&GpuTensor, usize), g: &Gemm) -> Result<()> {
+    if g.m == 0 || g.n == 0 || g.batches() == 0 {
+        return Ok(());
+    }
+    let [_, _, ec] = g.extents();
+    let dummy = gb.scratch("dummy", 1)?;
+    let (bc, lc) = locate(tc, oc, oc + ec.max(1) - 1, "C")?;
+    let opts = GemmOpts {
+        trans_a: g.trans_a,
+        trans_b: g.trans_b,
+        ..GemmOpts::default()
+    };
+    let pipe = pipeline(gb, TILE_SMALL, opts, None)?;
+    let p = params(g, [0, 0, lc], g.m, g.n, 0, g.beta);
+    let d = &dummy.chunks[0].buffer;
+    gb.dispatch(
+        &pipe,
+        &p,
+        &[d, d, &bc],
+        [
+            g.n.div_ceil(32) as u32,
+            g.m.div_ceil(32) as u32,
+            g.batches() as u32,
+        ],
+    )
 }
 
-pub(crate) fn gpu_matmul(
+/// Finds the chunk holding elements `first..=last` of B; packed-f16 B counts f16 elements while its
+/// tensor counts u32 words, so the words are found and the offset expressed in f16 elements again.
+fn locate_b(t: &GpuTensor, first: usize, last: usize, f16: bool) -> Result<(wgpu::Buffer, usize)> {
+    if f16 {
+        let (b, w) = locate(t, first / 2, last / 2, "B")?;
+        Ok((b, 2 * w + first % 2))
+    } else {
+        locate(t, first, last, "B")
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gpu_gemv(
     gb: &GpuBackend,
     (ta, oa): (&GpuTensor, usize),
     (tb, ob): (&GpuTensor, usize),
     (tc, oc): (&GpuTensor, usize),
     g: &Gemm,
-    tile: Option<Tile>,
-    choice: KernelChoice,
+    opts: GemmOpts,
+    subgroups: bool,
+    fault: Option<Fault>,
+) -> Result<()> {
+    if g.m == 0 || g.n == 0 {
+        return Ok(());
+    }
+    if g.m > 8 || g.batches() != 1 || g.trans_a || !g.trans_b {
+        return Err(Error::Shape {
+            op: "matmul",
+            msg: "the decode kernel takes up to 8 rows of an unbatched x · Wᵀ".into(),
+        });
+    }
+    let [ea, eb, ec] = g.extents();
+    let (ba, la) = locate(ta, oa, oa + ea.max(1) - 1, "A")?;
+    let (bb, lb) = locate_b(tb, ob, ob + eb.max(1) - 1, opts.b_f16)?;
+    let (bc, lc) = locate(tc, oc, oc + ec.max(1) - 1, "C")?;
+    let key = format!(
+        "gemv_{}{}{}",
+        opts.key(),
+        if subgroups { "_sg" } else { "" },
+        fault.map_or_else(String::new, |f| format!("_fault{f:?}"))
+    );
+    let pipe = gb.pipeline(
+        &key,
+        &[Access::Read, Access::Read, Access::ReadWrite],
+        PipelineOptions::default(),
+        || gemv::gemv_source(opts, subgroups, fault),
+    )?;
+    let p = [
+        g.m as u32,
+        g.n as u32,
+        g.k as u32,
+        g.lda as u32,
+        g.ldb as u32,
+        g.ldc as u32,
+        la as u32,
+        lb as u32,
+        lc as u32,
+        g.alpha.to_bits(),
+        g.beta.to_bits(),
+    ];
+    gb.dispatch(&pipe, &p, &[&ba, &bb, &bc], gb.grid(g.n.div_ceil(8)))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gpu_tiled(
+    gb: &GpuBackend,
+    (ta, oa): (&GpuTensor, usize),
+    (tb, ob): (&GpuTensor, usize),
+    (tc, oc): (&GpuTensor, usize),
+    g: &Gemm,
+    tile: Tile,
+    opts: GemmOpts,
+    fault: Option<Fault>,
 ) -> Result<()> {
     if g.m == 0 || g.n == 0 || g.batches() == 0 {
         return Ok(());
     }
-    let forced = tile.is_some();
-    let tile = tile.unwrap_or_else(|| choose_tile(g));
+    if g.k == 0 {
+        return gpu_scale(gb, (tc, oc), g);
+    }
     if tile.shared_bytes() > gb.limits.max_compute_workgroup_storage_size
         || tile.threads() > gb.limits.max_compute_invocations_per_workgroup
     {
@@ -352,91 +680,17 @@ pub(crate) fn gpu_matmul(
             gb.limits.max_compute_invocations_per_workgroup
         )));
     }
-    let opts = GemmOpts {
-        trans_a: g.trans_a,
-        trans_b: g.trans_b,
-        b_f16: choice.b_f16,
-        shader_f16: choice.shader_f16,
-        fault: gb.planted_fault(),
-    };
-    let [ea, eb, ec] = g.extents();
-    let max_z = gb.limits.max_compute_workgroups_per_dimension as usize;
-    let single = ta.chunks.len() == 1 && tb.chunks.len() == 1 && tc.chunks.len() == 1;
-    // Packed-f16 B counts f16 elements while its tensor counts u32 words: find the words, then express
-    // the offset inside the buffer in f16 elements again.
-    let locate =
-        |t: &GpuTensor, first: usize, last: usize, what: &str| -> Result<(wgpu::Buffer, usize)> {
-            if choice.b_f16 && what == "B" {
-                let (b, w) = locate(t, first / 2, last / 2, what)?;
-                Ok((b, 2 * w + first % 2))
-            } else {
-                locate(t, first, last, what)
-            }
-        };
-    if g.k == 0 {
-        // An empty sum: C = beta · C. The kernels read nothing from A and B then; a dummy buffer stands
-        // in for the empty tensors (which own no element to bind at).
-        let dummy = gb.scratch("dummy", 1)?;
-        let (bc, lc) = locate(tc, oc, oc + ec.max(1) - 1, "C")?;
-        let pipe = pipeline(
-            gb,
-            TILE_SMALL,
-            GemmOpts {
-                trans_a: g.trans_a,
-                trans_b: g.trans_b,
-                ..GemmOpts::default()
-            },
-        )?;
-        let p = params(g, [0, 0, lc], g.m, g.n, 0, g.beta);
-        let d = &dummy.chunks[0].buffer;
-        return gb.dispatch(
-            &pipe,
-            &p,
-            &[d, d, &bc],
-            [
-                g.n.div_ceil(32) as u32,
-                g.m.div_ceil(32) as u32,
-                g.batches() as u32,
-            ],
-        );
-    }
-    if choice.b_f16 && tb.chunks.len() != 1 {
+    if opts.b_f16 && tb.chunks.len() != 1 {
         return Err(Error::Shape {
             op: "matmul",
             msg: "an f16-packed weight must lie in one buffer".into(),
         });
     }
-    if single && g.m <= 8 && g.batches() == 1 && !g.trans_a && g.trans_b && !forced {
-        let (ba, la) = locate(ta, oa, oa + ea.max(1) - 1, "A")?;
-        let (bb, lb) = locate(tb, ob, ob + eb.max(1) - 1, "B")?;
-        let (bc, lc) = locate(tc, oc, oc + ec.max(1) - 1, "C")?;
-        let key = format!(
-            "gemv_{}{}",
-            opts.key(),
-            if choice.subgroups { "_sg" } else { "" }
-        );
-        let pipe = gb.pipeline(
-            &key,
-            &[Access::Read, Access::Read, Access::ReadWrite],
-            PipelineOptions::default(),
-            || wgsl::gemv_source(opts, choice.subgroups),
-        )?;
-        let p = [
-            g.m as u32,
-            g.n as u32,
-            g.k as u32,
-            g.lda as u32,
-            g.ldb as u32,
-            g.ldc as u32,
-            la as u32,
-            lb as u32,
-            lc as u32,
-            g.alpha.to_bits(),
-            g.beta.to_bits(),
-        ];
-        return gb.dispatch(&pipe, &p, &[&ba, &bb, &bc], gb.grid(g.n.div_ceil(8)));
-    }
-    let pipe = pipeline(gb, tile, opts)?;
+    let [ea, eb, ec] = g.extents();
+    let max_z = gb.limits.max_compute_workgroups_per_dimension as usize;
+    let single = ta.chunks.len() == 1 && tb.chunks.len() == 1 && tc.chunks.len() == 1;
+    let f16 = opts.b_f16;
+    let pipe = pipeline(gb, tile, opts, fault)?;
     let dispatch = |bufs: [&wgpu::Buffer; 3],
                     offs: [usize; 3],
                     m: usize,
@@ -458,7 +712,7 @@ pub(crate) fn gpu_matmul(
     };
     if single && g.batches() <= max_z {
         let (ba, la) = locate(ta, oa, oa + ea.max(1) - 1, "A")?;
-        let (bb, lb) = locate(tb, ob, ob + eb.max(1) - 1, "B")?;
+        let (bb, lb) = locate_b(tb, ob, ob + eb.max(1) - 1, f16)?;
         let (bc, lc) = locate(tc, oc, oc + ec.max(1) - 1, "C")?;
         return dispatch(
             [&ba, &bb, &bc],
@@ -485,7 +739,7 @@ pub(crate) fn gpu_matmul(
                 oc + z1 * g.stride_c[0],
             );
             let (ba, la) = locate(ta, sa, sa + ea1.max(1) - 1, "A")?;
-            let (bb, lb) = locate(tb, sb, sb + eb1.max(1) - 1, "B")?;
+            let (bb, lb) = locate_b(tb, sb, sb + eb1.max(1) - 1, f16)?;
             let (bc, lc) = locate(tc, sc, sc + ec1.max(1) - 1, "C")?;
             if g.batch[1] > per {
                 return Err(Error::Limits(format!(
@@ -553,7 +807,7 @@ pub(crate) fn gpu_matmul(
                 let c_first = oc + m0 * g.ldc + n0;
                 let c_last = oc + (m1 - 1) * g.ldc + n1 - 1;
                 let (ba, la) = locate(ta, a_first, a_last, "A")?;
-                let (bb, lb) = locate(tb, b_first, b_last, "B")?;
+                let (bb, lb) = locate_b(tb, b_first, b_last, f16)?;
                 let (bc, lc) = locate(tc, c_first, c_last, "C")?;
                 let beta = if ki == 0 { g.beta } else { 1.0 };
                 dispatch([&ba, &bb, &bc], [la, lb, lc], m, n, k, beta, 1)?;
@@ -567,51 +821,20 @@ fn pipeline(
     gb: &GpuBackend,
     tile: Tile,
     opts: GemmOpts,
+    fault: Option<Fault>,
 ) -> Result<std::rc::Rc<crate::gpu::Pipeline>> {
-    let key = format!("gemm_{}_{}", opts.key(), tile.key());
+    let key = format!(
+        "gemm_{}_{}{}",
+        opts.key(),
+        tile.key(),
+        fault.map_or_else(String::new, |f| format!("_fault{f:?}"))
+    );
     gb.pipeline(
         &key,
         &[Access::Read, Access::Read, Access::ReadWrite],
         PipelineOptions::default(),
-        || gemm_source(tile, opts),
+        || gemm_source(tile, opts, fault),
     )
-}
-
-/// The subgroup path's gate at one shape: the decode kernel (m <= 8) reducing with `subgroupAdd`, and
-/// the tiled kernel otherwise (unchanged by the path), against the CPU twin.
-#[cfg(not(target_arch = "wasm32"))]
-pub fn gate_evaluate_subgroups(
-    be: &Backend,
-    c: &crate::gate::GateCase,
-    seed: u64,
-) -> Result<crate::gate::CaseOutput> {
-    let choice = KernelChoice {
-        subgroups: true,
-        ..KernelChoice::default()
-    };
-    crate::gate::paths::evaluate_nt(be, c, seed, false, |g, x, w, out| {
-        gpu_matmul(
-            g,
-            (x, 0),
-            (w, 0),
-            (out, 0),
-            &Gemm::nt(c.m, c.n, c.k),
-            None,
-            choice,
-        )
-    })
-}
-
-#[cfg(target_arch = "wasm32")]
-pub fn gate_evaluate_subgroups(
-    _: &Backend,
-    _: &crate::gate::GateCase,
-    _: u64,
-) -> Result<crate::gate::CaseOutput> {
-    Err(Error::Shape {
-        op: "gate",
-        msg: "gates run asynchronously on the web".into(),
-    })
 }
 
 #[cfg(test)]

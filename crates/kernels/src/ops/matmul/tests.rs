@@ -12,7 +12,7 @@ fn run(be: &Backend, g: &Gemm, a: &[f32], b: &[f32], c0: &[f32], unit: [usize; 3
     } else {
         be.from_f32(c0, unit[2]).unwrap()
     };
-    matmul(be, (&ta).into(), (&tb).into(), (&mut tc).into(), g).unwrap();
+    matmul(be, PathSet::F32, (&ta).into(), &tb, (&mut tc).into(), g).unwrap();
     be.to_vec(&tc).unwrap()
 }
 
@@ -139,7 +139,7 @@ fn batched_attention_shaped_products() {
     for be in &backends {
         let tq = be.from_f32(&qkv, t * 3 * c).unwrap();
         let mut ts = poisoned(be, ec, t * t).unwrap();
-        matmul(be, tq.at(0), tq.at(c), (&mut ts).into(), &g).unwrap();
+        matmul(be, PathSet::F32, tq.at(0), tq.at(c), (&mut ts).into(), &g).unwrap();
         assert_nmse(
             &format!("{} batched", be.kind()),
             &want,
@@ -194,12 +194,12 @@ fn gpu_weight_larger_than_the_real_binding_limit() {
     );
     let tx = be.from_f32(&x, k).unwrap();
     let mut ty = poisoned(&be, m * n, n).unwrap();
-    matmul(&be, (&tx).into(), (&tw).into(), (&mut ty).into(), &g).unwrap();
+    matmul(&be, PathSet::F32, (&tx).into(), &tw, (&mut ty).into(), &g).unwrap();
     let mut want = vec![0.0; m * n];
     let cpu = cpu_backend();
     let (cx, cw) = (cpu.from_f32(&x, k).unwrap(), cpu.from_f32(&w, k).unwrap());
     let mut cy = cpu.zeros(m * n, n).unwrap();
-    matmul(&cpu, (&cx).into(), (&cw).into(), (&mut cy).into(), &g).unwrap();
+    matmul(&cpu, PathSet::F32, (&cx).into(), &cw, (&mut cy).into(), &g).unwrap();
     want.copy_from_slice(&cpu.to_vec(&cy).unwrap());
     assert_nmse("160 MiB weight", &want, &be.to_vec(&ty).unwrap(), BOUND);
 }
@@ -213,8 +213,9 @@ fn bad_shapes_are_errors_not_panics() {
     // Too few elements for a 4x4x4 product.
     let e = matmul(
         &be,
+        PathSet::F32,
         (&a).into(),
-        (&b).into(),
+        &b,
         (&mut c).into(),
         &Gemm::nn(4, 4, 4),
     );
@@ -222,8 +223,9 @@ fn bad_shapes_are_errors_not_panics() {
     // Leading dimension smaller than the row.
     let e = matmul(
         &be,
+        PathSet::F32,
         (&a).into(),
-        (&b).into(),
+        &b,
         (&mut c).into(),
         &Gemm::nn(2, 2, 3).lda(2),
     );

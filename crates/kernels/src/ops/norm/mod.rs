@@ -3,6 +3,7 @@
 //! Row statistics live in one `stats` tensor of `2 * rows` elements: the rows' means (zero for RMSNorm)
 //! followed by their reciprocal standard deviations, saved by the forward pass for the backward pass.
 
+use super::Grad;
 use super::common::{Grid, kernel, row_kernel, run};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
@@ -111,8 +112,8 @@ pub fn norm_forward(
     }
 }
 
-/// Gradients of [`norm_forward`]: dx (added to `dx` when `accumulate_dx`) and dw (added to `dw` when
-/// `accumulate_dw`).
+/// Gradients of [`norm_forward`]: dx into `dx` and dw into `dw`, each overwritten or added to as
+/// `dx_into` and `dw_into` say.
 #[allow(clippy::too_many_arguments)]
 pub fn norm_backward(
     be: &Backend,
@@ -124,10 +125,11 @@ pub fn norm_backward(
     mut dx: TMut<'_>,
     mut dw: TMut<'_>,
     s: NormShape,
-    accumulate_dx: bool,
-    accumulate_dw: bool,
+    dx_into: Grad,
+    dw_into: Grad,
 ) -> Result<()> {
     check(&s)?;
+    let (accumulate_dx, accumulate_dw) = (dx_into == Grad::Accumulate, dw_into == Grad::Accumulate);
     let (rows, cols) = (s.rows, s.cols);
     let n = rows * cols;
     match be {

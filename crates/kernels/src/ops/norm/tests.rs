@@ -1,4 +1,5 @@
 use super::*;
+use crate::ops::Grad;
 use crate::testing::{Arg, SeedRng, check_twin, cpu_backend};
 
 fn run_both(kind: NormKind, rows: usize, cols: usize, split: Option<u64>, seed: u64) {
@@ -56,8 +57,8 @@ fn run_both(kind: NormKind, rows: usize, cols: usize, split: Option<u64>, seed: 
                 tdx.into(),
                 tdw.into(),
                 s,
-                false,
-                false,
+                Grad::Overwrite,
+                Grad::Overwrite,
             )?;
             norm_backward(
                 be,
@@ -69,8 +70,8 @@ fn run_both(kind: NormKind, rows: usize, cols: usize, split: Option<u64>, seed: 
                 tdx2.into(),
                 tdw2.into(),
                 s,
-                true,
-                true,
+                Grad::Accumulate,
+                Grad::Accumulate,
             )
         },
     );
@@ -155,8 +156,8 @@ fn norm_backward_matches_finite_differences() {
             (&mut tdx).into(),
             (&mut tdw).into(),
             s,
-            false,
-            false,
+            Grad::Overwrite,
+            Grad::Overwrite,
         )
         .unwrap();
         let (dx, dw) = (be.to_vec(&tdx).unwrap(), be.to_vec(&tdw).unwrap());

@@ -1,4 +1,5 @@
 use super::*;
+use tinygpt_kernels::PathSet;
 use tinygpt_kernels::testing::{SeedRng, assert_nmse, cpu_backend, gpu_backend};
 
 fn tiny(dropout: f32) -> GptConfig {
@@ -25,7 +26,16 @@ fn batch(cfg: &GptConfig, b: usize, seed: u64) -> (Vec<u32>, Vec<u32>) {
 
 fn loss_at(cfg: &GptConfig, params: &[f32], ids: &[u32], tg: &[u32], b: usize) -> f64 {
     let be = cpu_backend();
-    let mut t = Trainer::new(&be, cfg, b, params, None, OptimConfig::default()).unwrap();
+    let mut t = Trainer::new(
+        &be,
+        cfg,
+        b,
+        params,
+        None,
+        OptimConfig::default(),
+        PathSet::F32,
+    )
+    .unwrap();
     t.eval_loss(&be, ids, tg).unwrap() as f64
 }
 
@@ -39,7 +49,16 @@ fn grads(
     b: usize,
     seed: u32,
 ) -> Vec<f32> {
-    let mut t = Trainer::new(be, cfg, b, params, None, OptimConfig::default()).unwrap();
+    let mut t = Trainer::new(
+        be,
+        cfg,
+        b,
+        params,
+        None,
+        OptimConfig::default(),
+        PathSet::F32,
+    )
+    .unwrap();
     t.set_batch(be, ids, tg, true).unwrap();
     t.forward(be, true, seed).unwrap();
     t.backward(be, seed).unwrap();
@@ -112,7 +131,16 @@ fn first_ten_steps_give_the_same_losses_on_cpu_and_gpu() {
     let params = Layout::new(&cfg).init(&cfg, 8);
     let b = 4;
     let run = |be: &Backend| -> Vec<f32> {
-        let mut t = Trainer::new(be, &cfg, b, &params, None, OptimConfig::default()).unwrap();
+        let mut t = Trainer::new(
+            be,
+            &cfg,
+            b,
+            &params,
+            None,
+            OptimConfig::default(),
+            PathSet::F32,
+        )
+        .unwrap();
         (0..10)
             .map(|i| {
                 let (ids, tg) = batch(&cfg, b, 100 + i);
@@ -145,7 +173,6 @@ fn learning_rate_schedule_is_nanogpt_s() {
 #[test]
 fn f16_storage_forward_keeps_the_training_losses() {
     let Some(gpu) = gpu_backend(None) else { return };
-    let g = gpu.as_gpu().expect("gpu");
     let cfg = GptConfig {
         vocab_size: 13,
         block_size: 16,
@@ -156,12 +183,12 @@ fn f16_storage_forward_keeps_the_training_losses() {
     };
     let params = Layout::new(&cfg).init(&cfg, 8);
     let b = 4;
-    let run = |be: &Backend| -> Vec<f32> {
+    let run = |be: &Backend, paths: PathSet| -> Vec<f32> {
         let optim = OptimConfig {
             f16_forward: true,
             ..OptimConfig::default()
         };
-        let mut t = Trainer::new(be, &cfg, b, &params, None, optim).unwrap();
+        let mut t = Trainer::new(be, &cfg, b, &params, None, optim, paths).unwrap();
         (0..6)
             .map(|i| {
                 let (ids, tg) = batch(&cfg, b, 200 + i);
@@ -170,9 +197,14 @@ fn f16_storage_forward_keeps_the_training_losses() {
             })
             .collect()
     };
-    let f32_losses = run(&cpu_backend());
-    g.set_path_active(tinygpt_kernels::gate::PathId::F16Storage, true);
-    let f16_losses = run(&gpu);
+    let f32_losses = run(&cpu_backend(), PathSet::F32);
+    let f16 = PathSet::of(&[tinygpt_kernels::PathId::F16Storage]);
+    let trainer = Trainer::new(&gpu, &cfg, b, &params, None, OptimConfig::default(), f16).unwrap();
+    assert!(
+        trainer.paths().is_empty(),
+        "without f16_forward, training leaves the f16 path off"
+    );
+    let f16_losses = run(&gpu, f16);
     for (i, (a, b)) in f32_losses.iter().zip(&f16_losses).enumerate() {
         assert!(
             (a - b).abs() < 2e-3 * a.abs(),

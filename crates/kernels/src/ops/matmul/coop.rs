@@ -8,14 +8,13 @@
 //! reason. The pipeline is built where a panic becomes a failed gate ([`crate::gpu`]'s pipeline builder
 //! catches it), never a crashed program.
 
-use crate::backend::Backend;
+use super::Gemm;
 use crate::error::{Error, Result};
-use crate::gate::{CaseOutput, Fault, GateCase};
 use crate::gpu::{Access, GpuBackend, GpuTensor, PipelineOptions};
-use crate::ops::matmul::Gemm;
+use crate::path::Fault;
 
 /// Whether a product is one the cooperative kernel takes: x · Wᵀ, unbatched, tall enough to fill tiles.
-pub fn suits(g: &Gemm) -> bool {
+pub(super) fn suits(g: &Gemm) -> bool {
     !g.trans_a && g.trans_b && g.batches() == 1 && g.m >= 64 && g.n >= 64 && g.k >= 64
 }
 
@@ -129,6 +128,7 @@ pub(crate) fn matmul_coop(
     (tb, ob): (&GpuTensor, usize),
     (tc, oc): (&GpuTensor, usize),
     g: &Gemm,
+    fault: Option<Fault>,
 ) -> Result<()> {
     if ta.num_chunks() != 1
         || tb.num_chunks() != 1
@@ -141,7 +141,6 @@ pub(crate) fn matmul_coop(
             msg: "the cooperative kernel takes x·Wᵀ with every operand in one buffer".into(),
         });
     }
-    let fault = gb.planted_fault();
     let key = format!(
         "gemm_coop{}",
         fault.map_or(String::new(), |f| format!("_fault{f:?}"))
@@ -176,23 +175,6 @@ pub(crate) fn matmul_coop(
         &bufs,
         [g.n.div_ceil(64) as u32, g.m.div_ceil(64) as u32, 1],
     )
-}
-
-/// The cooperative-matrix gate at one shape (the kernel runs whatever the shape; small shapes use
-/// mostly-empty tiles, which exercises its edge handling).
-#[cfg(not(target_arch = "wasm32"))]
-pub fn gate_evaluate(be: &Backend, c: &GateCase, seed: u64) -> Result<CaseOutput> {
-    crate::gate::paths::evaluate_nt(be, c, seed, true, |g, x, w, out| {
-        matmul_coop(g, (x, 0), (w, 0), (out, 0), &Gemm::nt(c.m, c.n, c.k))
-    })
-}
-
-#[cfg(target_arch = "wasm32")]
-pub fn gate_evaluate(_: &Backend, _: &GateCase, _: u64) -> Result<CaseOutput> {
-    Err(Error::Shape {
-        op: "gate",
-        msg: "gates run asynchronously on the web".into(),
-    })
 }
 
 #[cfg(test)]

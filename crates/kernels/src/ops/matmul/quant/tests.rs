@@ -11,8 +11,19 @@
 //! single wrong scale or quant moves the NMSE by far more than 1e-6).
 
 use super::*;
-use crate::gate::PathId;
-use crate::testing::{Arg, SeedRng, assert_nmse, check_twin_with, cpu_backend};
+use crate::ops::matmul::{Gemm, matmul};
+use crate::rng::SeedRng;
+use crate::testing::{Arg, assert_nmse, check_twin, cpu_backend};
+
+/// The path set these tests run with: the quantized kernels on.
+fn q() -> PathSet {
+    PathSet::of(&[PathId::QuantMatmul])
+}
+
+/// y[m, N] = x[m, K] · Wᵀ through the one matmul entry point.
+fn qmatmul(be: &Backend, x: TRef<'_>, w: &QMatrix, y: TMut<'_>, m: usize) -> Result<()> {
+    matmul(be, q(), x, w, y, &Gemm::nt(m, w.rows(), w.cols()))
+}
 
 /// GPU vs CPU backend (f32 vs f32, only summation order differs; see the module docs).
 const BOUND: f64 = 1e-11;
@@ -131,21 +142,14 @@ fn matmul_cases(kind: QKind, seed: u64) {
         }
     }
     let name = format!("qmatmul {kind:?}");
-    let out = check_twin_with(
-        &name,
-        BOUND,
-        &args,
-        Some(SPLIT),
-        &[PathId::QuantMatmul],
-        |be, t| {
-            for (i, c) in cases.iter().enumerate() {
-                let w = QMatrix::upload(be, c.src.clone())?;
-                let (xs, ys) = t.split_at_mut(2 * i + 1);
-                qmatmul(be, xs[2 * i].at(w.cols()), &w, ys[0].at_mut(w.rows()), c.m)?;
-            }
-            Ok(())
-        },
-    );
+    let out = check_twin(&name, BOUND, &args, Some(SPLIT), |be, t| {
+        for (i, c) in cases.iter().enumerate() {
+            let w = QMatrix::upload(be, c.src.clone(), q())?;
+            let (xs, ys) = t.split_at_mut(2 * i + 1);
+            qmatmul(be, xs[2 * i].at(w.cols()), &w, ys[0].at_mut(w.rows()), c.m)?;
+        }
+        Ok(())
+    });
     for (i, c) in cases.iter().enumerate() {
         let (n, k, _) = c.src.dims();
         let want = reference(&c.x[k..], &dequantize(&c.src), c.m, n, k);
@@ -198,21 +202,14 @@ fn qmatmul_views_at_unaligned_offsets() {
             cases.push(Case { src, m, x });
         }
     }
-    let out = check_twin_with(
-        "qmatmul at offsets",
-        BOUND,
-        &args,
-        None,
-        &[PathId::QuantMatmul],
-        |be, t| {
-            for (i, c) in cases.iter().enumerate() {
-                let w = QMatrix::upload(be, c.src.clone())?;
-                let (xs, ys) = t.split_at_mut(2 * i + 1);
-                qmatmul(be, xs[2 * i].at(xo), &w, ys[0].at_mut(yo), c.m)?;
-            }
-            Ok(())
-        },
-    );
+    let out = check_twin("qmatmul at offsets", BOUND, &args, None, |be, t| {
+        for (i, c) in cases.iter().enumerate() {
+            let w = QMatrix::upload(be, c.src.clone(), q())?;
+            let (xs, ys) = t.split_at_mut(2 * i + 1);
+            qmatmul(be, xs[2 * i].at(xo), &w, ys[0].at_mut(yo), c.m)?;
+        }
+        Ok(())
+    });
     for (i, c) in cases.iter().enumerate() {
         let (n, k, _) = c.src.dims();
         let want = reference(&c.x[xo..xo + c.m * k], &dequantize(&c.src), c.m, n, k);
@@ -249,21 +246,14 @@ fn qget_rows_matches_twins() {
         o[k..].fill(f32::NAN);
         args.push(Arg::data(o, k));
     }
-    let out = check_twin_with(
-        "qget_rows",
-        1e-14,
-        &args,
-        Some(SPLIT),
-        &[PathId::QuantMatmul],
-        |be, t| {
-            let (ti, outs) = t.split_at_mut(1);
-            for (src, o) in srcs.iter().zip(outs) {
-                let w = QMatrix::upload(be, src.clone())?;
-                qget_rows(be, ti[0].at(0), &w, o.at_mut(k), n, scale)?;
-            }
-            Ok(())
-        },
-    );
+    let out = check_twin("qget_rows", 1e-14, &args, Some(SPLIT), |be, t| {
+        let (ti, outs) = t.split_at_mut(1);
+        for (src, o) in srcs.iter().zip(outs) {
+            let w = QMatrix::upload(be, src.clone(), q())?;
+            get_rows(be, ti[0].at(0), &w, o.at_mut(k), n, scale)?;
+        }
+        Ok(())
+    });
     for (src, o) in srcs.iter().zip(&out[1..]) {
         let deq = dequantize(src);
         assert!(o[..k].iter().all(|&v| v == 0.5), "guard row");
@@ -293,9 +283,6 @@ fn weight_above_the_binding_limit_is_split() {
     let Some(be) = crate::testing::gpu_backend_low_end() else {
         return;
     };
-    be.as_gpu()
-        .expect("gpu")
-        .set_path_active(PathId::QuantMatmul, true);
     let (n, k) = (262_144, 640);
     let g = be.as_gpu().expect("gpu backend");
     assert!(
@@ -331,14 +318,14 @@ fn weight_above_the_binding_limit_is_split() {
         })
         .collect();
 
-    let qm = QMatrix::upload(&be, w).expect("upload");
+    let qm = QMatrix::upload(&be, w, q()).expect("upload");
     assert_eq!(qm.num_chunks(), 2, "quants split into two buffers");
     let xt = be.from_f32(&x, k).unwrap();
     let mut yt = crate::testing::poisoned(&be, n, n).unwrap();
     qmatmul(&be, xt.at(0), &qm, yt.at_mut(0), 1).expect("qmatmul");
     let it = be.from_u32(&ids, 1).unwrap();
     let mut ot = crate::testing::poisoned(&be, ids.len() * k, k).unwrap();
-    qget_rows(&be, it.at(0), &qm, ot.at_mut(0), ids.len(), 2.0).expect("qget_rows");
+    get_rows(&be, it.at(0), &qm, ot.at_mut(0), ids.len(), 2.0).expect("qget_rows");
     let got = be.to_vec(&yt).unwrap();
     assert_nmse("262144 x 640 logits", &want, &got, BOUND);
     let near = |a: &[f32]| a[split - 3..split + 3].to_vec();
@@ -361,13 +348,13 @@ fn bad_shapes_are_refused() {
     let good = q8(&mut rng, 4, 64, 32);
     let mut short = good.clone();
     short.quants.pop();
-    assert!(QMatrix::upload(&be, short).is_err());
+    assert!(QMatrix::upload(&be, short, q()).is_err());
     let mut odd = good.clone();
     odd.block = 24;
-    assert!(QMatrix::upload(&be, odd).is_err());
+    assert!(QMatrix::upload(&be, odd, q()).is_err());
     let mut ragged = q4(&mut rng, 4, 64);
     ragged.cols = 48;
-    assert!(QMatrix::upload(&be, ragged).is_err());
+    assert!(QMatrix::upload(&be, ragged, q()).is_err());
     let empty = Q8Matrix {
         rows: 0,
         cols: 32,
@@ -375,9 +362,9 @@ fn bad_shapes_are_refused() {
         scales: vec![],
         quants: vec![],
     };
-    assert!(QMatrix::upload(&be, empty).is_err());
+    assert!(QMatrix::upload(&be, empty, q()).is_err());
 
-    let w = QMatrix::upload(&be, good).unwrap();
+    let w = QMatrix::upload(&be, good, q()).unwrap();
     assert_eq!(w.bytes(), 4 * (4 * 64 / 32 + 4 * 64 / 4) as u64);
     let x = be.zeros(2 * 64, 64).unwrap();
     let mut y = be.zeros(2 * 4, 4).unwrap();
@@ -392,9 +379,9 @@ fn bad_shapes_are_refused() {
     );
     let ids = be.from_u32(&[1, 2], 1).unwrap();
     let mut out = be.zeros(2 * 64, 64).unwrap();
-    assert!(qget_rows(&be, ids.at(0), &w, out.at_mut(0), 2, 1.0).is_ok());
+    assert!(get_rows(&be, ids.at(0), &w, out.at_mut(0), 2, 1.0).is_ok());
     assert!(
-        qget_rows(&be, ids.at(0), &w, out.at_mut(1), 2, 1.0).is_err(),
+        get_rows(&be, ids.at(0), &w, out.at_mut(1), 2, 1.0).is_err(),
         "out too short"
     );
 }

@@ -28,9 +28,10 @@ mod gpu;
 use std::ops::Range;
 
 use crate::backend::{Backend, TMut, TRef, Tensor};
+use crate::cpu::CpuBackend;
 use crate::error::{Error, Result, shape};
-use crate::gate::{CaseOutput, GateCase, PathId};
-use crate::gpu::{GpuTensor, Operand, Segment, segments};
+use crate::gpu::{GpuBackend, GpuTensor, Operand, Segment, segments};
+use crate::path::{Fault, PathId, PathSet};
 use crate::quant::{Q4Matrix, Q8Matrix};
 
 /// Which block layout a matrix uses.
@@ -159,9 +160,9 @@ const OP_UPLOAD: &str = "qmatrix";
 
 impl QMatrix {
     /// Puts `src` on `be`: moved as is onto the CPU backend, copied into split tensors on the GPU — as
-    /// blocks when the quantized kernels passed their gate ([`PathId::QuantMatmul`]), else dequantized
-    /// to f32 (the canonical path the gate compares against).
-    pub fn upload(be: &Backend, src: impl Into<QuantSource>) -> Result<QMatrix> {
+    /// blocks when `paths` holds the quantized kernels ([`PathId::QuantMatmul`], which the gate grants),
+    /// else dequantized to f32 (the canonical path the gate compares against).
+    pub fn upload(be: &Backend, src: impl Into<QuantSource>, paths: PathSet) -> Result<QMatrix> {
         let src = src.into();
         src.validate()?;
         let (rows, cols, kind) = src.dims();
@@ -169,7 +170,7 @@ impl QMatrix {
         let words = kind.words_per_row(cols);
         let store = match be {
             Backend::Cpu(_) => QStore::Cpu(src),
-            Backend::Gpu(g) if !g.path_active(PathId::QuantMatmul) => {
+            Backend::Gpu(_) if !paths.has(PathId::QuantMatmul) => {
                 let dense = match &src {
                     QuantSource::Q8(m) => m.dequantize(),
                     QuantSource::Q4(m) => m.dequantize(),
@@ -353,53 +354,62 @@ fn fits_u32(op: &'static str, vals: &[usize]) -> Result<()> {
     Ok(())
 }
 
-/// y[m, N] = x[m, K] · Wᵀ, with x and y row-major and contiguous (leading dimensions K and N) from their
-/// views' offsets. Any m; the weights are read once per group of up to 8 rows of x.
-pub fn qmatmul(be: &Backend, x: TRef<'_>, w: &QMatrix, mut y: TMut<'_>, m: usize) -> Result<()> {
-    const OP: &str = "qmatmul";
-    let (n, k) = (w.rows, w.cols);
-    let (xl, yl) = (
-        m.checked_mul(k)
-            .ok_or_else(|| shape(OP, "m x K overflows"))?,
-        m.checked_mul(n)
-            .ok_or_else(|| shape(OP, "m x N overflows"))?,
-    );
-    fits_u32(OP, &[m, xl, yl])?;
-    match (be, &w.store) {
-        (Backend::Cpu(c), QStore::Cpu(src)) => {
-            let xs = x.cpu(OP, "x", xl)?;
-            let ys = y.cpu(OP, "y", yl)?;
-            c.install(|| match src {
-                QuantSource::Q8(q) => cpu::q8_matmul_nt(xs, q, ys, m),
-                QuantSource::Q4(q) => cpu::q4_matmul_nt(xs, q, ys, m),
+impl QMatrix {
+    /// The dequantized f32 matrix, when the GPU holds it so (the quantized kernels not in the path set).
+    pub(crate) fn dense(&self) -> Option<&Tensor> {
+        match &self.store {
+            QStore::GpuDense(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// y[m, N] = x[m, K] · Wᵀ on the CPU backend (rows contiguous from the slices' starts).
+    pub(crate) fn cpu_matmul(
+        &self,
+        c: &CpuBackend,
+        x: &[f32],
+        y: &mut [f32],
+        m: usize,
+    ) -> Result<()> {
+        let QStore::Cpu(src) = &self.store else {
+            return Err(Error::BackendMismatch {
+                op: "qmatmul",
+                expected: "cpu",
+                found: "gpu",
             });
-            Ok(())
-        }
-        (Backend::Gpu(_), QStore::GpuDense(t)) => {
-            crate::ops::matmul::matmul(be, x, t.at(0), y, &crate::ops::matmul::Gemm::nt(m, n, k))
-        }
-        (Backend::Gpu(g), QStore::Gpu(parts)) => {
-            let tx = x.gpu(OP, "x", xl)?;
-            let ty = y.gpu(OP, "y", yl)?;
-            gpu::qmatmul(
-                g,
-                (tx, x.offset()),
-                (ty, y.offset()),
-                parts,
-                w.kind,
-                m,
-                n,
-                k,
-            )
-        }
-        _ => Err(mismatch(OP, w, be)),
+        };
+        fits_u32("qmatmul", &[m, x.len(), y.len()])?;
+        c.install(|| match src {
+            QuantSource::Q8(q) => cpu::q8_matmul_nt(x, q, y, m),
+            QuantSource::Q4(q) => cpu::q4_matmul_nt(x, q, y, m),
+        });
+        Ok(())
+    }
+
+    /// y[m, N] = x[m, K] · Wᵀ from the blocks on the GPU (x and y views: tensor and element offset).
+    pub(crate) fn gpu_matmul(
+        &self,
+        g: &GpuBackend,
+        x: (&GpuTensor, usize),
+        y: (&GpuTensor, usize),
+        m: usize,
+        fault: Option<Fault>,
+    ) -> Result<()> {
+        let QStore::Gpu(parts) = &self.store else {
+            return Err(shape(
+                "qmatmul",
+                "the matrix is not held as blocks on the GPU",
+            ));
+        };
+        fits_u32("qmatmul", &[m, m * self.cols, m * self.rows])?;
+        gpu::qmatmul(g, x, y, parts, self.kind, m, self.rows, self.cols, fault)
     }
 }
 
 /// out[i, :] = scale · (dequantized row ids[i] of `w`) for i < n: a token-embedding lookup from a quantized
 /// table (Gemma multiplies by sqrt(dim)). Ids past the table's rows give zero rows. `out` is n x K from its
 /// view's offset.
-pub fn qget_rows(
+pub fn get_rows(
     be: &Backend,
     ids: TRef<'_>,
     w: &QMatrix,
@@ -465,62 +475,9 @@ pub fn qget_rows(
     }
 }
 
-/// The quantized-matmul gate at one shape: the Q8 (block 32) and Q4 kernels against the f32 product
-/// with their own dequantized weights (the twin); the worse of the two is what the gate sees.
-#[cfg(not(target_arch = "wasm32"))]
-pub fn gate_evaluate(be: &Backend, c: &GateCase, seed: u64) -> Result<CaseOutput> {
-    use crate::gate::paths::{gpu_of, guarded_output, inputs, read_guarded, reference};
-    let g = gpu_of(be)?;
-    let (x, w) = inputs(c, seed);
-    let q8 = quantize_q8_32(&w, c.n, c.k);
-    let q4 = quantize_q4(&w, c.n, c.k);
-    let was = g.path_active(PathId::QuantMatmul);
-    // Upload as blocks whatever the current verdict: this is the kernel under test.
-    g.set_path_active(PathId::QuantMatmul, true);
-    let run = |src: QuantSource| -> Result<(Vec<f32>, Vec<f32>, bool)> {
-        let dense = match &src {
-            QuantSource::Q8(m) => m.dequantize(),
-            QuantSource::Q4(m) => m.dequantize(),
-        };
-        let wm = QMatrix::upload(be, src)?;
-        let tx = be.from_f32(&x, 1)?;
-        let mut out = guarded_output(be, c)?;
-        qmatmul(be, (&tx).into(), &wm, (&mut out).into(), c.m)?;
-        let (fast, guard) = read_guarded(be, &out, c)?;
-        Ok((reference(c, &x, &dense), fast, guard))
-    };
-    let r8 = run(QuantSource::Q8(q8));
-    let r4 = r8.as_ref().ok().map(|_| run(QuantSource::Q4(q4)));
-    g.set_path_active(PathId::QuantMatmul, was);
-    let (ref8, fast8, guard8) = r8?;
-    let (ref4, fast4, guard4) = r4.expect("ran after a successful Q8 run")?;
-    // Report whichever kernel is further from its twin.
-    let m8 = crate::gate::measure(c, &ref8, &fast8, guard8);
-    let m4 = crate::gate::measure(c, &ref4, &fast4, guard4);
-    let worse8 = !m8.pass || (m4.pass && m8.mean_rel >= m4.mean_rel);
-    Ok(if worse8 {
-        CaseOutput {
-            reference: ref8,
-            fast: fast8,
-            guard_intact: guard8,
-        }
-    } else {
-        CaseOutput {
-            reference: ref4,
-            fast: fast4,
-            guard_intact: guard4,
-        }
-    })
-}
-
-#[cfg(target_arch = "wasm32")]
-pub fn gate_evaluate(_: &Backend, _: &GateCase, _: u64) -> Result<CaseOutput> {
-    Err(shape("gate", "gates run asynchronously on the web"))
-}
-
-/// Symmetric 8-bit quantization per block of 32 (Q8_0's rule), straight into the kernel layout.
-#[cfg(not(target_arch = "wasm32"))]
-fn quantize_q8_32(w: &[f32], rows: usize, cols: usize) -> Q8Matrix {
+/// Symmetric 8-bit quantization per block of 32 (Q8_0's rule), straight into the kernel layout (the
+/// gate's test matrices).
+pub fn quantize_q8_32(w: &[f32], rows: usize, cols: usize) -> Q8Matrix {
     let mut scales = Vec::with_capacity(w.len() / 32);
     let mut bytes = Vec::with_capacity(w.len());
     for b in w.chunks(32) {
@@ -547,8 +504,7 @@ fn quantize_q8_32(w: &[f32], rows: usize, cols: usize) -> Q8Matrix {
 }
 
 /// Asymmetric 4-bit quantization per block of 32 (Q4_1's rule), in the kernel layout's nibble order.
-#[cfg(not(target_arch = "wasm32"))]
-fn quantize_q4(w: &[f32], rows: usize, cols: usize) -> Q4Matrix {
+pub fn quantize_q4(w: &[f32], rows: usize, cols: usize) -> Q4Matrix {
     let (mut scales, mut mins, mut quants) = (Vec::new(), Vec::new(), Vec::new());
     for b in w.chunks(32) {
         let lo = b.iter().fold(f32::MAX, |m, &v| m.min(v));

@@ -15,6 +15,8 @@
 
 use std::fmt::Write;
 
+use crate::path::Fault;
+
 /// One tile configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Tile {
@@ -62,19 +64,16 @@ pub struct GemmOpts {
     /// Stage the tiles in workgroup memory as f16 and multiply f16 operands (`enable f16`), adding the
     /// products into f32 accumulators.
     pub shader_f16: bool,
-    /// A deliberately broken variant, for proving the numerics gate catches it.
-    pub fault: Option<crate::gate::Fault>,
 }
 
 impl GemmOpts {
     pub fn key(&self) -> String {
         format!(
-            "{}{}{}{}{}",
+            "{}{}{}{}",
             if self.trans_a { 't' } else { 'n' },
             if self.trans_b { 't' } else { 'n' },
             if self.b_f16 { "_bf16" } else { "" },
             if self.shader_f16 { "_sf16" } else { "" },
-            self.fault.map_or(String::new(), |f| format!("_fault{f:?}"))
         )
     }
 }
@@ -94,14 +93,14 @@ const PARAMS: &str = "struct Params {
 @group(0) @binding(3) var<storage, read_write> C: array<f32>;
 ";
 
-/// WGSL for C = alpha * op(A) op(B) + beta * C with the given tile and transposes.
-pub fn gemm_source(t: Tile, o: GemmOpts) -> String {
-    use crate::gate::Fault;
+/// WGSL for C = alpha * op(A) op(B) + beta * C with the given tile and transposes (`fault`: a planted
+/// fault's broken variant, tests only).
+pub fn gemm_source(t: Tile, o: GemmOpts, fault: Option<Fault>) -> String {
     assert!(t.is_valid(), "invalid GEMM tile {t:?}");
     let (trans_a, trans_b) = (o.trans_a, o.trans_b);
     // Element type of the workgroup tiles and of the accumulators (f16 accumulation is a planted fault).
     let st = if o.shader_f16 { "f16" } else { "f32" };
-    let acc_t = if o.fault == Some(Fault::F16Accumulation) {
+    let acc_t = if fault == Some(Fault::F16Accumulation) {
         "f16"
     } else {
         "f32"
@@ -298,7 +297,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let _ = writeln!(w, "    }} }}");
         }
     }
-    match o.fault {
+    match fault {
         // One element past the last row of C: memory the product does not own.
         Some(Fault::OutOfBoundsWrite) => {
             let _ = writeln!(
@@ -317,131 +316,3 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let _ = writeln!(w, "}}");
     s
 }
-
-/// WGSL for y = alpha · x · Wᵀ + beta · y over up to 8 rows of x (decoding): one W row per 32-thread
-/// slice, eight slices per workgroup, each slice striding along K (coalesced, W read once for every x
-/// row), partial sums meeting in workgroup memory behind one barrier — or, with subgroups, summed by
-/// `subgroupAdd` first so only one value per subgroup goes through workgroup memory.
-pub fn gemv_source(o: GemmOpts, subgroups: bool) -> String {
-    use crate::gate::Fault;
-    let st = if o.shader_f16 { "f16" } else { "f32" };
-    let acc_t = if o.fault == Some(Fault::F16Accumulation) {
-        "f16"
-    } else {
-        "f32"
-    };
-    let mut s = String::new();
-    let w = &mut s;
-    if o.shader_f16 || acc_t == "f16" {
-        let _ = writeln!(w, "enable f16;");
-    }
-    let _ = writeln!(
-        w,
-        "alias BT = {};\nalias ST = {st};\nalias AccT = {acc_t};",
-        if o.b_f16 { "u32" } else { "f32" }
-    );
-    // Directives (`enable`) must come first, so the shared prelude goes in here, after them.
-    let _ = writeln!(w, "{}", crate::ops::common::PRELUDE);
-    let _ = writeln!(w, "{}", GEMV_PARAMS);
-    let wload = if o.b_f16 {
-        "unpack2x16float(B[(wb + k) >> 1u])[(wb + k) & 1u]"
-    } else {
-        "B[wb + k]"
-    };
-    let term = if o.shader_f16 {
-        "AccT(ST(A[p.a_off + i * p.lda + k]) * ST(wv))"
-    } else {
-        "AccT(A[p.a_off + i * p.lda + k] * wv)"
-    };
-    let sg_params = if subgroups {
-        ", @builtin(subgroup_invocation_id) sgi: u32, @builtin(subgroup_size) sgs: u32"
-    } else {
-        ""
-    };
-    let _ = writeln!(
-        w,
-        "var<workgroup> part: array<f32, 2048>;
-
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32{sg_params}) {{
-  let slice = lid / 32u;
-  let lane = lid % 32u;
-  let col = group_index(wid, nwg) * 8u + slice;
-  var acc = array<AccT, 8>(AccT(0), AccT(0), AccT(0), AccT(0), AccT(0), AccT(0), AccT(0), AccT(0));
-  if (col < p.n) {{
-    let wb = p.b_off + col * p.ldb;
-    for (var k = lane; k < p.k; k = k + 32u) {{
-      let wv = {wload};
-      for (var i = 0u; i < 8u; i = i + 1u) {{
-        if (i < p.m) {{ acc[i] = acc[i] + {term}; }}
-      }}
-    }}
-  }}"
-    );
-    if subgroups {
-        // Each subgroup (at most 32 lanes, all in one slice) sums its lanes; its first lane posts the sum.
-        let _ = writeln!(
-            w,
-            "  for (var i = 0u; i < 8u; i = i + 1u) {{
-    let t = subgroupAdd(f32(acc[i]));
-    if (sgi == 0u) {{ part[i * 256u + lid / sgs] = t; }}
-  }}
-  workgroupBarrier();
-  let per = 32u / sgs;
-  if (lid < 64u) {{
-    let i = lid / 8u;
-    let s = lid % 8u;
-    let c = group_index(wid, nwg) * 8u + s;
-    if (i < p.m && c < p.n) {{
-      var sum = 0.0;
-      for (var l = 0u; l < per; l = l + 1u) {{ sum = sum + part[i * 256u + s * per + l]; }}"
-        );
-    } else {
-        let _ = writeln!(
-            w,
-            "  for (var i = 0u; i < 8u; i = i + 1u) {{ part[i * 256u + lid] = f32(acc[i]); }}
-  workgroupBarrier();
-  if (lid < 64u) {{
-    let i = lid / 8u;
-    let s = lid % 8u;
-    let c = group_index(wid, nwg) * 8u + s;
-    if (i < p.m && c < p.n) {{
-      var sum = 0.0;
-      for (var l = 0u; l < 32u; l = l + 1u) {{ sum = sum + part[i * 256u + s * 32u + l]; }}"
-        );
-    }
-    let _ = writeln!(
-        w,
-        "      let ci = p.c_off + i * p.ldc + c;
-      var v = p.alpha * sum;
-      if (p.beta != 0.0) {{ v = v + p.beta * C[ci]; }}
-      C[ci] = v;
-    }}
-  }}"
-    );
-    match o.fault {
-        Some(Fault::OutOfBoundsWrite) => {
-            let _ = writeln!(
-                w,
-                "  if (lid == 0u && group_index(wid, nwg) == 0u) {{ C[p.c_off + p.m * p.ldc] = 1.0; }}"
-            );
-        }
-        Some(Fault::NanOutput) => {
-            let _ = writeln!(
-                w,
-                "  workgroupBarrier();\n  if (lid == 0u && group_index(wid, nwg) == 0u) {{ C[p.c_off] = bitcast<f32>(0x7fc00000u); }}"
-            );
-        }
-        _ => {}
-    }
-    let _ = writeln!(w, "}}");
-    s
-}
-
-const GEMV_PARAMS: &str = "struct Params { m: u32, n: u32, k: u32, lda: u32, ldb: u32, ldc: u32, a_off: u32, b_off: u32, c_off: u32, alpha: f32, beta: f32 }
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> A: array<f32>;
-@group(0) @binding(2) var<storage, read> B: array<BT>;
-@group(0) @binding(3) var<storage, read_write> C: array<f32>;
-";

@@ -11,6 +11,7 @@ use super::{GpuParts, QKind};
 use crate::error::{Result, shape};
 use crate::gpu::{Access, GpuBackend, GpuTensor, Operand, Pipeline, PipelineOptions, segments};
 use crate::ops::common::PRELUDE;
+use crate::path::Fault;
 
 /// Threads per workgroup of the matmul kernels. With WORDS_PER_LANE = 16, 128 was the fastest of the
 /// configurations tried on an H200 (64, 128, 256 threads; 4, 8, 16 words per lane) for the large
@@ -39,6 +40,7 @@ fn matmul_pipeline(
     tpr: usize,
     r: usize,
     xvec: bool,
+    fault: Option<Fault>,
 ) -> Result<Rc<Pipeline>> {
     let (name, body, bindings): (String, &str, &[Access]) = match kind {
         QKind::Q8 { block } => (
@@ -58,7 +60,6 @@ fn matmul_pipeline(
             ],
         ),
     };
-    let fault = g.planted_fault();
     let key = format!(
         "{name}_t{tpr}_r{r}_{}{}",
         if xvec { "xv4" } else { "xf32" },
@@ -82,8 +83,7 @@ fn matmul_pipeline(
 }
 
 /// Rewrites a matmul kernel's source into a planted fault's broken variant (tests of the gate only).
-fn plant(src: String, fault: Option<crate::gate::Fault>) -> String {
-    use crate::gate::Fault;
+fn plant(src: String, fault: Option<Fault>) -> String {
     let tail = |src: String, code: &str| match src.rfind('}') {
         Some(i) => format!("{}{code}\n}}\n", &src[..i]),
         None => src,
@@ -143,6 +143,7 @@ pub(super) fn qmatmul(
     m: usize,
     n: usize,
     k: usize,
+    fault: Option<Fault>,
 ) -> Result<()> {
     const OP: &str = "qmatmul";
     if m == 0 {
@@ -176,7 +177,7 @@ pub(super) fn qmatmul(
             passes.push((row, rem, rem.next_power_of_two(), 1));
         }
         for (i0, rows, r, z) in passes {
-            let pipe = matmul_pipeline(g, kind, tpr, r, xvec)?;
+            let pipe = matmul_pipeline(g, kind, tpr, r, xvec, fault)?;
             let x_off = xs.places[0].offset + i0 * k;
             let y_off = xs.places[1].offset + i0 * n;
             for ws in &w.segs {

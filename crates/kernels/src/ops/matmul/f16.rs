@@ -1,0 +1,114 @@
+//! The f16-storage format: weights stored as f16 pairs in u32 words (`pack2x16float`), read by variants
+//! of the GEMM and GEMV kernels that unpack them and accumulate in f32 — half the weight bytes for
+//! forward products whose weight is only read ([`super::Weights::F16`]). With the shader-f16 path, the
+//! same kernels stage tiles as f16 and multiply f16 operands (`enable f16`), still accumulating in f32.
+//!
+//! Backward products and the optimizer stay f32; a trainer re-packs its weights at the top of every
+//! step, so the packed copy never goes stale.
+
+use crate::backend::{Backend, TMut, TRef};
+use crate::error::{Error, Result};
+use crate::gpu::{Access, Operand};
+use crate::ops::common::{Grid, kernel, run};
+
+/// Words needed to pack `n` f32 values.
+pub fn packed_len(n: usize) -> usize {
+    n.div_ceil(2)
+}
+
+/// dst (u32 words) ← `n` values of src as f16 pairs, round to nearest even (as `pack2x16float` does on
+/// every adapter we have seen; the gate checks the result either way).
+pub fn pack_f16(be: &Backend, src: TRef<'_>, mut dst: TMut<'_>, n: usize) -> Result<()> {
+    let words = packed_len(n);
+    match be {
+        Backend::Cpu(_) => {
+            let s = src.cpu("pack_f16", "src", n)?;
+            let d = dst.cpu_u32("pack_f16", "dst", words)?;
+            for (i, w) in d.iter_mut().enumerate() {
+                let lo = half::f16::from_f32(s[2 * i]).to_bits() as u32;
+                let hi = s
+                    .get(2 * i + 1)
+                    .map_or(0, |&v| half::f16::from_f32(v).to_bits() as u32);
+                *w = lo | (hi << 16);
+            }
+            Ok(())
+        }
+        Backend::Gpu(g) => {
+            let ts = src.gpu("pack_f16", "src", n)?;
+            let td = dst.gpu("pack_f16", "dst", words)?;
+            if ts.num_chunks() != 1 || td.num_chunks() != 1 {
+                return Err(Error::Shape {
+                    op: "pack_f16",
+                    msg: "packing works on tensors in one buffer".into(),
+                });
+            }
+            let pipe = kernel(
+                g,
+                "pack_f16",
+                include_str!("pack_f16.wgsl"),
+                &[Access::Read, Access::ReadWrite],
+            )?;
+            let ops = [
+                Operand::whole(ts, src.offset(), n),
+                Operand::whole(td, dst.offset(), words),
+            ];
+            run(
+                g,
+                "pack_f16",
+                &pipe,
+                words,
+                &ops,
+                &[n as u32],
+                Grid::Threads(256),
+            )
+        }
+    }
+}
+
+/// Unpacks f16 pairs (the CPU twin's view of a packed weight).
+pub fn unpack_f16(words: &[u32], n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| half::f16::from_bits((words[i / 2] >> (16 * (i % 2))) as u16).to_f32())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::matmul::{Gemm, Weights, matmul};
+    use crate::path::{PathId, PathSet};
+    use crate::rng::SeedRng;
+    use crate::testing::{Arg, check_twin};
+
+    #[test]
+    fn f16_weight_products_match_their_twin() {
+        let mut rng = SeedRng::new(120);
+        for (m, n, k) in [(1, 33, 64), (3, 7, 130), (70, 41, 96)] {
+            let x = rng.vec(m * k, -1.0, 1.0);
+            let w = rng.vec(n * k, -1.0, 1.0);
+            let args = [
+                Arg::data(x, 1),
+                Arg::data(w, 1),
+                Arg::out(packed_len(n * k), 1),
+                Arg::out(m * n, 1),
+            ];
+            let out = check_twin("matmul_f16w", 1e-10, &args, None, |be, t| {
+                let [tx, tw, tp, ty] = t else { unreachable!() };
+                pack_f16(be, (&*tw).into(), (&mut *tp).into(), n * k)?;
+                matmul(
+                    be,
+                    PathSet::of(&[PathId::F16Storage]),
+                    (&*tx).into(),
+                    Weights::F16((&*tp).into()),
+                    ty.into(),
+                    &Gemm::nt(m, n, k),
+                )
+            });
+            // f16 storage changes the weights by at most half an f16 ulp.
+            let unpacked = unpack_f16(bytemuck::cast_slice(&out[2]), n * k);
+            for (u, &orig) in unpacked.iter().zip(&out[1]) {
+                assert!((u - orig).abs() <= orig.abs() * 4.9e-4 + 1e-7);
+            }
+        }
+    }
+}

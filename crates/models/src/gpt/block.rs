@@ -1,0 +1,412 @@
+//! One transformer block of the char-level GPT, written once: [`block_forward`] serves training (a batch
+//! of whole sequences, activations kept for the backward pass, dropout) and KV-cache inference (new rows
+//! of one sequence, keys and values of earlier rows read from the cache); [`block_backward`] sits beside
+//! it, walking the same steps in reverse (llm.c's `*_forward` / `*_backward` pairs).
+//!
+//! ```text
+//!   xmid = x + drop(attn_proj(attention(c_attn(ln_1(x)))))
+//!   out  = xmid + drop(mlp_proj(gelu(c_fc(ln_2(xmid)))))
+//! ```
+
+use super::layout::BlockOffsets;
+use tinygpt_kernels::ops::Grad;
+use tinygpt_kernels::ops::attention::{
+    AttnDropout, AttnShape, DecodeShape, attend, attention_backward, attention_forward,
+};
+use tinygpt_kernels::ops::dropout::{dropout, dropout_add};
+use tinygpt_kernels::ops::gelu::{gelu, gelu_backward};
+use tinygpt_kernels::ops::matmul::{Gemm, Weights, matmul};
+use tinygpt_kernels::ops::norm::{NormKind, NormShape, norm_backward, norm_forward};
+use tinygpt_kernels::{Backend, PathSet, Result, TMut, TRef, Tensor};
+
+/// LayerNorm's epsilon (nanoGPT's).
+pub(crate) const EPS: f32 = 1e-5;
+
+/// The parameters the forward pass reads: the flat f32 tensor, its f16 copy when the runner holds the
+/// f16-storage path (the block matrices are then read from it), and the path set every product runs on.
+#[derive(Clone, Copy)]
+pub(crate) struct Params<'a> {
+    pub f32: &'a Tensor,
+    pub f16: Option<&'a Tensor>,
+    pub paths: PathSet,
+}
+
+impl Params<'_> {
+    /// y = x · Wᵀ for the block matrix at parameter offset `w`.
+    pub fn linear(&self, be: &Backend, x: TRef<'_>, w: usize, y: TMut<'_>, g: &Gemm) -> Result<()> {
+        match self.f16 {
+            // Layout offsets are multiples of 4 · n_embd, so even: word w / 2 starts the matrix.
+            Some(p) => matmul(be, self.paths, x, Weights::F16(p.at(w / 2)), y, g),
+            None => matmul(be, self.paths, x, self.f32.at(w), y, g),
+        }
+    }
+}
+
+/// Sizes of one block call.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Dims {
+    /// Token rows in this call.
+    pub rows: usize,
+    /// Width (n_embd).
+    pub c: usize,
+    pub heads: usize,
+}
+
+impl Dims {
+    fn norm(&self) -> NormShape {
+        NormShape {
+            rows: self.rows,
+            cols: self.c,
+            eps: EPS,
+        }
+    }
+}
+
+/// Activations of one block: training keeps one set per layer for the backward pass, inference reuses
+/// one set for every layer.
+pub(crate) struct BlockActs {
+    pub ln1: Tensor,       // ln_1(x) [rows, C]
+    pub ln1_stats: Tensor, // [2 rows]
+    pub atty: Tensor,      // attention output before the projection [rows, C]
+    pub xmid: Tensor,      // residual after the attention branch [rows, C]
+    pub ln2: Tensor,
+    pub ln2_stats: Tensor,
+    pub fc: Tensor,  // MLP hidden before GELU [rows, 4C]
+    pub act: Tensor, // after GELU [rows, 4C]
+}
+
+impl BlockActs {
+    /// For `rows` token rows of width `c`; tensors holding whole sequences split (on the GPU) at
+    /// multiples of `seq` rows.
+    pub fn new(be: &Backend, rows: usize, c: usize, seq: usize) -> Result<Self> {
+        let z = |len: usize, unit: usize| be.zeros(len, unit);
+        Ok(BlockActs {
+            ln1: z(rows * c, c)?,
+            ln1_stats: z(2 * rows, 1)?,
+            atty: z(rows * c, seq * c)?,
+            xmid: z(rows * c, c)?,
+            ln2: z(rows * c, c)?,
+            ln2_stats: z(2 * rows, 1)?,
+            fc: z(rows * 4 * c, 4 * c)?,
+            act: z(rows * 4 * c, 4 * c)?,
+        })
+    }
+}
+
+/// Where the block's attention finds its keys and values.
+pub(crate) enum Attention<'a> {
+    /// A batch of whole sequences: Q, K and V go to `qkv` [rows, 3C] and the probabilities to `probs`
+    /// (and, with dropout, the dropped-out probabilities to `dropped`), all kept for the backward pass.
+    Batch {
+        qkv: &'a mut Tensor,
+        probs: &'a mut Tensor,
+        dropped: Option<&'a mut Tensor>,
+        shape: AttnShape,
+        drop: AttnDropout,
+    },
+    /// New rows of one sequence from position `pos`: their Q, K and V rows go into the cache
+    /// [block_size, 3C], whose rows below `pos` hold the earlier positions'.
+    Cached { cache: &'a mut Tensor, pos: usize },
+}
+
+/// Dropout of the two branches where they join the residual stream: (probability, seed of the
+/// attention branch, seed of the MLP branch). Inference passes probability 0.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ResidualDropout {
+    pub p: f32,
+    pub attn_seed: u32,
+    pub mlp_seed: u32,
+}
+
+impl ResidualDropout {
+    pub const NONE: ResidualDropout = ResidualDropout {
+        p: 0.0,
+        attn_seed: 0,
+        mlp_seed: 0,
+    };
+}
+
+/// The block's forward pass: `out` = block(`x`), every activation left in `a`. `tmp` holds rows · C.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn block_forward(
+    be: &Backend,
+    w: Params<'_>,
+    o: BlockOffsets,
+    d: Dims,
+    x: TRef<'_>,
+    out: TMut<'_>,
+    a: &mut BlockActs,
+    attn: Attention<'_>,
+    drop: ResidualDropout,
+    tmp: &mut Tensor,
+) -> Result<()> {
+    let (n, c) = (d.rows, d.c);
+    // Attention branch.
+    let ln = NormKind::Layer;
+    let p = w.f32;
+    norm_forward(
+        be,
+        ln,
+        x,
+        p.at(o.ln_1),
+        a.ln1.at_mut(0),
+        a.ln1_stats.at_mut(0),
+        d.norm(),
+    )?;
+    let qkv_g = Gemm::nt(n, 3 * c, c);
+    match attn {
+        Attention::Batch {
+            qkv,
+            probs,
+            dropped,
+            shape,
+            drop,
+        } => {
+            w.linear(be, a.ln1.at(0), o.c_attn, qkv.at_mut(0), &qkv_g)?;
+            attention_forward(
+                be,
+                qkv.at(0),
+                a.atty.at_mut(0),
+                probs.at_mut(0),
+                dropped.map(|t| t.at_mut(0)),
+                shape,
+                drop,
+            )?;
+        }
+        Attention::Cached { cache, pos } => {
+            // The new rows' q | k | v land in the cache rows of their positions.
+            w.linear(be, a.ln1.at(0), o.c_attn, cache.at_mut(pos * 3 * c), &qkv_g)?;
+            let hd = c / d.heads;
+            let shape = DecodeShape {
+                rows: n,
+                heads: d.heads,
+                kv_heads: d.heads,
+                head_dim: hd,
+                ld_q: 3 * c,
+                ld_kv: 3 * c,
+                ld_o: c,
+                q_pos0: pos,
+                kv_len: pos + n,
+                window: 0,
+                scale: 1.0 / (hd as f32).sqrt(),
+                softcap: 0.0,
+            };
+            let (q, k, v) = (cache.at(pos * 3 * c), cache.at(c), cache.at(2 * c));
+            attend(be, q, k, v, a.atty.at_mut(0), shape)?;
+        }
+    }
+    w.linear(
+        be,
+        a.atty.at(0),
+        o.attn_proj,
+        tmp.at_mut(0),
+        &Gemm::nt(n, c, c),
+    )?;
+    dropout_add(
+        be,
+        x,
+        tmp.at(0),
+        a.xmid.at_mut(0),
+        n * c,
+        drop.p,
+        drop.attn_seed,
+    )?;
+    // MLP branch.
+    let (xmid, ln2) = (a.xmid.at(0), a.ln2.at_mut(0));
+    norm_forward(
+        be,
+        ln,
+        xmid,
+        p.at(o.ln_2),
+        ln2,
+        a.ln2_stats.at_mut(0),
+        d.norm(),
+    )?;
+    w.linear(
+        be,
+        a.ln2.at(0),
+        o.c_fc,
+        a.fc.at_mut(0),
+        &Gemm::nt(n, 4 * c, c),
+    )?;
+    gelu(be, a.fc.at(0), a.act.at_mut(0), n * 4 * c)?;
+    w.linear(
+        be,
+        a.act.at(0),
+        o.mlp_proj,
+        tmp.at_mut(0),
+        &Gemm::nt(n, c, 4 * c),
+    )?;
+    dropout_add(
+        be,
+        a.xmid.at(0),
+        tmp.at(0),
+        out,
+        n * c,
+        drop.p,
+        drop.mlp_seed,
+    )
+}
+
+/// What the training forward pass kept of one block's attention, for its backward pass.
+pub(crate) struct SavedAttention<'a> {
+    pub qkv: &'a Tensor,
+    pub probs: &'a Tensor,
+    /// Overwritten as scratch.
+    pub dropped: Option<&'a mut Tensor>,
+    pub shape: AttnShape,
+    pub drop: AttnDropout,
+}
+
+/// Scratch of the backward pass, shared by every block.
+pub(crate) struct BackScratch {
+    pub tmp: Tensor,
+    pub dln: Tensor,
+    pub datty: Tensor,
+    pub dqkv: Tensor,
+    pub d4a: Tensor,
+    pub d4b: Tensor,
+    pub dprobs: Tensor,
+}
+
+/// The block's backward pass. `dresid` holds the gradient of the block's output and leaves holding the
+/// gradient of its input `x`; the block's parameter gradients are written into `grads` (overwritten).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn block_backward(
+    be: &Backend,
+    params: &Tensor,
+    grads: &mut Tensor,
+    o: BlockOffsets,
+    d: Dims,
+    x: TRef<'_>,
+    a: &BlockActs,
+    attn: SavedAttention<'_>,
+    drop: ResidualDropout,
+    dresid: &mut Tensor,
+    s: &mut BackScratch,
+) -> Result<()> {
+    let (n, c) = (d.rows, d.c);
+    let (w, ln) = (params, NormKind::Layer);
+    // MLP branch: back through its dropout, mlp_proj, GELU, c_fc and ln_2 (into the residual's gradient).
+    dropout(
+        be,
+        dresid.at(0),
+        s.tmp.at_mut(0),
+        n * c,
+        drop.p,
+        drop.mlp_seed,
+    )?;
+    let (dmlp, dw) = (s.d4a.at_mut(0), grads.at_mut(o.mlp_proj));
+    linear_backward(
+        be,
+        s.tmp.at(0),
+        a.act.at(0),
+        w.at(o.mlp_proj),
+        dw,
+        dmlp,
+        n,
+        c,
+        4 * c,
+    )?;
+    gelu_backward(be, a.fc.at(0), s.d4a.at(0), s.d4b.at_mut(0), n * 4 * c)?;
+    let (dln, dw) = (s.dln.at_mut(0), grads.at_mut(o.c_fc));
+    linear_backward(
+        be,
+        s.d4b.at(0),
+        a.ln2.at(0),
+        w.at(o.c_fc),
+        dw,
+        dln,
+        n,
+        4 * c,
+        c,
+    )?;
+    norm_backward(
+        be,
+        ln,
+        a.xmid.at(0),
+        w.at(o.ln_2),
+        s.dln.at(0),
+        a.ln2_stats.at(0),
+        dresid.at_mut(0),
+        grads.at_mut(o.ln_2),
+        d.norm(),
+        Grad::Accumulate,
+        Grad::Overwrite,
+    )?;
+    // Attention branch: dresid now holds the gradient of xmid.
+    dropout(
+        be,
+        dresid.at(0),
+        s.tmp.at_mut(0),
+        n * c,
+        drop.p,
+        drop.attn_seed,
+    )?;
+    let (datty, dw) = (s.datty.at_mut(0), grads.at_mut(o.attn_proj));
+    linear_backward(
+        be,
+        s.tmp.at(0),
+        a.atty.at(0),
+        w.at(o.attn_proj),
+        dw,
+        datty,
+        n,
+        c,
+        c,
+    )?;
+    attention_backward(
+        be,
+        attn.qkv.at(0),
+        attn.probs.at(0),
+        attn.dropped.map(|t| t.at_mut(0)),
+        s.datty.at(0),
+        s.dqkv.at_mut(0),
+        s.dprobs.at_mut(0),
+        attn.shape,
+        attn.drop,
+    )?;
+    let (dln, dw) = (s.dln.at_mut(0), grads.at_mut(o.c_attn));
+    linear_backward(
+        be,
+        s.dqkv.at(0),
+        a.ln1.at(0),
+        w.at(o.c_attn),
+        dw,
+        dln,
+        n,
+        3 * c,
+        c,
+    )?;
+    norm_backward(
+        be,
+        ln,
+        x,
+        w.at(o.ln_1),
+        s.dln.at(0),
+        a.ln1_stats.at(0),
+        dresid.at_mut(0),
+        grads.at_mut(o.ln_1),
+        d.norm(),
+        Grad::Accumulate,
+        Grad::Overwrite,
+    )
+}
+
+/// Gradients of y = x · Wᵀ for `rows` rows (W is `out` x `inp`): dW = dyᵀ · x and dx = dy · W, as
+/// llm.c's matmul_backward. The backward pass runs on the f32 kernels.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn linear_backward(
+    be: &Backend,
+    dy: TRef<'_>,
+    x: TRef<'_>,
+    w: TRef<'_>,
+    dw: TMut<'_>,
+    dx: TMut<'_>,
+    rows: usize,
+    out: usize,
+    inp: usize,
+) -> Result<()> {
+    matmul(be, PathSet::F32, dy, x, dw, &Gemm::tn(out, inp, rows))?;
+    matmul(be, PathSet::F32, dy, w, dx, &Gemm::nn(rows, inp, out))
+}
