@@ -20,3 +20,11 @@ export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
 
 bash scripts/fetch-models.sh
 cargo test --workspace --release --no-fail-fast
+
+# The official `openai` Python client against `tinygpt serve` (the binary the tests just built).
+OPENAI_DIR=.cache/pypi-openai-3.57.0
+if [ ! -d "$OPENAI_DIR/openai" ]; then
+  python3 -m pip install -q --disable-pip-version-check --target "$OPENAI_DIR" openai==3.57.0
+fi
+PYTHONPATH="$OPENAI_DIR" python3 scripts/tests/openai_client.py target/release/tinygpt \
+  "${TINYGPT_MODELS_DIR:-.cache/models}/SmolLM2-135M-Instruct.Q4_1.gguf"

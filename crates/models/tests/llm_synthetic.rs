@@ -175,6 +175,7 @@ fn load_with(be: &Backend, f: &GgufFile, batch: usize, paths: PathSet) -> Llm {
             context: None,
             batch,
             paths,
+            ..LoadOptions::default()
         },
         &mut |_| {},
     )
@@ -531,5 +532,67 @@ fn corrupted_files_never_panic() {
         }
         // Damaged weights load and run (to whatever numbers); the rest must have been refused.
         assert!(ran >= 30, "{}: only {ran} of 300 damaged files ran", s.arch);
+    }
+}
+
+/// Sequences decoded together in one pass get exactly the logits each gets decoded alone (a server's
+/// batch must not change anyone's text), on the CPU and on the GPU with either weight layout.
+#[test]
+fn batched_decoding_matches_each_sequence_alone() {
+    let mut backends = vec![(cpu_backend(), PathSet::F32)];
+    if let Some(g) = gpu_backend(None) {
+        backends.push((gpu_backend(None).expect("gpu"), PathSet::F32));
+        backends.push((g, PathSet::of(&[PathId::QuantMatmul])));
+    }
+    // Different prompt lengths, so the sequences sit at different positions; 11 of them exceed the
+    // GPU's 8-row decode kernel.
+    let prompts: Vec<Vec<u32>> = (0..11)
+        .map(|i| PROMPT[..1 + i % PROMPT.len()].to_vec())
+        .collect();
+    for s in [LLAMA, GEMMA3] {
+        let (q, _) = quantized_and_dense(&s, &mixed_types);
+        for (be, paths) in &backends {
+            let opts = LoadOptions {
+                context: Some(32),
+                batch: 16,
+                paths: *paths,
+                parallel: 16,
+            };
+            let mut llm = Llm::from_gguf(be, &q, &opts, &mut |_| {}).expect("loads");
+            // Alone: each prompt, then two tokens, one sequence at a time.
+            let mut alone = Vec::new();
+            for p in &prompts {
+                llm.reset();
+                llm.feed(be, p).unwrap();
+                let mut out = Vec::new();
+                for t in [7, 70] {
+                    out.push(llm.decode(be, t).unwrap());
+                }
+                alone.push(out);
+            }
+            // Together: the same prompts in their own sequences, then both tokens in batched passes.
+            let mut seqs: Vec<_> = prompts
+                .iter()
+                .map(|p| {
+                    let mut sq = llm.new_sequence(be).unwrap();
+                    llm.feed_sequence(be, &mut sq, p).unwrap();
+                    sq
+                })
+                .collect();
+            for (step, t) in [7u32, 70].into_iter().enumerate() {
+                let mut steps: Vec<_> = seqs.iter_mut().map(|sq| (sq, t)).collect();
+                llm.decode_batch(be, &mut steps).unwrap();
+                let rows = pollster::block_on(llm.read_logits_batch(be, prompts.len())).unwrap();
+                for (i, row) in rows.iter().enumerate() {
+                    assert!(
+                        row == &alone[i][step],
+                        "{} on {} ({paths:?}): sequence {i} step {step} differs when batched",
+                        s.arch,
+                        be.kind()
+                    );
+                }
+            }
+            assert!(seqs.iter().all(|sq| sq.position() >= 3));
+        }
     }
 }

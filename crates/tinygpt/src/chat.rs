@@ -31,7 +31,7 @@ pub struct ChatArgs {
 
 /// The template for files without one: the format whose markers the vocabulary has (llama.cpp falls
 /// back to chatml).
-fn builtin_template(tok: &Tokenizer) -> Result<ChatTemplate> {
+pub(crate) fn builtin_template(tok: &Tokenizer) -> Result<ChatTemplate> {
     let name = if tok.token_id("<start_of_turn>").is_some() {
         "gemma"
     } else {

@@ -7,9 +7,10 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 use tinygpt_kernels::Backend;
+use tinygpt_kernels::PathSet;
 use tinygpt_kernels::gate::pills;
 use tinygpt_models::gating::GptGate;
-use tinygpt_models::gpt::{Dataset, GptRunner, OptimConfig, Trainer, checkpoint};
+use tinygpt_models::gpt::{CharVocab, Dataset, GptRunner, OptimConfig, Trainer, checkpoint};
 use tinygpt_models::sampler::{Sampler, SamplerConfig};
 
 #[derive(Args, Debug)]
@@ -54,6 +55,26 @@ pub struct EvalArgs {
 fn model_dir(m: &Option<PathBuf>) -> PathBuf {
     m.clone()
         .unwrap_or_else(|| paths::bundled(paths::DEFAULT_MODEL))
+}
+
+/// Loads a checkpoint (default: the bundled model), gates its fast paths and builds its runner.
+pub fn load_runner(
+    be: &Backend,
+    gate: &crate::gates::GateArgs,
+    model: Option<&std::path::Path>,
+) -> Result<(GptRunner, CharVocab, PathSet)> {
+    let dir = model.map_or_else(|| paths::bundled(paths::DEFAULT_MODEL), |p| p.to_path_buf());
+    let ck = checkpoint::load(&dir)
+        .with_context(|| format!("cannot load the model in {}", dir.display()))?;
+    let cfg = &ck.config.model;
+    let gate_model = GptGate {
+        cfg,
+        vocab: &ck.config.vocab,
+        params: &ck.params,
+    };
+    let paths = crate::gates::prepare(be, gate, &gate_model)?;
+    let runner = GptRunner::new(be, cfg, &ck.params, paths)?;
+    Ok((runner, ck.config.vocab, paths))
 }
 
 pub fn generate(be: &Backend, gate: &crate::gates::GateArgs, a: &GenerateArgs) -> Result<()> {

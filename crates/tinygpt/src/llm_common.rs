@@ -77,6 +77,11 @@ const BAR_BYTES: u64 = 32 << 20;
 /// a GPU the numerics gate runs first, with the model's own shapes: the quantized kernels are used only
 /// if they pass it (otherwise the weights are held dequantized).
 pub fn load(be: &Backend, gate: &GateArgs, args: &ModelArgs) -> Result<Loaded> {
+    load_with(be, gate, args, 1)
+}
+
+/// [`load`] with room for `parallel` sequences decoded together.
+fn load_with(be: &Backend, gate: &GateArgs, args: &ModelArgs, parallel: usize) -> Result<Loaded> {
     let t = Instant::now();
     let path = &args.model;
     let file = GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?;
@@ -112,7 +117,8 @@ pub fn load(be: &Backend, gate: &GateArgs, args: &ModelArgs) -> Result<Loaded> {
     let opts = LoadOptions {
         context: args.ctx,
         paths,
-        ..LoadOptions::default()
+        parallel,
+        batch: LoadOptions::default().batch.max(parallel),
     };
     let llm = Llm::load(be, path, &opts, &mut |p| {
         if let Some(b) = &bar {
@@ -156,6 +162,42 @@ pub fn load(be: &Backend, gate: &GateArgs, args: &ModelArgs) -> Result<Loaded> {
         name,
         load_secs,
     })
+}
+
+/// [`load`] for a server: the model with room for `parallel(kv bytes of one sequence)` sequences decoded
+/// together (the count can depend on a sequence's size).
+pub fn load_for_serving(
+    be: &Backend,
+    gate: &GateArgs,
+    args: &ModelArgs,
+    parallel: impl FnOnce(u64) -> usize,
+) -> Result<(Loaded, usize)> {
+    let file =
+        GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?;
+    let cfg =
+        LlmConfig::from_gguf(&file).with_context(|| format!("loading {}", args.model.display()))?;
+    drop(file);
+    let ctx = args.ctx.unwrap_or_else(|| {
+        cfg.train_context
+            .clamp(1, tinygpt_models::llm::DEFAULT_CONTEXT)
+    });
+    // f32 keys and values of every layer, per position.
+    let seq_bytes = (cfg.n_layer * ctx * 2 * cfg.kv_dim() * 4) as u64;
+    let n = parallel(seq_bytes).max(1);
+    Ok((load_with(be, gate, args, n)?, n))
+}
+
+/// Total memory of the machine, where /proc says.
+pub fn total_memory() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = s
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
 }
 
 /// "SmolLM2-135M-Instruct" from ".../SmolLM2-135M-Instruct.Q4_1.gguf".

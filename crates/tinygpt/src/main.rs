@@ -9,6 +9,7 @@ mod llm_common;
 mod paths;
 mod plot;
 mod run;
+mod serve;
 mod synthetic;
 mod train;
 
@@ -46,6 +47,9 @@ enum Cmd {
     Run(run::RunArgs),
     /// Chat with a GGUF model on stdin, using its chat template.
     Chat(chat::ChatArgs),
+    /// An OpenAI-compatible HTTP server (chat and text completions, continuous batching) that also
+    /// serves the browser playground.
+    Serve(serve::ServeArgs),
     /// Draw (again) the loss curve of a checkpoint directory into DIR/loss.png.
     Plot {
         /// Checkpoint directory (default: the bundled Shakespeare model).
@@ -129,6 +133,8 @@ fn run(cli: Cli) -> Result<()> {
             let be = cli.device.open()?;
             chat::run(&be, &cli.gate, a)
         }
+        // The server opens the device on its model thread (GPU handles stay on one thread).
+        Cmd::Serve(a) => serve::run(&cli.device, &cli.gate, a),
         Cmd::Plot { dir } => {
             let dir = dir
                 .clone()

@@ -20,3 +20,8 @@ pub fn bundled(rel: &str) -> PathBuf {
 
 pub const DEFAULT_DATA: &str = "data/shakespeare.txt";
 pub const DEFAULT_MODEL: &str = "models/shakespeare-char";
+
+/// The playground's built files: `dir` when given, else web/dist as [`bundled`] finds it.
+pub fn web_dir(dir: Option<&Path>) -> PathBuf {
+    dir.map_or_else(|| bundled("web/dist"), Path::to_path_buf)
+}

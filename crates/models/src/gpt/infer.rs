@@ -35,6 +35,20 @@ pub struct GptRunner {
     pos: usize,
 }
 
+/// Another sequence's KV cache and position, for a runner serving several sequences in turn
+/// ([`GptRunner::with_sequence`]).
+pub struct GptSequence {
+    cache: Vec<Tensor>,
+    pos: usize,
+}
+
+impl GptSequence {
+    /// Positions in its cache.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+}
+
 /// The f16 copy of `params` when `paths` reads weights as f16 on a GPU (re-packed by the caller
 /// whenever the f32 parameters change).
 pub(crate) fn packed_copy(be: &Backend, params: &Tensor, paths: PathSet) -> Result<Option<Tensor>> {
@@ -86,6 +100,28 @@ impl GptRunner {
     /// Forgets every cached position.
     pub fn reset(&mut self) {
         self.pos = 0;
+    }
+
+    /// A new, empty sequence with a cache of its own.
+    pub fn new_sequence(&self, be: &Backend) -> Result<GptSequence> {
+        let (t, c) = (self.cfg.block_size, self.cfg.n_embd);
+        Ok(GptSequence {
+            cache: (0..self.cfg.n_layer)
+                .map(|_| be.zeros(t * 3 * c, 3 * c))
+                .collect::<Result<_>>()?,
+            pos: 0,
+        })
+    }
+
+    /// Runs `f` with `seq`'s cache and position in place of the runner's own (a swap of handles: nothing
+    /// is copied), so one set of weights serves many sequences.
+    pub fn with_sequence<R>(&mut self, seq: &mut GptSequence, f: impl FnOnce(&mut Self) -> R) -> R {
+        std::mem::swap(&mut self.cache, &mut seq.cache);
+        std::mem::swap(&mut self.pos, &mut seq.pos);
+        let r = f(self);
+        std::mem::swap(&mut self.cache, &mut seq.cache);
+        std::mem::swap(&mut self.pos, &mut seq.pos);
+        r
     }
 
     /// Records the pass of `tokens` at the next positions (at most what is left of the block); the

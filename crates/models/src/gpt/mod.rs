@@ -11,6 +11,6 @@ pub mod train;
 
 pub use config::GptConfig;
 pub use data::{CharVocab, DataError, Dataset};
-pub use infer::GptRunner;
+pub use infer::{GptRunner, GptSequence};
 pub use layout::Layout;
 pub use train::{OptimConfig, Trainer, learning_rate};

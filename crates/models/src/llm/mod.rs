@@ -21,5 +21,5 @@ mod weights;
 
 pub use config::{Arch, LayerAttention, LlmConfig};
 pub use error::{LlmError, Result};
-pub use model::{DEFAULT_CONTEXT, Llm, LoadOptions, MemoryReport};
+pub use model::{DEFAULT_CONTEXT, Llm, LoadOptions, MemoryReport, Sequence};
 pub use weights::LoadProgress;

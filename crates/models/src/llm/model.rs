@@ -13,13 +13,18 @@
 //! Q, K and V come out of one fused product (likewise gate and up), so each token row of the product
 //! holds `[q | k | v]`. With one row (decoding) every member is already contiguous; with several rows
 //! the members that must be contiguous (the norms take packed rows) are copied out first.
+//!
+//! A pass may carry rows of several sequences ([`Sequence`], each with its own KV cache and position):
+//! the products, norms and activations run once over all rows (the weights are read once for every
+//! sequence), and only RoPE, the cache writes and attention run per sequence. That is how a server
+//! decodes all of its active requests in one pass ([`Llm::decode_batch`]).
 
 use tinygpt_formats::GgufFile;
 use tinygpt_kernels::ops::add::add_assign;
 use tinygpt_kernels::ops::attention::{DecodeShape, attend};
 use tinygpt_kernels::ops::fill::copy;
 use tinygpt_kernels::ops::glu::glu;
-use tinygpt_kernels::ops::matmul::{Gemm, matmul};
+use tinygpt_kernels::ops::matmul::{Gemm, RowMode, matmul};
 use tinygpt_kernels::ops::norm::{NormKind, NormShape, norm_forward};
 use tinygpt_kernels::ops::rope::{RopeShape, rope, rope_table};
 use tinygpt_kernels::{Backend, DType, PathSet, TMut, TRef, Tensor};
@@ -27,7 +32,7 @@ use tinygpt_kernels::{Backend, DType, PathSet, TMut, TRef, Tensor};
 use super::config::{LayerAttention, LlmConfig};
 use super::error::{LlmError, Result};
 use super::kv_cache::KvCache;
-use super::weights::{LayerWeights, LoadProgress, Slot, Weights};
+use super::weights::{LayerWeights, LoadProgress, Rows, Slot, Weights};
 
 /// How to set a model up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,6 +44,8 @@ pub struct LoadOptions {
     /// The fast paths the model runs on (what the numerics gate passed; default: the f32 path). On a GPU
     /// without the quantized kernels in the set, quantized weights are held dequantized.
     pub paths: PathSet,
+    /// Most sequences one [`Llm::decode_batch`] pass decodes (sizes the logits buffer).
+    pub parallel: usize,
 }
 
 /// The context used when none is asked for (the trained context when smaller).
@@ -51,6 +58,7 @@ impl Default for LoadOptions {
             context: None,
             batch: 512,
             paths: PathSet::F32,
+            parallel: 1,
         }
     }
 }
@@ -99,7 +107,7 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(be: &Backend, cfg: &LlmConfig, batch: usize) -> Result<Scratch> {
+    fn new(be: &Backend, cfg: &LlmConfig, batch: usize, parallel: usize) -> Result<Scratch> {
         let (d, qd, kvd, ff) = (cfg.d_model, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
         let z = |rows: usize, width: usize| be.zeros(rows * width, width);
         let heads = cfg.n_head.max(cfg.n_kv_head).max(1);
@@ -116,7 +124,7 @@ impl Scratch {
             att: z(batch, qd)?,
             out: z(batch, d)?,
             act: z(batch, ff)?,
-            logits: z(1, cfg.vocab)?,
+            logits: z(parallel, cfg.vocab)?,
             one: be.from_f32(&[1.0], 1)?,
         })
     }
@@ -143,20 +151,85 @@ impl Scratch {
     }
 }
 
-/// A GGUF model loaded on a backend, with its KV cache.
-pub struct Llm {
+/// One sequence's state: its KV cache and the positions it holds. A model holds one of its own (the
+/// single-sequence methods of [`Llm`] use it); [`Llm::new_sequence`] makes more for batched decoding.
+pub struct Sequence {
+    cache: KvCache,
+    pos: usize,
+}
+
+impl Sequence {
+    /// Positions in use (tokens fed since the last reset).
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// Positions the cache holds.
+    pub fn context(&self) -> usize {
+        self.cache.context
+    }
+
+    /// Forgets every position.
+    pub fn reset(&mut self) {
+        self.pos = 0;
+    }
+
+    /// Forgets the positions from `n` on (keeps the first `n` tokens' keys and values).
+    pub fn truncate(&mut self, n: usize) {
+        self.pos = self.pos.min(n);
+    }
+
+    /// Bytes its cache holds.
+    pub fn bytes(&self) -> u64 {
+        self.cache.bytes()
+    }
+
+    /// Checks that `tokens` fit after what the sequence holds and are in the vocabulary.
+    fn check(&self, tokens: &[u32], vocab: usize) -> Result<()> {
+        if tokens.is_empty() {
+            return Err(LlmError::Options("no tokens to feed".into()));
+        }
+        if tokens.len() > self.cache.context - self.pos {
+            return Err(LlmError::ContextFull {
+                tokens: tokens.len(),
+                used: self.pos,
+                limit: self.cache.context,
+            });
+        }
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
+            return Err(LlmError::TokenOutOfRange { id, vocab });
+        }
+        Ok(())
+    }
+}
+
+/// The model's weights and the buffers of one pass.
+struct Core {
     cfg: LlmConfig,
     w: Weights,
-    cache: KvCache,
     /// RoPE tables, one per distinct (base, scale), and the table each layer uses.
     ropes: Vec<Tensor>,
     layer_rope: Vec<usize>,
     s: Scratch,
     batch: usize,
-    /// Positions in the cache.
-    pos: usize,
+    /// Positions of each sequence's cache (and of the RoPE tables).
+    context: usize,
+    /// Most sequences one decode pass takes.
+    parallel: usize,
     /// The fast paths every product runs with.
     paths: PathSet,
+}
+
+/// A GGUF model loaded on a backend, with its own sequence's KV cache.
+pub struct Llm {
+    core: Core,
+    seq: Sequence,
+}
+
+/// The rows of one sequence in a pass: `rows` tokens at the sequence's next positions.
+struct Seg<'a> {
+    seq: &'a mut Sequence,
+    rows: usize,
 }
 
 impl Llm {
@@ -213,7 +286,13 @@ impl Llm {
                 "the batch must hold at least one token".into(),
             ));
         }
-        let batch = opts.batch.min(context);
+        if opts.parallel == 0 || opts.parallel > opts.batch {
+            return Err(LlmError::Options(format!(
+                "a decode pass takes 1 to {} sequences (the batch), not {}",
+                opts.batch, opts.parallel
+            )));
+        }
+        let batch = opts.batch.min(context).max(opts.parallel);
         let w = Weights::load(be, file, &cfg, progress, release_pages, opts.paths)?;
         let cache = KvCache::new(be, cfg.n_layer, context, 2 * cfg.kv_dim())?;
         let mut keys: Vec<(u32, u32)> = Vec::new();
@@ -234,54 +313,77 @@ impl Llm {
             };
             layer_rope.push(i);
         }
-        let s = Scratch::new(be, &cfg, batch)?;
+        let s = Scratch::new(be, &cfg, batch, opts.parallel)?;
         Ok(Llm {
-            cfg,
-            w,
-            cache,
-            ropes,
-            layer_rope,
-            s,
-            batch,
-            pos: 0,
-            paths: opts.paths,
+            core: Core {
+                cfg,
+                w,
+                ropes,
+                layer_rope,
+                s,
+                batch,
+                context,
+                parallel: opts.parallel,
+                paths: opts.paths,
+            },
+            seq: Sequence { cache, pos: 0 },
         })
     }
 
     /// The fast paths the model runs on.
     pub fn paths(&self) -> PathSet {
-        self.paths
+        self.core.paths
     }
 
     pub fn config(&self) -> &LlmConfig {
-        &self.cfg
+        &self.core.cfg
     }
 
     /// Positions the KV cache holds.
     pub fn context(&self) -> usize {
-        self.cache.context
+        self.core.context
     }
 
     /// Positions in use (tokens fed since the last reset).
     pub fn position(&self) -> usize {
-        self.pos
+        self.seq.pos
     }
 
     /// Forgets every position.
     pub fn reset(&mut self) {
-        self.pos = 0;
+        self.seq.reset();
     }
 
     /// Forgets the positions from `n` on (keeps the first `n` tokens' keys and values).
     pub fn truncate(&mut self, n: usize) {
-        self.pos = self.pos.min(n);
+        self.seq.truncate(n);
+    }
+
+    /// Most sequences one [`Llm::decode_batch`] takes.
+    pub fn parallel(&self) -> usize {
+        self.core.parallel
+    }
+
+    /// A new sequence with its own KV cache of the model's context (empty).
+    pub fn new_sequence(&self, be: &Backend) -> Result<Sequence> {
+        let cfg = &self.core.cfg;
+        Ok(Sequence {
+            cache: KvCache::new(be, cfg.n_layer, self.core.context, 2 * cfg.kv_dim())?,
+            pos: 0,
+        })
+    }
+
+    /// Bytes one more sequence's KV cache takes.
+    pub fn sequence_bytes(&self) -> u64 {
+        self.seq.bytes()
     }
 
     pub fn memory(&self) -> MemoryReport {
+        let c = &self.core;
         MemoryReport {
-            weights: self.w.bytes(),
-            kv_cache: self.cache.bytes(),
-            scratch: self.s.bytes() + self.ropes.iter().map(Tensor::bytes).sum::<u64>(),
+            weights: c.w.bytes(),
+            kv_cache: self.seq.cache.bytes(),
+            scratch: c.s.bytes() + c.ropes.iter().map(Tensor::bytes).sum::<u64>(),
         }
     }
 
@@ -295,7 +397,7 @@ impl Llm {
             }
         };
         let layouts = |get: &dyn Fn(&LayerWeights) -> String| {
-            let mut v: Vec<String> = self.w.layers.iter().map(get).collect();
+            let mut v: Vec<String> = self.core.w.layers.iter().map(get).collect();
             v.sort();
             v.dedup();
             v.join(", ")
@@ -309,8 +411,8 @@ impl Llm {
                 "head".into(),
                 format!(
                     "{}{}",
-                    self.w.head().layout(),
-                    if self.w.head.is_none() {
+                    self.core.w.head().layout(),
+                    if self.core.w.head.is_none() {
                         " (tied to token_embd)"
                     } else {
                         ""
@@ -323,36 +425,53 @@ impl Llm {
     /// Records the forward pass of `tokens` at the next positions (several passes if there are more
     /// than the batch). The last token's logits are then ready for [`Llm::read_logits`].
     pub fn feed(&mut self, be: &Backend, tokens: &[u32]) -> Result<()> {
-        if tokens.is_empty() {
-            return Err(LlmError::Options("no tokens to feed".into()));
+        self.core.feed(be, &mut self.seq, tokens)
+    }
+
+    /// [`Llm::feed`] for another sequence (a prompt, or any tokens after what it holds).
+    pub fn feed_sequence(
+        &mut self,
+        be: &Backend,
+        seq: &mut Sequence,
+        tokens: &[u32],
+    ) -> Result<()> {
+        self.core.feed(be, seq, tokens)
+    }
+
+    /// Records one pass feeding one token to each sequence (at most [`Llm::parallel`]): the weights
+    /// are read once for all of them. Row i of the logits ([`Llm::read_logits_batch`]) follows
+    /// `steps[i]`'s token.
+    pub fn decode_batch(&mut self, be: &Backend, steps: &mut [(&mut Sequence, u32)]) -> Result<()> {
+        let c = &mut self.core;
+        if steps.is_empty() || steps.len() > c.parallel {
+            return Err(LlmError::Options(format!(
+                "a decode pass takes 1 to {} sequences, not {}",
+                c.parallel,
+                steps.len()
+            )));
         }
-        if tokens.len() > self.cache.context - self.pos {
-            return Err(LlmError::ContextFull {
-                tokens: tokens.len(),
-                used: self.pos,
-                limit: self.cache.context,
-            });
+        for (seq, t) in steps.iter() {
+            seq.check(std::slice::from_ref(t), c.cfg.vocab)?;
         }
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= self.cfg.vocab) {
-            return Err(LlmError::TokenOutOfRange {
-                id,
-                vocab: self.cfg.vocab,
-            });
-        }
-        for chunk in tokens.chunks(self.batch) {
-            self.forward(be, chunk)?;
-        }
-        Ok(())
+        let tokens: Vec<u32> = steps.iter().map(|(_, t)| *t).collect();
+        let mut segs: Vec<Seg<'_>> = steps
+            .iter_mut()
+            .map(|(seq, _)| Seg {
+                seq,
+                rows: 1,
+            })
+            .collect();
+        c.forward(be, &tokens, &mut segs)
     }
 
     /// The logits after the last token fed (host), soft-capped if the model caps them.
     pub async fn read_logits(&self, be: &Backend) -> Result<Vec<f32>> {
-        let mut v = be.read_f32(self.s.logits.at(0), self.cfg.vocab).await?;
-        let cap = self.cfg.final_softcap;
-        if cap > 0.0 {
-            v.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
-        }
-        Ok(v)
+        Ok(self.core.read_logits(be, 1).await?.swap_remove(0))
+    }
+
+    /// The logits of each of the first `n` sequences of the last [`Llm::decode_batch`].
+    pub async fn read_logits_batch(&self, be: &Backend, n: usize) -> Result<Vec<Vec<f32>>> {
+        self.core.read_logits(be, n).await
     }
 
     /// Feeds the prompt (or any tokens after what is cached) and returns the last position's logits.
@@ -367,27 +486,81 @@ impl Llm {
     pub fn decode(&mut self, be: &Backend, token: u32) -> Result<Vec<f32>> {
         self.prefill(be, &[token])
     }
+}
 
-    fn forward(&mut self, be: &Backend, tokens: &[u32]) -> Result<()> {
-        let Llm {
+impl Core {
+    fn feed(&mut self, be: &Backend, seq: &mut Sequence, tokens: &[u32]) -> Result<()> {
+        seq.check(tokens, self.cfg.vocab)?;
+        for chunk in tokens.chunks(self.batch) {
+            let mut segs = [Seg {
+                seq: &mut *seq,
+                rows: chunk.len(),
+            }];
+            self.forward(be, chunk, &mut segs)?;
+        }
+        Ok(())
+    }
+
+    async fn read_logits(&self, be: &Backend, n: usize) -> Result<Vec<Vec<f32>>> {
+        let v = self.cfg.vocab;
+        if n == 0 || n > self.parallel {
+            return Err(LlmError::Options(format!(
+                "logits of 1 to {} sequences, not {n}",
+                self.parallel
+            )));
+        }
+        let all = be.read_f32(self.s.logits.at(0), n * v).await?;
+        let cap = self.cfg.final_softcap;
+        Ok(all
+            .chunks(v)
+            .map(|row| {
+                let mut row = row.to_vec();
+                if cap > 0.0 {
+                    row.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
+                }
+                row
+            })
+            .collect())
+    }
+
+    /// One pass over `tokens`, split among `segs` in order (one segment of any length, or several of
+    /// one row each).
+    fn forward(&mut self, be: &Backend, tokens: &[u32], segs: &mut [Seg<'_>]) -> Result<()> {
+        let Core {
             cfg,
             w,
-            cache,
             ropes,
             layer_rope,
             s,
             batch,
-            pos,
+            context,
             paths,
+            ..
         } = self;
+        let mut spans = Vec::with_capacity(segs.len());
+        let mut row0 = 0;
+        for g in segs.iter() {
+            spans.push(Span {
+                row0,
+                rows: g.rows,
+                pos0: g.seq.pos,
+            });
+            row0 += g.rows;
+        }
+        debug_assert!(segs.len() == 1 || segs.iter().all(|g| g.rows == 1));
         let pass = Pass {
             be,
             paths: *paths,
             cfg,
             m: tokens.len(),
-            pos0: *pos,
             batch: *batch,
-            context: cache.context,
+            context: *context,
+            mode: if spans.len() > 1 {
+                RowMode::Independent
+            } else {
+                RowMode::Shared
+            },
+            spans,
         };
         let d = cfg.d_model;
         be.write_u32(s.ids.at_mut(0), tokens)?;
@@ -395,17 +568,41 @@ impl Llm {
             .get_rows(be, s.ids.at(0), s.x.at_mut(0), pass.m, cfg.embed_scale)?;
         for (l, lw) in w.layers.iter().enumerate() {
             let rope = &ropes[layer_rope[l]];
-            pass.attention(lw, &cfg.layers[l], s, &mut cache.kv[l], rope)?;
+            let mut caches: Vec<&mut Tensor> =
+                segs.iter_mut().map(|g| &mut g.seq.cache.kv[l]).collect();
+            pass.attention(lw, &cfg.layers[l], s, &mut caches, rope)?;
             pass.feed_forward(lw, s)?;
         }
-        // Only the last position's logits are needed.
-        let last = s.x.at((pass.m - 1) * d);
-        pass.rms_norm(last, &w.output_norm, s.xn.at_mut(0), &mut s.stats, 1, d)?;
+        // Only each sequence's last position's logits are needed: one row for one sequence, every row
+        // when each sequence has one.
+        let (first, rows) = if segs.len() == 1 {
+            (pass.m - 1, 1)
+        } else {
+            (0, pass.m)
+        };
+        let last = s.x.at(first * d);
+        pass.rms_norm(last, &w.output_norm, s.xn.at_mut(0), &mut s.stats, rows, d)?;
+        let head_rows = Rows {
+            m: rows,
+            ..pass.rows()
+        };
         w.head()
-            .matmul(be, *paths, s.xn.at(0), s.logits.at_mut(0), 1)?;
-        *pos += pass.m;
+            .matmul(be, head_rows, s.xn.at(0), s.logits.at_mut(0))?;
+        for g in segs.iter_mut() {
+            g.seq.pos += g.rows;
+        }
         Ok(())
     }
+}
+
+/// Where one sequence's rows lie in a pass.
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    /// First row of the pass that belongs to it.
+    row0: usize,
+    rows: usize,
+    /// Its position of that first row.
+    pos0: usize,
 }
 
 /// The fixed inputs of one forward pass.
@@ -413,16 +610,29 @@ struct Pass<'a> {
     be: &'a Backend,
     paths: PathSet,
     cfg: &'a LlmConfig,
-    /// Token rows in this pass, at positions pos0..pos0 + m.
+    /// Token rows in this pass.
     m: usize,
-    pos0: usize,
     /// Rows the scratch buffers were planned for.
     batch: usize,
     /// Positions of the cache and the RoPE tables.
     context: usize,
+    /// Each sequence's rows, in order.
+    spans: Vec<Span>,
+    /// Independent when the rows belong to different sequences: each sequence's numbers must not
+    /// depend on which others share its pass.
+    mode: RowMode,
 }
 
 impl Pass<'_> {
+    /// The products of this pass: its paths, all its rows, its row mode.
+    fn rows(&self) -> Rows {
+        Rows {
+            paths: self.paths,
+            m: self.m,
+            mode: self.mode,
+        }
+    }
+
     fn rms_norm(
         &self,
         x: TRef<'_>,
@@ -448,14 +658,15 @@ impl Pass<'_> {
         )?)
     }
 
-    fn rope(&self, x: TMut<'_>, table: &Tensor, heads: usize, ld: usize) -> Result<()> {
+    /// Rotates the `span`'s rows of `x` (`x` views its first row).
+    fn rope(&self, x: TMut<'_>, span: Span, table: &Tensor, heads: usize, ld: usize) -> Result<()> {
         let shape = RopeShape {
-            rows: self.m,
+            rows: span.rows,
             heads,
             head_dim: self.cfg.head_dim,
             n_rot: self.cfg.n_rot,
             ld,
-            pos0: self.pos0,
+            pos0: span.pos0,
             layout: self.cfg.rope_layout,
             inverse: false,
         };
@@ -487,15 +698,15 @@ impl Pass<'_> {
         lw: &LayerWeights,
         la: &LayerAttention,
         s: &mut Scratch,
-        cache: &mut Tensor,
+        caches: &mut [&mut Tensor],
         rope: &Tensor,
     ) -> Result<()> {
-        let (be, cfg, m, p) = (self.be, self.cfg, self.m, self.pos0);
+        let (be, cfg, m) = (self.be, self.cfg, self.m);
         let (d, hd, qd, kvd) = (cfg.d_model, cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
         let (n_head, n_kv) = (cfg.n_head, cfg.n_kv_head);
         self.rms_norm(s.x.at(0), &lw.attn_norm, s.xn.at_mut(0), &mut s.stats, m, d)?;
         lw.qkv
-            .apply(be, self.paths, s.xn.at(0), &mut s.proj, m, self.batch)?;
+            .apply(be, self.rows(), s.xn.at(0), &mut s.proj, self.batch)?;
         let [q, k, v] = [0, 1, 2].map(|i| lw.qkv.slot(i, self.batch));
         // When Q, K and V come out of one product, each row holds [q | k | v]: without Q/K norms, one
         // RoPE call rotates the heads of q and k together, and one copy moves k and v into the cache.
@@ -503,19 +714,25 @@ impl Pass<'_> {
         let qk_together = lw.q_norm.is_none() && lw.k_norm.is_none() && follows(q, k, qd);
         let kv_together = lw.k_norm.is_none() && follows(k, v, kvd);
         // A cache row holds one position's [k | v].
-        let (row, at) = (2 * kvd, p * 2 * kvd);
+        let row = 2 * kvd;
+        let spans = &self.spans;
 
         // Queries: normed per head into `qn` then rotated (Gemma), or rotated where they are.
         let (q_src, q_slot) = match &lw.q_norm {
             Some(nw) => {
                 let src = contiguous(be, &s.proj, q, qd, m, &mut s.split_a, &s.one)?;
                 self.rms_norm(src, nw, s.qn.at_mut(0), &mut s.stats, m * n_head, hd)?;
-                self.rope(s.qn.at_mut(0), rope, n_head, qd)?;
+                for sp in spans {
+                    self.rope(s.qn.at_mut(sp.row0 * qd), *sp, rope, n_head, qd)?;
+                }
                 (&s.qn, Slot { offset: 0, ld: qd })
             }
             None => {
                 let heads = if qk_together { n_head + n_kv } else { n_head };
-                self.rope(s.proj.at_mut(q.offset), rope, heads, q.ld)?;
+                for sp in spans {
+                    let x = s.proj.at_mut(q.offset + sp.row0 * q.ld);
+                    self.rope(x, *sp, rope, heads, q.ld)?;
+                }
                 (&s.proj, q)
             }
         };
@@ -525,77 +742,65 @@ impl Pass<'_> {
             Some(nw) => {
                 let src = contiguous(be, &s.proj, k, kvd, m, &mut s.split_b, &s.one)?;
                 if m == 1 {
-                    self.rms_norm(src, nw, cache.at_mut(at), &mut s.stats, n_kv, hd)?;
+                    let at = spans[0].pos0 * row;
+                    self.rms_norm(src, nw, caches[0].at_mut(at), &mut s.stats, n_kv, hd)?;
                 } else {
                     // The norm writes packed rows; cache rows are [k | v].
                     self.rms_norm(src, nw, s.split_a.at_mut(0), &mut s.stats, m * n_kv, hd)?;
-                    copy_rows(
-                        be,
-                        s.split_a.at(0),
-                        kvd,
-                        cache.at_mut(at),
-                        row,
-                        m,
-                        kvd,
-                        &s.one,
-                    )?;
+                    for (sp, cache) in spans.iter().zip(caches.iter_mut()) {
+                        let (from, to) = (s.split_a.at(sp.row0 * kvd), cache.at_mut(sp.pos0 * row));
+                        copy_rows(be, from, kvd, to, row, sp.rows, kvd, &s.one)?;
+                    }
                 }
             }
             None => {
                 let width = if kv_together { 2 * kvd } else { kvd };
+                for (sp, cache) in spans.iter().zip(caches.iter_mut()) {
+                    let (from, to) = (
+                        s.proj.at(k.offset + sp.row0 * k.ld),
+                        cache.at_mut(sp.pos0 * row),
+                    );
+                    copy_rows(be, from, k.ld, to, row, sp.rows, width, &s.one)?;
+                }
+            }
+        }
+        for (sp, cache) in spans.iter().zip(caches.iter_mut()) {
+            let at = sp.pos0 * row;
+            if !qk_together {
+                self.rope(cache.at_mut(at), *sp, rope, n_kv, row)?;
+            }
+            if !kv_together {
+                let from = s.proj.at(v.offset + sp.row0 * v.ld);
                 copy_rows(
                     be,
-                    s.proj.at(k.offset),
-                    k.ld,
-                    cache.at_mut(at),
+                    from,
+                    v.ld,
+                    cache.at_mut(at + kvd),
                     row,
-                    m,
-                    width,
+                    sp.rows,
+                    kvd,
                     &s.one,
                 )?;
             }
+            let shape = DecodeShape {
+                rows: sp.rows,
+                heads: n_head,
+                kv_heads: n_kv,
+                head_dim: hd,
+                ld_q: q_slot.ld,
+                ld_kv: row,
+                ld_o: qd,
+                q_pos0: sp.pos0,
+                kv_len: sp.pos0 + sp.rows,
+                window: la.window,
+                scale: cfg.attn_scale,
+                softcap: 0.0,
+            };
+            let (keys, values) = (cache.at(0), cache.at(kvd));
+            let query = q_src.at(q_slot.offset + sp.row0 * q_slot.ld);
+            attend(be, query, keys, values, s.att.at_mut(sp.row0 * qd), shape)?;
         }
-        if !qk_together {
-            self.rope(cache.at_mut(at), rope, n_kv, row)?;
-        }
-        if !kv_together {
-            copy_rows(
-                be,
-                s.proj.at(v.offset),
-                v.ld,
-                cache.at_mut(at + kvd),
-                row,
-                m,
-                kvd,
-                &s.one,
-            )?;
-        }
-
-        let shape = DecodeShape {
-            rows: m,
-            heads: n_head,
-            kv_heads: n_kv,
-            head_dim: hd,
-            ld_q: q_slot.ld,
-            ld_kv: row,
-            ld_o: qd,
-            q_pos0: p,
-            kv_len: p + m,
-            window: la.window,
-            scale: cfg.attn_scale,
-            softcap: 0.0,
-        };
-        let (keys, values) = (cache.at(0), cache.at(kvd));
-        attend(
-            be,
-            q_src.at(q_slot.offset),
-            keys,
-            values,
-            s.att.at_mut(0),
-            shape,
-        )?;
-        lw.wo
-            .matmul(be, self.paths, s.att.at(0), s.out.at_mut(0), m)?;
+        lw.wo.matmul(be, self.rows(), s.att.at(0), s.out.at_mut(0))?;
         self.residual(lw.post_attn_norm.as_ref(), s)
     }
 
@@ -604,7 +809,7 @@ impl Pass<'_> {
         let (d, ff) = (cfg.d_model, cfg.n_ff);
         self.rms_norm(s.x.at(0), &lw.ffn_norm, s.xn.at_mut(0), &mut s.stats, m, d)?;
         lw.gate_up
-            .apply(be, self.paths, s.xn.at(0), &mut s.proj, m, self.batch)?;
+            .apply(be, self.rows(), s.xn.at(0), &mut s.proj, self.batch)?;
         let (g, u) = (
             lw.gate_up.slot(0, self.batch),
             lw.gate_up.slot(1, self.batch),
@@ -613,7 +818,7 @@ impl Pass<'_> {
         let up = contiguous(be, &s.proj, u, ff, m, &mut s.split_b, &s.one)?;
         glu(be, cfg.activation, gate, up, s.act.at_mut(0), m * ff)?;
         lw.down
-            .matmul(be, self.paths, s.act.at(0), s.out.at_mut(0), m)?;
+            .matmul(be, self.rows(), s.act.at(0), s.out.at_mut(0))?;
         self.residual(lw.post_ffn_norm.as_ref(), s)
     }
 }

@@ -11,7 +11,7 @@ use std::collections::HashSet;
 
 use tinygpt_formats::{GgmlType, GgufFile, KernelWeights};
 use tinygpt_kernels::ops::embedding::{EmbedShape, embedding};
-use tinygpt_kernels::ops::matmul::{Gemm, QKind, QMatrix, get_rows, matmul};
+use tinygpt_kernels::ops::matmul::{Gemm, QKind, QMatrix, RowMode, get_rows, matmul};
 use tinygpt_kernels::{Backend, PathSet, TMut, TRef, Tensor};
 
 use super::config::{Arch, LlmConfig};
@@ -80,20 +80,15 @@ impl Matrix {
         }
     }
 
-    /// y[m, N] = x[m, K] · Wᵀ (rows contiguous from the views' offsets) on the kernels of `paths`.
-    pub fn matmul(
-        &self,
-        be: &Backend,
-        paths: PathSet,
-        x: TRef<'_>,
-        y: TMut<'_>,
-        m: usize,
-    ) -> Result<()> {
+    /// y[m, N] = x[m, K] · Wᵀ for the `r.m` rows (contiguous from the views' offsets).
+    pub fn matmul(&self, be: &Backend, r: Rows, x: TRef<'_>, y: TMut<'_>) -> Result<()> {
+        let g = |n: usize, k: usize| Gemm {
+            rows: r.mode,
+            ..Gemm::nt(r.m, n, k)
+        };
         match self {
-            Matrix::Quant(q) => matmul(be, paths, x, q, y, &Gemm::nt(m, q.rows(), q.cols()))?,
-            Matrix::Dense { t, rows, cols } => {
-                matmul(be, paths, x, t, y, &Gemm::nt(m, *rows, *cols))?
-            }
+            Matrix::Quant(q) => matmul(be, r.paths, x, q, y, &g(q.rows(), q.cols()))?,
+            Matrix::Dense { t, rows, cols } => matmul(be, r.paths, x, t, y, &g(*rows, *cols))?,
         }
         Ok(())
     }
@@ -121,6 +116,14 @@ impl Matrix {
         }
         Ok(())
     }
+}
+
+/// How a pass multiplies: on which fast paths, how many token rows, and whether the rows may share work.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Rows {
+    pub paths: PathSet,
+    pub m: usize,
+    pub mode: RowMode,
 }
 
 /// A matrix converted to a kernel layout, still on the host.
@@ -210,20 +213,19 @@ impl Fused {
         Ok(Fused { groups, members })
     }
 
-    /// Runs every group on x[m, K]: group g writes its m x N_g output from element
+    /// Runs every group on x[r.m, K]: group g writes its m x N_g output from element
     /// `batch · (N of the groups before g)` of `out`, which holds `batch` x (sum of all N).
     pub fn apply(
         &self,
         be: &Backend,
-        paths: PathSet,
+        r: Rows,
         x: TRef<'_>,
         out: &mut Tensor,
-        m: usize,
         batch: usize,
     ) -> Result<()> {
         let mut base = 0;
         for g in &self.groups {
-            g.matmul(be, paths, x, out.at_mut(base), m)?;
+            g.matmul(be, r, x, out.at_mut(base))?;
             base += batch * g.rows();
         }
         Ok(())

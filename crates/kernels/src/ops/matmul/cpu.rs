@@ -4,6 +4,20 @@
 use super::Gemm;
 use rayon::prelude::*;
 
+/// [`gemm`], or with independent rows one row at a time (the `gemm` crate's kernels differ by shape,
+/// so a row's rounding would otherwise depend on how many rows come with it).
+pub(crate) fn gemm_rows(a: &[f32], b: &[f32], c: &mut [f32], g: &Gemm) {
+    if g.rows == super::RowMode::Shared || g.m <= 1 || g.batches() != 1 {
+        return gemm(a, b, c, g);
+    }
+    let (sa, sc) = (if g.trans_a { 1 } else { g.lda }, g.ldc);
+    for r in 0..g.m {
+        let one = Gemm { m: 1, ..*g };
+        let [ea, _, ec] = one.extents();
+        gemm(&a[r * sa..][..ea], b, &mut c[r * sc..][..ec], &one);
+    }
+}
+
 /// C = alpha * op(A) op(B) + beta * C on host slices (each starting at its view's offset).
 pub(crate) fn gemm(a: &[f32], b: &[f32], c: &mut [f32], g: &Gemm) {
     if g.m == 0 || g.n == 0 || g.batches() == 0 {

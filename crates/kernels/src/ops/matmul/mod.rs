@@ -57,6 +57,21 @@ pub struct Gemm {
     pub alpha: f32,
     /// 0 overwrites C, 1 accumulates into it.
     pub beta: f32,
+    /// Whether rows may share work (see [`RowMode`]).
+    pub rows: RowMode,
+}
+
+/// How the rows of a product relate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RowMode {
+    /// Rows may share work: the fastest kernels for the shape (weights unpacked once for several rows,
+    /// tiles), whose per-row rounding can depend on how many rows there are.
+    #[default]
+    Shared,
+    /// Every row of C is computed exactly as it would be alone (m = 1), bit for bit, whatever the other
+    /// rows: what a server's batched decode needs, so a request's text does not depend on its
+    /// neighbours. Weights are still read from memory once for all rows.
+    Independent,
 }
 
 impl Gemm {
@@ -76,6 +91,7 @@ impl Gemm {
             stride_c: [0, 0],
             alpha: 1.0,
             beta: 0.0,
+            rows: RowMode::Shared,
         }
     }
     /// C[M,N] = A[M,K] · B[K,N].
@@ -108,6 +124,11 @@ impl Gemm {
     }
     pub fn alpha(mut self, v: f32) -> Self {
         self.alpha = v;
+        self
+    }
+    /// Computes every row exactly as it would be computed alone ([`RowMode::Independent`]).
+    pub fn independent_rows(mut self) -> Self {
+        self.rows = RowMode::Independent;
         self
     }
     /// Adds the product to C instead of overwriting it.
@@ -319,7 +340,13 @@ pub fn choose(
                 Kernel::Scale
             } else if f16 && single && paths.has(PathId::CoopMatrix) && coop::suits(g) {
                 Kernel::Coop
-            } else if single && g.m <= 8 && g.batches() == 1 && !g.trans_a && g.trans_b {
+            } else if single
+                && (g.m <= 8 || g.rows == RowMode::Independent)
+                && g.batches() == 1
+                && !g.trans_a
+                && g.trans_b
+            {
+                // The decode kernel computes each row alone; independent rows take it in groups of 8.
                 Kernel::Gemv {
                     shader_f16,
                     subgroups: paths.has(PathId::Subgroups),
@@ -373,13 +400,13 @@ pub fn run(
             match b {
                 Weights::F32(b) => {
                     let b = b.cpu("matmul", "B", eb)?;
-                    cb.install(|| cpu::gemm(a, b, c, g));
+                    cb.install(|| cpu::gemm_rows(a, b, c, g));
                 }
                 Weights::F16(b) => {
                     let w = unpack_f16(b.cpu_u32("matmul", "B", packed_len(eb))?, eb);
-                    cb.install(|| cpu::gemm(a, &w, c, g));
+                    cb.install(|| cpu::gemm_rows(a, &w, c, g));
                 }
-                Weights::Quant(q) => q.cpu_matmul(cb, a, c, g.m)?,
+                Weights::Quant(q) => q.cpu_matmul(cb, a, c, g.m, g.rows)?,
             }
             Ok(())
         }
@@ -613,11 +640,23 @@ fn gpu_gemv(
     if g.m == 0 || g.n == 0 {
         return Ok(());
     }
-    if g.m > 8 || g.batches() != 1 || g.trans_a || !g.trans_b {
+    if g.batches() != 1 || g.trans_a || !g.trans_b {
         return Err(Error::Shape {
             op: "matmul",
-            msg: "the decode kernel takes up to 8 rows of an unbatched x · Wᵀ".into(),
+            msg: "the decode kernel takes rows of an unbatched x · Wᵀ".into(),
         });
+    }
+    if g.m > 8 {
+        // Groups of 8 rows, each computed as the kernel computes any row.
+        for r0 in (0..g.m).step_by(8) {
+            let part = Gemm {
+                m: (g.m - r0).min(8),
+                ..*g
+            };
+            let (a, c) = ((ta, oa + r0 * g.lda), (tc, oc + r0 * g.ldc));
+            gpu_gemv(gb, a, (tb, ob), c, &part, opts, subgroups, fault)?;
+        }
+        return Ok(());
     }
     let [ea, eb, ec] = g.extents();
     let (ba, la) = locate(ta, oa, oa + ea.max(1) - 1, "A")?;

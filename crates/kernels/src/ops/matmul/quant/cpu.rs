@@ -91,6 +91,10 @@ pub struct QmmOptions {
     /// Split output rows over rayon's current pool (false: the calling thread does all the work, e.g. when
     /// the caller already runs several matmuls in parallel).
     pub parallel: bool,
+    /// Most activation rows one pass over a weight tile serves (None: as many as the instruction set's
+    /// registers hold). 1 computes every row exactly as it is computed alone (the kernels' rounding
+    /// depends on how many rows share a pass).
+    pub max_group: Option<usize>,
 }
 
 impl Default for QmmOptions {
@@ -98,6 +102,7 @@ impl Default for QmmOptions {
         QmmOptions {
             isa: CpuIsa::detected(),
             parallel: true,
+            max_group: None,
         }
     }
 }
@@ -193,8 +198,9 @@ pub fn q8_matmul_nt_with(
     let y = OutPtr(y.as_mut_ptr());
     // Bytes of one weight row: quants plus scales.
     let row_bytes = k + 4 * (k / w.block);
+    let group = group_size(opts, k);
     run_tiles(rows, row_bytes, m, opts.parallel, y, |n0, n1, y_tile| {
-        q8_tile(opts.isa, x, m, w, n0, n1, row_bytes, y_tile, ldy)
+        q8_tile(opts.isa, group, x, m, w, n0, n1, row_bytes, y_tile, ldy)
     });
 }
 
@@ -241,8 +247,11 @@ pub fn q4_matmul_nt_with(
     let y = OutPtr(y.as_mut_ptr());
     // Bytes of one weight row: quants, scales and mins.
     let row_bytes = k / 2 + 8 * (k / 32);
+    let group = group_size(opts, k);
     run_tiles(rows, row_bytes, m, opts.parallel, y, |n0, n1, y_tile| {
-        q4_tile(opts.isa, xs, sx, m, w, n0, n1, row_bytes, y_tile, ldy)
+        q4_tile(
+            opts.isa, group, xs, sx, m, w, n0, n1, row_bytes, y_tile, ldy,
+        )
     });
     // Keep the buffer for the next call (decode then allocates nothing), unless a long prompt grew it.
     if buf.capacity() <= SCRATCH_KEEP {
@@ -398,14 +407,20 @@ fn max_group(isa: CpuIsa, k: usize) -> usize {
     }
 }
 
+/// Rows per pass for a call: the instruction set's best, or fewer when the caller asks.
+fn group_size(opts: QmmOptions, k: usize) -> usize {
+    let best = max_group(opts.isa, k);
+    opts.max_group.map_or(best, |g| g.clamp(1, best))
+}
+
 /// Whether the Q4 kernels of `isa` take prepared activations (see [`prepare_q4`]); AVX-512 takes raw ones.
 fn q4_needs_prep(isa: CpuIsa) -> bool {
     isa != CpuIsa::Avx512
 }
 
-/// Sub-tile height for prompts: rows of weights that fit the L2 budget.
-fn sub_rows(isa: CpuIsa, k: usize, m: usize, row_bytes: usize, nrows: usize) -> usize {
-    if m <= max_group(isa, k) {
+/// Sub-tile height when several passes go over the weights: rows of weights that fit the L2 budget.
+fn sub_rows(group: usize, m: usize, row_bytes: usize, nrows: usize) -> usize {
+    if m <= group {
         nrows
     } else {
         (L2_TILE_BYTES / row_bytes.max(1)).max(16)
@@ -416,6 +431,7 @@ fn sub_rows(isa: CpuIsa, k: usize, m: usize, row_bytes: usize, nrows: usize) -> 
 #[allow(clippy::too_many_arguments)]
 fn q8_tile(
     isa: CpuIsa,
+    group: usize,
     x: &[f32],
     m: usize,
     w: &Q8Matrix,
@@ -426,14 +442,14 @@ fn q8_tile(
     ldy: usize,
 ) {
     let k = w.cols;
-    let sub = sub_rows(isa, w.cols, m, row_bytes, n1 - n0);
+    let sub = sub_rows(group, m, row_bytes, n1 - n0);
     let mut s0 = n0;
     while s0 < n1 {
         let s1 = (s0 + sub).min(n1);
         let ys = y.at(s0 - n0);
         let mut i = 0;
         while i < m {
-            let r = (m - i).min(max_group(isa, k));
+            let r = (m - i).min(group);
             let xg = &x[i * k..];
             let yg = ys.at(i * ldy);
             match r {
@@ -518,6 +534,7 @@ fn q8_group<const R: usize>(
 #[allow(clippy::too_many_arguments)]
 fn q4_tile(
     isa: CpuIsa,
+    group: usize,
     xs: &[f32],
     sx: &[f32],
     m: usize,
@@ -530,14 +547,14 @@ fn q4_tile(
 ) {
     let k = w.cols;
     let nb = k / 32;
-    let sub = sub_rows(isa, w.cols, m, row_bytes, n1 - n0);
+    let sub = sub_rows(group, m, row_bytes, n1 - n0);
     let mut s0 = n0;
     while s0 < n1 {
         let s1 = (s0 + sub).min(n1);
         let ys = y.at(s0 - n0);
         let mut i = 0;
         while i < m {
-            let r = (m - i).min(max_group(isa, k));
+            let r = (m - i).min(group);
             // sx is empty for the instruction sets that take raw activations.
             let (xg, sg) = (&xs[i * k..], sx.get(i * nb..).unwrap_or(&[]));
             let yg = ys.at(i * ldy);
@@ -734,7 +751,11 @@ mod tests {
     }
 
     fn opts(isa: CpuIsa, parallel: bool) -> QmmOptions {
-        QmmOptions { isa, parallel }
+        QmmOptions {
+            isa,
+            parallel,
+            max_group: None,
+        }
     }
 
     /// A random scale of either sign whose magnitude spans 2^lo..2^hi (log-uniform).

@@ -27,6 +27,7 @@ mod gpu;
 
 use std::ops::Range;
 
+use super::RowMode;
 use crate::backend::{Backend, TMut, TRef, Tensor};
 use crate::cpu::CpuBackend;
 use crate::error::{Error, Result, shape};
@@ -363,13 +364,16 @@ impl QMatrix {
         }
     }
 
-    /// y[m, N] = x[m, K] · Wᵀ on the CPU backend (rows contiguous from the slices' starts).
+    /// y[m, N] = x[m, K] · Wᵀ on the CPU backend (rows contiguous from the slices' starts); with
+    /// independent rows, each row through the one-row kernel (the weights still stream once, in tiles
+    /// that stay in cache while every row passes over them).
     pub(crate) fn cpu_matmul(
         &self,
         c: &CpuBackend,
         x: &[f32],
         y: &mut [f32],
         m: usize,
+        rows: RowMode,
     ) -> Result<()> {
         let QStore::Cpu(src) = &self.store else {
             return Err(Error::BackendMismatch {
@@ -379,9 +383,14 @@ impl QMatrix {
             });
         };
         fits_u32("qmatmul", &[m, x.len(), y.len()])?;
+        let opts = cpu::QmmOptions {
+            max_group: (rows == RowMode::Independent).then_some(1),
+            ..cpu::QmmOptions::default()
+        };
+        let n = self.rows;
         c.install(|| match src {
-            QuantSource::Q8(q) => cpu::q8_matmul_nt(x, q, y, m),
-            QuantSource::Q4(q) => cpu::q4_matmul_nt(x, q, y, m),
+            QuantSource::Q8(q) => cpu::q8_matmul_nt_with(x, q, m, 0..n, y, n, opts),
+            QuantSource::Q4(q) => cpu::q4_matmul_nt_with(x, q, m, 0..n, y, n, opts),
         });
         Ok(())
     }

@@ -1,0 +1,543 @@
+//! The model thread: it owns the device and the model (GPU handles live on one thread) and runs the
+//! continuous-batching loop. Requests wait in a bounded queue; up to `parallel` of them hold a slot,
+//! each with its own KV cache, position, sampler and text decoder. Every decode step runs all active
+//! sequences in one batched forward pass (the weights are read once for all of them), and new requests
+//! join between steps, their prompts prefilled on the way in. A client that goes away frees its slot
+//! at the next step. Each row of a batched pass is computed exactly as it would be alone
+//! (`RowMode::Independent`), so a request's text does not depend on what runs beside it.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::time::{Duration, Instant};
+
+use tinygpt_kernels::Backend;
+use tinygpt_models::gpt::{CharVocab, GptRunner, GptSequence};
+use tinygpt_models::llm::{Llm, Sequence};
+use tinygpt_models::sampler::{Sampler, SamplerConfig};
+use tinygpt_models::tokenizer::{StreamDecoder, Tokenizer};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// Why a completion ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// An end-of-generation token or a stop string.
+    Stop,
+    /// `max_tokens`, or the context is full.
+    Length,
+}
+
+impl Finish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// What the engine sends a request, in order: text pieces, then `Done` or `Failed`.
+#[derive(Debug)]
+pub enum Event {
+    Text(String),
+    Done {
+        finish: Finish,
+        completion_tokens: usize,
+    },
+    /// The request could not be completed (time limit, shutdown, device error).
+    Failed {
+        status: u16,
+        message: String,
+    },
+}
+
+/// One request as the engine runs it.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    pub stop: Vec<String>,
+    /// Generate through end-of-generation tokens.
+    pub ignore_eos: bool,
+    pub deadline: Instant,
+    pub events: UnboundedSender<Event>,
+}
+
+/// State the HTTP side reads: readiness, load, throughput.
+#[derive(Default)]
+pub struct Shared {
+    pub ready: AtomicBool,
+    pub stopping: AtomicBool,
+    pub queued: AtomicUsize,
+    pub active: AtomicUsize,
+    /// Aggregate decode tokens/s over recent steps (f64 bits).
+    decode_tps: AtomicU64,
+    pub decode_tokens: AtomicU64,
+}
+
+impl Shared {
+    pub fn decode_tps(&self) -> f64 {
+        f64::from_bits(self.decode_tps.load(Ordering::Relaxed))
+    }
+
+    fn record_step(&self, rows: usize, secs: f64) {
+        let now = rows as f64 / secs.max(1e-9);
+        let old = self.decode_tps();
+        // An exponential moving average over ~20 steps.
+        let v = if old == 0.0 {
+            now
+        } else {
+            0.95 * old + 0.05 * now
+        };
+        self.decode_tps.store(v.to_bits(), Ordering::Relaxed);
+        self.decode_tokens.fetch_add(rows as u64, Ordering::Relaxed);
+    }
+}
+
+/// A model's text side: token ids in, text out. (One per server, held in an `Arc`: boxing the larger
+/// variant would buy nothing.)
+#[allow(clippy::large_enum_variant)]
+pub enum Codec {
+    Bpe(Tokenizer),
+    Chars(CharVocab),
+}
+
+impl Codec {
+    /// A prompt's ids as `tinygpt run` tokenizes it (BOS if the model adds one, special-token text
+    /// parsed), or what is wrong with it.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        match self {
+            Codec::Bpe(t) => Ok(t.encode_with(text, true, true)),
+            Codec::Chars(v) => v.encode(text).map_err(|e| e.to_string()),
+        }
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
+        match self {
+            Codec::Bpe(t) => t.decode(ids).map_err(|e| e.to_string()),
+            Codec::Chars(v) => {
+                if let Some(bad) = ids.iter().find(|&&i| i as usize >= v.len()) {
+                    return Err(format!(
+                        "token {bad} is outside the vocabulary of {}",
+                        v.len()
+                    ));
+                }
+                Ok(v.decode(ids))
+            }
+        }
+    }
+
+    /// Whether [`Codec::encode`] starts with a BOS token.
+    pub fn adds_bos(&self) -> bool {
+        match self {
+            Codec::Bpe(t) => t.add_bos() && t.bos_id().is_some(),
+            Codec::Chars(_) => false,
+        }
+    }
+
+    pub fn n_vocab(&self) -> usize {
+        match self {
+            Codec::Bpe(t) => t.n_vocab(),
+            Codec::Chars(v) => v.len(),
+        }
+    }
+
+    fn is_eog(&self, id: u32) -> bool {
+        match self {
+            Codec::Bpe(t) => t.is_eog(id),
+            Codec::Chars(_) => false,
+        }
+    }
+
+    fn stream(&self) -> TextStream<'_> {
+        match self {
+            Codec::Bpe(t) => TextStream::Bpe(t.stream_decoder(false)),
+            Codec::Chars(v) => TextStream::Chars(v),
+        }
+    }
+}
+
+/// Token ids to text as they arrive (a multi-byte character may span tokens).
+enum TextStream<'a> {
+    Bpe(StreamDecoder<'a>),
+    Chars(&'a CharVocab),
+}
+
+impl TextStream<'_> {
+    fn push(&mut self, id: u32) -> String {
+        match self {
+            TextStream::Bpe(d) => d.push(id).unwrap_or_default(),
+            TextStream::Chars(v) => v.decode(&[id]),
+        }
+    }
+
+    fn finish(&mut self) -> String {
+        match self {
+            TextStream::Bpe(d) => d.finish(),
+            TextStream::Chars(_) => String::new(),
+        }
+    }
+}
+
+/// Holds back text that could be the start of a stop string, and finds the first stop string.
+struct StopMatcher {
+    stops: Vec<String>,
+    held: String,
+}
+
+impl StopMatcher {
+    fn new(stops: Vec<String>) -> Self {
+        StopMatcher {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            held: String::new(),
+        }
+    }
+
+    /// Adds `piece`; returns the text safe to send and whether a stop string was reached (the text
+    /// before it is then all that is sent).
+    fn push(&mut self, piece: &str) -> (String, bool) {
+        self.held.push_str(piece);
+        if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s)).min() {
+            let out = self.held[..at].to_string();
+            self.held.clear();
+            return (out, true);
+        }
+        // Keep the longest tail that begins some stop string.
+        let keep = self
+            .held
+            .char_indices()
+            .map(|(i, _)| i)
+            .find(|&i| {
+                let tail = &self.held[i..];
+                self.stops.iter().any(|s| s.starts_with(tail))
+            })
+            .unwrap_or(self.held.len());
+        let out = self.held[..keep].to_string();
+        self.held.drain(..keep);
+        (out, false)
+    }
+
+    fn finish(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+/// What the loop needs from a model.
+pub trait Decoder {
+    type Seq;
+    fn new_seq(&mut self, be: &Backend) -> anyhow::Result<Self::Seq>;
+    /// Empties `seq`, feeds `prompt` and returns the logits after it.
+    fn start(
+        &mut self,
+        be: &Backend,
+        seq: &mut Self::Seq,
+        prompt: &[u32],
+    ) -> anyhow::Result<Vec<f32>>;
+    /// Feeds one token to each sequence in one pass; returns each one's next logits.
+    fn step(
+        &mut self,
+        be: &Backend,
+        steps: &mut [(&mut Self::Seq, u32)],
+    ) -> anyhow::Result<Vec<Vec<f32>>>;
+    /// Whether `seq` can take another token.
+    fn has_room(&self, seq: &Self::Seq) -> bool;
+}
+
+/// A GGUF model: every decode step is one batched pass.
+pub struct LlmDecoder(pub Llm);
+
+impl Decoder for LlmDecoder {
+    type Seq = Sequence;
+
+    fn new_seq(&mut self, be: &Backend) -> anyhow::Result<Sequence> {
+        Ok(self.0.new_sequence(be)?)
+    }
+
+    fn start(
+        &mut self,
+        be: &Backend,
+        seq: &mut Sequence,
+        prompt: &[u32],
+    ) -> anyhow::Result<Vec<f32>> {
+        seq.reset();
+        self.0.feed_sequence(be, seq, prompt)?;
+        Ok(pollster::block_on(self.0.read_logits(be))?)
+    }
+
+    fn step(
+        &mut self,
+        be: &Backend,
+        steps: &mut [(&mut Sequence, u32)],
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        self.0.decode_batch(be, steps)?;
+        Ok(pollster::block_on(
+            self.0.read_logits_batch(be, steps.len()),
+        )?)
+    }
+
+    fn has_room(&self, seq: &Sequence) -> bool {
+        seq.position() < seq.context()
+    }
+}
+
+/// The char-level GPT: sequences take turns on one runner (its weights shared, each sequence's cache its
+/// own). Past the block, the cache restarts from the last half block, as `tinygpt generate` does.
+pub struct GptDecoder(pub GptRunner);
+
+/// A GPT sequence and the tokens it holds (for the restart past the block).
+pub struct GptSeq {
+    seq: GptSequence,
+    history: Vec<u32>,
+}
+
+impl Decoder for GptDecoder {
+    type Seq = GptSeq;
+
+    fn new_seq(&mut self, be: &Backend) -> anyhow::Result<GptSeq> {
+        Ok(GptSeq {
+            seq: self.0.new_sequence(be)?,
+            history: Vec::new(),
+        })
+    }
+
+    fn start(
+        &mut self,
+        be: &Backend,
+        seq: &mut GptSeq,
+        prompt: &[u32],
+    ) -> anyhow::Result<Vec<f32>> {
+        let t = self.0.cfg.block_size;
+        seq.history = prompt.to_vec();
+        let tail = &prompt[prompt.len().saturating_sub(t)..];
+        Ok(self
+            .0
+            .with_sequence(&mut seq.seq, |r| r.prefill(be, tail))?)
+    }
+
+    fn step(
+        &mut self,
+        be: &Backend,
+        steps: &mut [(&mut GptSeq, u32)],
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let t = self.0.cfg.block_size;
+        let mut out = Vec::with_capacity(steps.len());
+        for (s, tok) in steps.iter_mut() {
+            s.history.push(*tok);
+            let h = &s.history;
+            let logits = self.0.with_sequence(&mut s.seq, |r| {
+                if r.position() < t {
+                    r.step(be, *tok)
+                } else {
+                    r.prefill(be, &h[h.len() - t / 2..])
+                }
+            })?;
+            out.push(logits);
+        }
+        Ok(out)
+    }
+
+    fn has_room(&self, _: &GptSeq) -> bool {
+        true
+    }
+}
+
+/// A request holding a slot.
+struct Active<'c, S> {
+    job: Job,
+    seq: S,
+    sampler: Sampler,
+    text: TextStream<'c>,
+    stop: StopMatcher,
+    generated: usize,
+    /// The token to feed at the next step.
+    next: u32,
+    done: bool,
+}
+
+impl<S> Active<'_, S> {
+    fn send(&self, e: Event) {
+        let _ = self.job.events.send(e);
+    }
+
+    fn finish(&mut self, finish: Finish) {
+        let rest = self.text.finish();
+        let (mut tail, hit) = self.stop.push(&rest);
+        if !hit {
+            tail.push_str(&self.stop.finish());
+        }
+        if !tail.is_empty() {
+            self.send(Event::Text(tail));
+        }
+        self.send(Event::Done {
+            finish: if hit { Finish::Stop } else { finish },
+            completion_tokens: self.generated,
+        });
+        self.done = true;
+    }
+
+    fn fail(&mut self, status: u16, message: String) {
+        self.send(Event::Failed { status, message });
+        self.done = true;
+    }
+
+    /// Samples the next token from `logits` and sends its text; ends the request when it is done.
+    fn take<D: Decoder<Seq = S>>(&mut self, logits: &[f32], codec: &Codec, d: &D) {
+        let id = self.sampler.sample(logits);
+        if codec.is_eog(id) && !self.job.ignore_eos {
+            return self.finish(Finish::Stop);
+        }
+        self.generated += 1;
+        let piece = self.text.push(id);
+        let (out, hit) = self.stop.push(&piece);
+        if !out.is_empty() {
+            self.send(Event::Text(out));
+        }
+        if hit {
+            return self.finish(Finish::Stop);
+        }
+        if self.generated >= self.job.max_tokens || !d.has_room(&self.seq) {
+            return self.finish(Finish::Length);
+        }
+        self.next = id;
+    }
+}
+
+/// Runs requests from `jobs` until the server stops (`shared.stopping`) or every sender is gone.
+pub fn run<D: Decoder>(
+    be: &Backend,
+    d: &mut D,
+    codec: &Codec,
+    parallel: usize,
+    jobs: Receiver<Job>,
+    shared: &Shared,
+) -> anyhow::Result<()> {
+    let mut free: Vec<D::Seq> = (0..parallel)
+        .map(|_| d.new_seq(be))
+        .collect::<anyhow::Result<_>>()?;
+    let mut active: Vec<Active<'_, D::Seq>> = Vec::with_capacity(parallel);
+    loop {
+        if shared.stopping.load(Ordering::Relaxed) {
+            for a in &mut active {
+                a.fail(503, "the server is shutting down".into());
+            }
+            while let Ok(job) = jobs.try_recv() {
+                let _ = job.events.send(Event::Failed {
+                    status: 503,
+                    message: "the server is shutting down".into(),
+                });
+            }
+            return Ok(());
+        }
+        // Admit waiting requests into free slots; wait for one when nothing runs.
+        while let Some(seq) = free.pop() {
+            let job = if active.is_empty() {
+                match jobs.recv_timeout(Duration::from_millis(50)) {
+                    Ok(j) => j,
+                    Err(RecvTimeoutError::Timeout) => {
+                        free.push(seq);
+                        break;
+                    }
+                    Err(RecvTimeoutError::Disconnected) => return Ok(()),
+                }
+            } else {
+                match jobs.try_recv() {
+                    Ok(j) => j,
+                    Err(TryRecvError::Empty) => {
+                        free.push(seq);
+                        break;
+                    }
+                    Err(TryRecvError::Disconnected) => return Ok(()),
+                }
+            };
+            shared.queued.fetch_sub(1, Ordering::Relaxed);
+            if job.events.is_closed() {
+                free.push(seq);
+                continue;
+            }
+            let mut a = Active {
+                sampler: Sampler::new(job.sampler),
+                text: codec.stream(),
+                stop: StopMatcher::new(job.stop.clone()),
+                generated: 0,
+                next: 0,
+                done: false,
+                seq,
+                job,
+            };
+            let prompt = std::mem::take(&mut a.job.prompt);
+            match d.start(be, &mut a.seq, &prompt) {
+                Ok(logits) => a.take(&logits, codec, d),
+                Err(e) => a.fail(500, format!("{e:#}")),
+            }
+            active.push(a);
+            shared.active.store(active.len(), Ordering::Relaxed);
+        }
+        // Clients that left, and requests past their time.
+        let now = Instant::now();
+        for a in active.iter_mut().filter(|a| !a.done) {
+            if a.job.events.is_closed() {
+                a.done = true;
+            } else if now > a.job.deadline {
+                a.fail(504, "the request exceeded the server's time limit".into());
+            }
+        }
+        retire(&mut active, &mut free);
+        shared.active.store(active.len(), Ordering::Relaxed);
+        if active.is_empty() {
+            continue;
+        }
+        let t0 = Instant::now();
+        let mut steps: Vec<(&mut D::Seq, u32)> =
+            active.iter_mut().map(|a| (&mut a.seq, a.next)).collect();
+        match d.step(be, &mut steps) {
+            Ok(rows) => {
+                shared.record_step(rows.len(), t0.elapsed().as_secs_f64());
+                for (a, logits) in active.iter_mut().zip(&rows) {
+                    a.take(logits, codec, d);
+                }
+            }
+            Err(e) => {
+                for a in &mut active {
+                    a.fail(500, format!("{e:#}"));
+                }
+            }
+        }
+        retire(&mut active, &mut free);
+        shared.active.store(active.len(), Ordering::Relaxed);
+    }
+}
+
+/// Returns the slots of finished requests to the free list.
+fn retire<S>(active: &mut Vec<Active<'_, S>>, free: &mut Vec<S>) {
+    let mut i = 0;
+    while i < active.len() {
+        if active[i].done {
+            free.push(active.swap_remove(i).seq);
+        } else {
+            i += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopMatcher;
+
+    #[test]
+    fn stop_strings_hold_back_only_what_could_start_them() {
+        let mut m = StopMatcher::new(vec!["\n\n".into(), "END".into()]);
+        assert_eq!(m.push("Hello"), ("Hello".into(), false));
+        assert_eq!(m.push(" E"), (" ".into(), false), "'E' may begin END");
+        assert_eq!(m.push("N"), (String::new(), false));
+        assert_eq!(m.push("ough"), ("ENough".into(), false));
+        assert_eq!(m.push("\nX\n"), ("\nX".into(), false));
+        assert_eq!(
+            m.push("\nafter"),
+            (String::new(), true),
+            "stops at the first stop string"
+        );
+        let mut m = StopMatcher::new(vec!["é!".into()]);
+        assert_eq!(m.push("caféé"), ("café".into(), false));
+        assert_eq!(m.push("x"), ("éx".into(), false));
+        assert_eq!(m.finish(), "");
+    }
+}

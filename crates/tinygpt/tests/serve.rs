@@ -1,0 +1,593 @@
+//! `tinygpt serve` end to end: the real binary on a loopback port, driven by a real HTTP client
+//! (reqwest). SmolLM2-135M (from scripts/fetch-models.sh) on the CPU backend, and the bundled
+//! Shakespeare model for plain completions.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+fn smollm2() -> PathBuf {
+    let dir = std::env::var_os("TINYGPT_MODELS_DIR").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.cache/models"),
+        PathBuf::from,
+    );
+    let p = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/fetch-models.sh",
+        p.display()
+    );
+    p
+}
+
+/// A running server; killed when dropped.
+struct Server {
+    child: Child,
+    base: String,
+    /// stderr lines after startup.
+    log: mpsc::Receiver<String>,
+    /// Whether /health answered 503 before the model was ready.
+    saw_loading: bool,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tinygpt"));
+    c.env(
+        "TINYGPT_CACHE_DIR",
+        std::env::temp_dir().join("tinygpt-serve-test-cache"),
+    );
+    c
+}
+
+/// Starts `tinygpt --backend cpu serve ARGS --port 0` and waits until it is ready.
+fn start(args: &[&str]) -> Server {
+    let mut child = bin()
+        .args(["--backend", "cpu", "serve", "--port", "0"])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    let (tx, rx) = mpsc::channel();
+    let stderr = child.stderr.take().expect("piped");
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("[server] {line}");
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut base = None;
+    let mut saw_loading = false;
+    loop {
+        let line = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("the server starts within two minutes");
+        if let Some(rest) = line.split("listening on http://").nth(1) {
+            let addr = rest.split_whitespace().next().unwrap().to_string();
+            // Right after binding, the model is still loading.
+            if let Some((status, body)) = get_now(&format!("http://{addr}/health")) {
+                saw_loading = status == 503 && body.contains("loading");
+            }
+            base = Some(format!("http://{addr}"));
+        }
+        if line.starts_with("ready:") {
+            break;
+        }
+    }
+    Server {
+        child,
+        base: base.expect("the server printed its address"),
+        log: rx,
+        saw_loading,
+    }
+}
+
+/// One GET, blocking: (status, body).
+fn get_now(url: &str) -> Option<(u16, String)> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .ok()?;
+    rt.block_on(async {
+        let r = reqwest::get(url).await.ok()?;
+        let s = r.status().as_u16();
+        Some((s, r.text().await.ok()?))
+    })
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+async fn post(base: &str, path: &str, body: Value, key: Option<&str>) -> (u16, String) {
+    let mut r = reqwest::Client::new()
+        .post(format!("{base}{path}"))
+        .json(&body);
+    if let Some(k) = key {
+        r = r.bearer_auth(k);
+    }
+    let r = r.send().await.expect("request sent");
+    let s = r.status().as_u16();
+    (s, r.text().await.expect("body"))
+}
+
+/// The text and chunks of an SSE body.
+fn sse(body: &str) -> (String, Vec<Value>) {
+    let mut text = String::new();
+    let mut chunks = Vec::new();
+    for line in body.lines() {
+        let Some(d) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if d == "[DONE]" {
+            chunks.push(json!("[DONE]"));
+            continue;
+        }
+        let v: Value = serde_json::from_str(d).expect("chunk is JSON");
+        if let Some(c) = v["choices"].get(0) {
+            text.push_str(c["delta"]["content"].as_str().unwrap_or(""));
+            text.push_str(c["text"].as_str().unwrap_or(""));
+        }
+        chunks.push(v);
+    }
+    (text, chunks)
+}
+
+/// `tinygpt run`'s greedy continuation of `prompt` (JSON output): (text, generated ids, prompt ids).
+fn run_greedy(prompt: &str, n: usize) -> (String, usize, usize) {
+    let out = bin()
+        .args(["--backend", "cpu", "run"])
+        .arg(smollm2())
+        .args([
+            "-p",
+            prompt,
+            "-n",
+            &n.to_string(),
+            "--temperature",
+            "0",
+            "--format",
+            "json",
+        ])
+        .output()
+        .expect("run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+    (
+        v["text"].as_str().unwrap().to_string(),
+        v["generated_ids"].as_array().unwrap().len(),
+        v["prompt_ids"].as_array().unwrap().len(),
+    )
+}
+
+/// The chat prompt the server renders for one user message (SmolLM2's template).
+fn chat_prompt(user: &str) -> String {
+    let file = tinygpt_formats::GgufFile::open(smollm2()).unwrap();
+    let tok = tinygpt_models::tokenizer::Tokenizer::from_gguf(file.metadata()).unwrap();
+    let t = tinygpt_models::chat_template::ChatTemplate::new(tok.chat_template().unwrap()).unwrap();
+    let text = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).unwrap_or("").to_string();
+    t.render(
+        &[("user", user)],
+        true,
+        &text(tok.bos_id()),
+        &text(tok.eos_id()),
+    )
+    .unwrap()
+}
+
+#[test]
+fn chat_and_completions_match_tinygpt_run_with_exact_usage() {
+    let s = start(&[smollm2().to_str().unwrap(), "--parallel", "4"]);
+    assert!(s.saw_loading, "/health answers 503 while the model loads");
+    let rt = rt();
+    let question = "What is the capital of France?";
+    let (want, n_gen, n_prompt) = run_greedy(&chat_prompt(question), 24);
+    // Streaming chat, with usage.
+    let body = json!({"model": "SmolLM2-135M-Instruct", "stream": true, "max_tokens": 24,
+        "temperature": 0, "stream_options": {"include_usage": true},
+        "messages": [{"role": "user", "content": question}]});
+    let (status, raw) = rt.block_on(post(&s.base, "/v1/chat/completions", body.clone(), None));
+    assert_eq!(status, 200, "{raw}");
+    let (text, chunks) = sse(&raw);
+    assert_eq!(text, want, "streamed chat = tinygpt run's greedy text");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(chunks.last().unwrap(), &json!("[DONE]"));
+    let usage = &chunks[chunks.len() - 2]["usage"];
+    assert_eq!(usage["prompt_tokens"], n_prompt);
+    assert_eq!(usage["completion_tokens"], n_gen);
+    assert_eq!(usage["total_tokens"], n_prompt + n_gen);
+    let finish = &chunks[chunks.len() - 3]["choices"][0]["finish_reason"];
+    assert!(finish == "stop" || finish == "length", "{finish}");
+    // The same request whole.
+    let mut whole = body;
+    whole["stream"] = json!(false);
+    let (status, raw) = rt.block_on(post(&s.base, "/v1/chat/completions", whole, None));
+    assert_eq!(status, 200, "{raw}");
+    let v: Value = serde_json::from_str(&raw).unwrap();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["content"], want);
+    assert_eq!(v["usage"]["completion_tokens"], n_gen);
+    // Text completion, whole, with a stop string.
+    let (want, _, n_prompt) = run_greedy("The capital of France is", 16);
+    let (status, raw) = rt.block_on(post(
+        &s.base,
+        "/v1/completions",
+        json!({"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}),
+        None,
+    ));
+    assert_eq!(status, 200, "{raw}");
+    let v: Value = serde_json::from_str(&raw).unwrap();
+    assert_eq!(v["choices"][0]["text"], want);
+    assert_eq!(v["usage"]["prompt_tokens"], n_prompt);
+    let stop_at = want.find('.').expect("the continuation has a period");
+    let (_, raw) = rt.block_on(post(
+        &s.base,
+        "/v1/completions",
+        json!({"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0, "stop": ["."]}),
+        None,
+    ));
+    let v: Value = serde_json::from_str(&raw).unwrap();
+    assert_eq!(
+        v["choices"][0]["text"],
+        &want[..stop_at],
+        "text ends before the stop string"
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // Models, tokenize and detokenize.
+    let models: Value = rt.block_on(async {
+        reqwest::get(format!("{}/v1/models", s.base))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    });
+    assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct");
+    let (_, raw) = rt.block_on(post(
+        &s.base,
+        "/tokenize",
+        json!({"content": "Hello world"}),
+        None,
+    ));
+    let toks: Value = serde_json::from_str(&raw).unwrap();
+    let (_, raw) = rt.block_on(post(
+        &s.base,
+        "/detokenize",
+        json!({"tokens": toks["tokens"]}),
+        None,
+    ));
+    assert_eq!(
+        serde_json::from_str::<Value>(&raw).unwrap()["content"],
+        "Hello world"
+    );
+    // Metrics count what was served.
+    let m = rt.block_on(async {
+        reqwest::get(format!("{}/metrics", s.base))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    });
+    assert!(
+        m.contains("tinygpt_requests_total{route=\"/v1/chat/completions\",status=\"200\"} 2"),
+        "{m}"
+    );
+    assert!(m.contains("tinygpt_completion_tokens_total"), "{m}");
+}
+
+#[test]
+fn every_bad_request_gets_one_clear_error_in_openai_format() {
+    let s = start(&[
+        smollm2().to_str().unwrap(),
+        "--api-key",
+        "sekrit",
+        "--max-body",
+        "100000",
+    ]);
+    let rt = rt();
+    let key = Some("sekrit");
+    let chat = |body: Value, key: Option<&str>| {
+        rt.block_on(post(&s.base, "/v1/chat/completions", body, key))
+    };
+    let msg = json!([{"role": "user", "content": "hi"}]);
+    let cases: Vec<(Value, Option<&str>, u16, &str)> = vec![
+        (json!({"messages": msg}), None, 401, "invalid_api_key"),
+        (
+            json!({"messages": msg}),
+            Some("wrong"),
+            401,
+            "invalid_api_key",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": 5}]}),
+            key,
+            400,
+            "messages[0].content",
+        ),
+        (
+            json!({"messages": msg, "temperature": "hot"}),
+            key,
+            400,
+            "temperature",
+        ),
+        (
+            json!({"messages": msg, "temperature": 3}),
+            key,
+            400,
+            "temperature",
+        ),
+        (json!({"messages": msg, "n": 2}), key, 400, "\"n\""),
+        (
+            json!({"messages": msg, "logprobs": true}),
+            key,
+            400,
+            "logprobs",
+        ),
+        (
+            json!({"messages": msg, "max_tokens": 0}),
+            key,
+            400,
+            "max_tokens",
+        ),
+        (
+            json!({"messages": msg, "model": "gpt-4"}),
+            key,
+            404,
+            "model_not_found",
+        ),
+        (json!({"msgs": msg}), key, 400, "messages"),
+        (
+            json!({"messages": [{"role": "wizard", "content": "hi"}]}),
+            key,
+            400,
+            "messages[0].role",
+        ),
+        (
+            json!({"messages": msg, "stop": ["a", "b", "c", "d", "e"]}),
+            key,
+            400,
+            "stop",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "word ".repeat(5000)}]}),
+            key,
+            400,
+            "context_length_exceeded",
+        ),
+    ];
+    for (body, k, status, needle) in cases {
+        let (got, raw) = chat(body.clone(), k);
+        assert_eq!(got, status, "{body}: {raw}");
+        let v: Value =
+            serde_json::from_str(&raw).unwrap_or_else(|_| panic!("error body is JSON: {raw}"));
+        assert!(v["error"]["message"].is_string(), "{raw}");
+        assert!(raw.contains(needle), "{body}: {raw} should name {needle}");
+    }
+    // Not JSON, too large, unknown route: still OpenAI's format.
+    let raw_post = |path: &str, body: Vec<u8>| {
+        rt.block_on(async {
+            let r = reqwest::Client::new()
+                .post(format!("{}{path}", s.base))
+                .bearer_auth("sekrit")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        })
+    };
+    let (st, raw) = raw_post("/v1/chat/completions", b"{not json".to_vec());
+    assert!(st == 400 && raw.contains("not valid JSON"), "{st} {raw}");
+    let (st, raw) = raw_post("/v1/completions", vec![b'x'; 200_000]);
+    assert!(st == 413 && raw.contains("request_too_large"), "{st} {raw}");
+    let (st, raw) = raw_post("/v1/nothing", b"{}".to_vec());
+    assert!(st == 404 && raw.contains("unknown_url"), "{st} {raw}");
+    // The server kept serving through all of it.
+    let (st, raw) = chat(json!({"messages": msg, "max_tokens": 2}), key);
+    assert_eq!(st, 200, "{raw}");
+}
+
+/// 200 concurrent streaming requests, each checked against the text its (prompt, seed) gives alone.
+#[test]
+fn two_hundred_concurrent_streams_each_get_their_own_text() {
+    let s = start(&[
+        smollm2().to_str().unwrap(),
+        "--parallel",
+        "16",
+        "--queue",
+        "256",
+    ]);
+    let rt = rt();
+    const PROMPTS: [&str; 4] = [
+        "Once upon a time",
+        "The sea is",
+        "My favourite food is",
+        "In 1492,",
+    ];
+    let body = |i: usize| {
+        json!({"prompt": PROMPTS[i % PROMPTS.len()], "max_tokens": 12, "seed": (i % 8) as i64,
+               "temperature": 1.0, "top_k": 40, "top_p": 0.95, "stream": true})
+    };
+    // Alone: one request at a time.
+    let mut alone = Vec::new();
+    for i in 0..8 {
+        let (st, raw) = rt.block_on(post(&s.base, "/v1/completions", body(i), None));
+        assert_eq!(st, 200, "{raw}");
+        alone.push(sse(&raw).0);
+    }
+    let t = Instant::now();
+    let all = rt.block_on(async {
+        let tasks: Vec<_> = (0..200)
+            .map(|i| {
+                let base = s.base.clone();
+                tokio::spawn(
+                    async move { (i, post(&base, "/v1/completions", body(i), None).await) },
+                )
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.expect("task"));
+        }
+        out
+    });
+    assert!(
+        t.elapsed() < Duration::from_secs(300),
+        "the load test is bounded in time"
+    );
+    assert_eq!(all.len(), 200);
+    for (i, (st, raw)) in all {
+        assert_eq!(st, 200, "request {i}: {raw}");
+        let (text, chunks) = sse(&raw);
+        assert_eq!(
+            chunks.last().unwrap(),
+            &json!("[DONE]"),
+            "request {i} finished"
+        );
+        assert_eq!(text, alone[i % 8], "request {i} got its own text, as alone");
+    }
+}
+
+#[test]
+fn a_client_that_leaves_frees_its_slot_and_a_full_queue_says_429() {
+    let s = start(&[
+        smollm2().to_str().unwrap(),
+        "--parallel",
+        "1",
+        "--queue",
+        "1",
+    ]);
+    let rt = rt();
+    let long = json!({"prompt": "Tell me a story.", "max_tokens": 400, "stream": true,
+                      "ignore_eos": true});
+    rt.block_on(async {
+        // Hold the only slot, then fill the queue; the third request is refused.
+        let client = reqwest::Client::new();
+        let mut first = client
+            .post(format!("{}/v1/completions", s.base))
+            .json(&long)
+            .send()
+            .await
+            .unwrap();
+        let _ = first.chunk().await.unwrap();
+        let queued = tokio::spawn({
+            let (base, long) = (s.base.clone(), long.clone());
+            async move { post(&base, "/v1/completions", long, None).await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (st, raw) = post(&s.base, "/v1/completions", long.clone(), None).await;
+        assert_eq!(st, 429, "{raw}");
+        assert!(raw.contains("queue_full"), "{raw}");
+        // The first client leaves: its slot goes to the queued request, which completes.
+        drop(first);
+        let (st, raw) = tokio::time::timeout(Duration::from_secs(120), queued)
+            .await
+            .expect("the queued request gets the slot")
+            .unwrap();
+        assert_eq!(st, 200);
+        assert!(raw.contains("[DONE]"));
+    });
+}
+
+#[test]
+fn the_bundled_model_completes_text_as_tinygpt_generate_does_and_stops_gracefully() {
+    let mut s = start(&[]);
+    let rt = rt();
+    let out = bin()
+        .args([
+            "--backend",
+            "cpu",
+            "generate",
+            "--prompt",
+            "ROMEO:",
+            "-n",
+            "60",
+            "--seed",
+            "7",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let want = String::from_utf8(out.stdout).unwrap();
+    let want = want
+        .trim_end_matches('\n')
+        .strip_prefix("ROMEO:")
+        .unwrap()
+        .to_string();
+    let (st, raw) = rt.block_on(post(
+        &s.base,
+        "/v1/completions",
+        json!({"prompt": "ROMEO:", "max_tokens": 60, "seed": 7, "temperature": 0.8, "top_k": 200, "top_p": 1.0}),
+        None,
+    ));
+    assert_eq!(st, 200, "{raw}");
+    let v: Value = serde_json::from_str(&raw).unwrap();
+    assert_eq!(v["choices"][0]["text"], want);
+    assert_eq!(v["model"], "shakespeare-char");
+    let (st, raw) = rt.block_on(post(
+        &s.base,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "hi"}]}),
+        None,
+    ));
+    assert!(st == 400 && raw.contains("no chat template"), "{st} {raw}");
+    // SIGTERM during a stream: the stream ends with an error chunk, the server exits.
+    let body = rt.block_on(async {
+        let mut r = reqwest::Client::new()
+            .post(format!("{}/v1/completions", s.base))
+            .json(&json!({"prompt": "ROMEO:", "max_tokens": 100000, "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        let mut body = String::from_utf8(r.chunk().await.unwrap().unwrap().to_vec()).unwrap();
+        let pid = s.child.id().to_string();
+        assert!(
+            Command::new("kill")
+                .args(["-TERM", &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+        while let Ok(Some(c)) = r.chunk().await {
+            body.push_str(&String::from_utf8_lossy(&c));
+        }
+        body
+    });
+    assert!(body.contains("shutting down"), "{body}");
+    let t = Instant::now();
+    loop {
+        if let Some(status) = s.child.try_wait().unwrap() {
+            assert!(status.success(), "exits cleanly");
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the server stops within 20 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let lines: Vec<String> = s.log.try_iter().collect();
+    assert!(lines.iter().any(|l| l.contains("stopped")), "{lines:?}");
+}
