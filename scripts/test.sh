@@ -28,3 +28,19 @@ if [ ! -d "$OPENAI_DIR/openai" ]; then
 fi
 PYTHONPATH="$OPENAI_DIR" python3 scripts/tests/openai_client.py target/release/tinygpt \
   "${TINYGPT_MODELS_DIR:-.cache/models}/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# The playground in real headless Chromium (Debian's, driven by playwright-core from npm): WebGPU on
+# Chromium's SwiftShader adapter, the wasm CPU backend, and the fallback without WebGPU. Set
+# TINYGPT_SKIP_BROWSER_TESTS=1 to skip them.
+if [ "${TINYGPT_SKIP_BROWSER_TESTS:-0}" != 1 ]; then
+  if ! command -v "${CHROMIUM:-chromium}" >/dev/null 2>&1; then
+    echo "no Chromium found: installing Debian's (chromium)"
+    SUDO=""
+    if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium
+  fi
+  bash scripts/build-web.sh
+  npm ci --prefix web --no-audit --no-fund --loglevel=error
+  node --test web/tests/
+fi

@@ -10,14 +10,29 @@ use crate::gpt::{CharVocab, GptConfig, GptRunner};
 use crate::llm::{Llm, LlmConfig, LlmError, LoadOptions};
 use crate::sampler::{Sampler, SamplerConfig, argmax};
 
-/// Greedy tokens the token gate compares.
+/// Greedy tokens the token gate compares on a hardware GPU.
 pub const TOKEN_GATE_TOKENS: usize = 100;
 
-/// The char-level GPT: 100 greedy characters after a newline.
+/// Greedy tokens the token gate compares on a software adapter (lavapipe, SwiftShader), where a model's
+/// tokens cost seconds each: enough to catch a path that changes the model's choices, without holding
+/// the first token for minutes.
+pub const TOKEN_GATE_TOKENS_SOFTWARE: usize = 16;
+
+/// How many greedy tokens the token gate compares on `be`.
+pub fn token_budget(be: &Backend) -> usize {
+    match be.as_gpu() {
+        Some(g) if g.info().device_type == "Cpu" => TOKEN_GATE_TOKENS_SOFTWARE,
+        _ => TOKEN_GATE_TOKENS,
+    }
+}
+
+/// The char-level GPT: its first greedy characters after a newline.
 pub struct GptGate<'a> {
     pub cfg: &'a GptConfig,
     pub vocab: &'a CharVocab,
     pub params: &'a [f32],
+    /// Greedy tokens to compare ([`token_budget`]).
+    pub tokens: usize,
 }
 
 impl GateModel for GptGate<'_> {
@@ -29,9 +44,10 @@ impl GateModel for GptGate<'_> {
 
     fn model_key(&self) -> String {
         format!(
-            "gpt {:016x} {}",
+            "gpt {:016x} {} {} tokens",
             fingerprint(self.params.iter().map(|v| v.to_bits())),
-            serde_json::to_string(self.cfg).unwrap_or_default()
+            serde_json::to_string(self.cfg).unwrap_or_default(),
+            self.tokens
         )
     }
 
@@ -43,8 +59,8 @@ impl GateModel for GptGate<'_> {
             temperature: 0.0,
             ..SamplerConfig::default()
         });
-        let mut out = Vec::with_capacity(TOKEN_GATE_TOKENS);
-        r.generate_async(be, &start, TOKEN_GATE_TOKENS, &mut greedy, |t| {
+        let mut out = Vec::with_capacity(self.tokens);
+        r.generate_async(be, &start, self.tokens, &mut greedy, async |t| {
             out.push(t);
             Ok(())
         })
@@ -53,8 +69,8 @@ impl GateModel for GptGate<'_> {
     }
 }
 
-/// A GGUF model: 100 greedy tokens after a fixed prompt, loaded afresh for each path set (the weights'
-/// layout depends on it).
+/// A GGUF model: its first greedy tokens after a fixed prompt, loaded afresh for each path set (the
+/// weights' layout depends on it).
 pub struct GgufGate<'a> {
     pub file: &'a GgufFile,
     pub cfg: &'a LlmConfig,
@@ -62,6 +78,8 @@ pub struct GgufGate<'a> {
     pub prompt: Vec<u32>,
     /// Names the file in the key (its name; the size and the header's hash are added).
     pub name: String,
+    /// Greedy tokens to compare ([`token_budget`]).
+    pub tokens: usize,
 }
 
 impl GateModel for GgufGate<'_> {
@@ -76,26 +94,27 @@ impl GateModel for GgufGate<'_> {
         let bytes = self.file.bytes();
         let head = &bytes[..bytes.len().min(1 << 20)];
         format!(
-            "gguf {} {} {:016x}",
+            "gguf {} {} {:016x} {} tokens",
             self.name,
             bytes.len(),
             fingerprint(
                 head.chunks(4)
                     .map(|c| c.iter().rev().fold(0u32, |w, &b| (w << 8) | b as u32))
-            )
+            ),
+            self.tokens
         )
     }
 
     async fn greedy(&self, be: &Backend, paths: PathSet) -> Result<Vec<u32>, Self::Error> {
         let opts = LoadOptions {
-            context: Some(self.prompt.len() + TOKEN_GATE_TOKENS + 1),
+            context: Some(self.prompt.len() + self.tokens + 1),
             paths,
             ..LoadOptions::default()
         };
         let mut m = Llm::from_gguf(be, self.file, &opts, &mut |_| {})?;
         m.feed(be, &self.prompt)?;
-        let mut out = Vec::with_capacity(TOKEN_GATE_TOKENS);
-        for _ in 0..TOKEN_GATE_TOKENS {
+        let mut out = Vec::with_capacity(self.tokens);
+        for _ in 0..self.tokens {
             let t = argmax(&m.read_logits(be).await?);
             out.push(t);
             m.feed(be, &[t])?;

@@ -172,6 +172,7 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
                         Kernel::Tiled {
                             tile,
                             shader_f16: false,
+                            direct: false,
                         },
                         PathSet::F32,
                     ),
@@ -265,6 +266,91 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
         sec * 1e3,
         gb(8.0 * n as f64, sec)
     );
+    decode_ops(be, &mut rng)
+}
+
+/// One decode step's ops at the bundled GPT's width (one token row, 384 wide, 256 cached positions):
+/// where a token's time goes on a device.
+fn decode_ops(be: &Backend, rng: &mut SeedRng) -> Result<()> {
+    println!(
+        "\n{:<44} {:>10}",
+        "decode step ops (one row, 384 wide)", "µs"
+    );
+    let c = 384;
+    let reps = if slow_device(be) { 20 } else { 200 };
+    let x = be.from_f32(&rng.vec(4 * c, -1.0, 1.0), c)?;
+    let w = be.from_f32(&rng.vec(4 * c * c, -0.1, 0.1), c)?;
+    let mut y = be.zeros(4 * c, 4 * c)?;
+    let mut stats = be.zeros(2, 1)?;
+    let ones = be.from_f32(&vec![1.0; c], c)?;
+    let cache = be.from_f32(&rng.vec(256 * 3 * c, -1.0, 1.0), 3 * c)?;
+    let report = |name: &str, sec: f64| println!("{name:<44} {:>10.1}", sec * 1e6);
+    for (name, n, k) in [
+        ("x·Wᵀ 1 x 1536 x 384", 4 * c, c),
+        ("x·Wᵀ 1 x 384 x 1536", c, 4 * c),
+    ] {
+        let sec = time(be, reps, || {
+            Ok(ops::matmul::matmul(
+                be,
+                PathSet::F32,
+                x.at(0),
+                &w,
+                (&mut y).into(),
+                &Gemm::nt(1, n, k),
+            )?)
+        })?;
+        report(name, sec);
+    }
+    let shape = ops::norm::NormShape {
+        rows: 1,
+        cols: c,
+        eps: 1e-5,
+    };
+    let sec = time(be, reps, || {
+        Ok(ops::norm::norm_forward(
+            be,
+            ops::norm::NormKind::Layer,
+            x.at(0),
+            ones.at(0),
+            (&mut y).into(),
+            (&mut stats).into(),
+            shape,
+        )?)
+    })?;
+    report("layernorm 1 x 384", sec);
+    let d = ops::attention::DecodeShape {
+        rows: 1,
+        heads: 6,
+        kv_heads: 6,
+        head_dim: 64,
+        ld_q: 3 * c,
+        ld_kv: 3 * c,
+        ld_o: c,
+        q_pos0: 255,
+        kv_len: 256,
+        window: 0,
+        scale: 0.125,
+        softcap: 0.0,
+    };
+    let sec = time(be, reps, || {
+        Ok(ops::attention::attend(
+            be,
+            cache.at(255 * 3 * c),
+            cache.at(c),
+            cache.at(2 * c),
+            (&mut y).into(),
+            d,
+        )?)
+    })?;
+    report("attention, 6 heads over 256 positions", sec);
+    let sec = time(be, reps, || {
+        Ok(ops::gelu::gelu(be, x.at(0), (&mut y).into(), 4 * c)?)
+    })?;
+    report("gelu 1536", sec);
+    let sec = time(be, reps, || {
+        Ok(ops::add::add_assign(be, (&mut y).into(), x.at(0), c, 1.0)?)
+    })?;
+    report("residual add 384", sec);
     Ok(())
 }
 

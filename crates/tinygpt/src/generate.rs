@@ -64,13 +64,14 @@ pub fn load_runner(
     model: Option<&std::path::Path>,
 ) -> Result<(GptRunner, CharVocab, PathSet)> {
     let dir = model.map_or_else(|| paths::bundled(paths::DEFAULT_MODEL), |p| p.to_path_buf());
-    let ck = checkpoint::load(&dir)
+    let ck = checkpoint::load_model(&dir)
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
     let cfg = &ck.config.model;
     let gate_model = GptGate {
         cfg,
         vocab: &ck.config.vocab,
         params: &ck.params,
+        tokens: tinygpt_models::gating::token_budget(be),
     };
     let paths = crate::gates::prepare(be, gate, &gate_model)?;
     let runner = GptRunner::new(be, cfg, &ck.params, paths)?;
@@ -87,7 +88,7 @@ pub fn generate(be: &Backend, gate: &crate::gates::GateArgs, a: &GenerateArgs) -
     sc.validate().map_err(anyhow::Error::msg)?;
     let dir = model_dir(&a.model);
     let t0 = Instant::now();
-    let ck = checkpoint::load(&dir)
+    let ck = checkpoint::load_model(&dir)
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
     let vocab = ck.config.vocab.clone();
     let prompt = vocab.encode(&a.prompt).context(
@@ -101,6 +102,7 @@ pub fn generate(be: &Backend, gate: &crate::gates::GateArgs, a: &GenerateArgs) -
         cfg,
         vocab: &vocab,
         params: &ck.params,
+        tokens: tinygpt_models::gating::token_budget(be),
     };
     let paths = crate::gates::prepare(be, gate, &gate_model)?;
     let mut runner = GptRunner::new(be, cfg, &ck.params, paths)?;
@@ -136,7 +138,7 @@ pub fn generate(be: &Backend, gate: &crate::gates::GateArgs, a: &GenerateArgs) -
 
 pub fn eval(be: &Backend, gate: &crate::gates::GateArgs, a: &EvalArgs) -> Result<()> {
     let dir = model_dir(&a.model);
-    let ck = checkpoint::load(&dir)
+    let ck = checkpoint::load_model(&dir)
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
     let data_path = a
         .data
@@ -152,6 +154,7 @@ pub fn eval(be: &Backend, gate: &crate::gates::GateArgs, a: &EvalArgs) -> Result
         cfg,
         vocab: &ck.config.vocab,
         params: &ck.params,
+        tokens: tinygpt_models::gating::token_budget(be),
     };
     let paths = crate::gates::prepare(be, gate, &gate_model)?;
     let mut tr = Trainer::new(

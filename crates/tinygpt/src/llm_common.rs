@@ -84,7 +84,7 @@ pub fn load(be: &Backend, gate: &GateArgs, args: &ModelArgs) -> Result<Loaded> {
 fn load_with(be: &Backend, gate: &GateArgs, args: &ModelArgs, parallel: usize) -> Result<Loaded> {
     let t = Instant::now();
     let path = &args.model;
-    let file = GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let file = GgufFile::open(path).context("cannot open the model")?;
     let cfg = LlmConfig::from_gguf(&file).with_context(|| format!("loading {}", path.display()))?;
     let tok = Tokenizer::from_gguf(file.metadata())
         .with_context(|| format!("reading the tokenizer of {}", path.display()))?;
@@ -98,6 +98,7 @@ fn load_with(be: &Backend, gate: &GateArgs, args: &ModelArgs, parallel: usize) -
         cfg: &cfg,
         prompt: tok.encode("The capital of France is", true),
         name: display_name(path, ""),
+        tokens: tinygpt_models::gating::token_budget(be),
     };
     let paths = crate::gates::prepare(be, gate, &gate_model)?;
     // The model maps the file again and releases each tensor's pages as it converts them, so memory
@@ -173,7 +174,7 @@ pub fn load_for_serving(
     parallel: impl FnOnce(u64) -> usize,
 ) -> Result<(Loaded, usize)> {
     let file =
-        GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?;
+        GgufFile::open(&args.model).context("cannot open the model")?;
     let cfg =
         LlmConfig::from_gguf(&file).with_context(|| format!("loading {}", args.model.display()))?;
     drop(file);

@@ -42,7 +42,13 @@ pub(crate) fn build(
         msg,
     };
     let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // Natively the error scope turns a validation error into this call's Err. On the web it could
+        // only be read asynchronously: there the error goes to the device's uncaptured-error handler,
+        // which the next flush or read reports.
+        #[cfg(not(target_arch = "wasm32"))]
         let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+        #[cfg(target_arch = "wasm32")]
+        let scope = ();
         let mut entries = vec![wgpu::BindGroupLayoutEntry {
             binding: 0,
             visibility: wgpu::ShaderStages::COMPUTE,
@@ -116,7 +122,7 @@ pub(crate) fn build(
         return Err(fail(e.to_string()));
     }
     #[cfg(target_arch = "wasm32")]
-    drop(scope);
+    let () = scope;
     Ok(Pipeline {
         name: name.to_string(),
         id,

@@ -248,15 +248,16 @@ impl GptRunner {
         pollster::block_on(self.step_async(be, token))
     }
 
-    /// Generates `n` tokens after `prompt`, calling `emit` with each as it is sampled (the context
-    /// beyond the block is handled as [`GptRunner::next_logits`] says).
+    /// Generates `n` tokens after `prompt`, awaiting `emit` with each as it is sampled (an error from
+    /// `emit` stops generation). When the block fills up, the cache restarts from the last half block of
+    /// context (the model has learned positions only up to block_size).
     pub async fn generate_async(
         &mut self,
         be: &Backend,
         prompt: &[u32],
         n: usize,
         sampler: &mut Sampler,
-        mut emit: impl FnMut(u32) -> Result<()>,
+        mut emit: impl AsyncFnMut(u32) -> Result<()>,
     ) -> Result<()> {
         let t = self.cfg.block_size;
         let mut ctx: Vec<u32> = prompt.to_vec();
@@ -264,7 +265,7 @@ impl GptRunner {
         let mut logits = self.prefill_async(be, &ctx[start..]).await?;
         for _ in 0..n {
             let next = sampler.sample(&logits);
-            emit(next)?;
+            emit(next).await?;
             ctx.push(next);
             logits = if self.pos < t {
                 self.step_async(be, next).await?
@@ -284,9 +285,9 @@ impl GptRunner {
         prompt: &[u32],
         n: usize,
         sampler: &mut Sampler,
-        emit: impl FnMut(u32) -> Result<()>,
+        mut emit: impl FnMut(u32) -> Result<()>,
     ) -> Result<()> {
-        pollster::block_on(self.generate_async(be, prompt, n, sampler, emit))
+        pollster::block_on(self.generate_async(be, prompt, n, sampler, async |t| emit(t)))
     }
 }
 

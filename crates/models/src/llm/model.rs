@@ -456,10 +456,7 @@ impl Llm {
         let tokens: Vec<u32> = steps.iter().map(|(_, t)| *t).collect();
         let mut segs: Vec<Seg<'_>> = steps
             .iter_mut()
-            .map(|(seq, _)| Seg {
-                seq,
-                rows: 1,
-            })
+            .map(|(seq, _)| Seg { seq, rows: 1 })
             .collect();
         c.forward(be, &tokens, &mut segs)
     }
@@ -800,7 +797,8 @@ impl Pass<'_> {
             let query = q_src.at(q_slot.offset + sp.row0 * q_slot.ld);
             attend(be, query, keys, values, s.att.at_mut(sp.row0 * qd), shape)?;
         }
-        lw.wo.matmul(be, self.rows(), s.att.at(0), s.out.at_mut(0))?;
+        lw.wo
+            .matmul(be, self.rows(), s.att.at(0), s.out.at_mut(0))?;
         self.residual(lw.post_attn_norm.as_ref(), s)
     }
 

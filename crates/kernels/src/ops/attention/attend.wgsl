@@ -33,7 +33,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   workgroupBarrier();
   let sb = g * p.s_stride;
   let kb = p.o_k + kvh * p.head_dim;
-  var m = -3.4028235e38;
+  var m = bitcast<f32>(0xff7fffffu); // -f32::MAX, as bits: the decimal literal is out of range for some compilers (Tint)
   for (var j = first + lid; j < last; j = j + WG) {
     var dot = 0.0;
     let kr = kb + j * p.ld_kv;

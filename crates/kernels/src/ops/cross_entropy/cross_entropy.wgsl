@@ -16,7 +16,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   if (row >= p.n) { return; }
   let base = p.o_x + row * p.vocab;
   let t = targets[p.o_t + row];
-  var m = -3.4028235e38;
+  var m = bitcast<f32>(0xff7fffffu); // -f32::MAX, as bits: the decimal literal is out of range for some compilers (Tint)
   for (var c = lid; c < p.vocab; c = c + WG) { m = max(m, x[base + c]); }
   m = reduce_max(m, lid);
   var s = 0.0;

@@ -6,17 +6,27 @@ use std::fmt::Write;
 use super::tiled::GemmOpts;
 use crate::path::Fault;
 
-/// WGSL for y = alpha · x · Wᵀ + beta · y over up to 8 rows of x (decoding): one W row per 32-thread
-/// slice, eight slices per workgroup, each slice striding along K (coalesced, W read once for every x
-/// row), partial sums meeting in workgroup memory behind one barrier — or, with subgroups, summed by
-/// `subgroupAdd` first so only one value per subgroup goes through workgroup memory.
-pub fn gemv_source(o: GemmOpts, subgroups: bool, fault: Option<Fault>) -> String {
+/// WGSL for y = alpha · x · Wᵀ + beta · y over `rows` (1 to 8) rows of x (decoding): one W row per
+/// 32-thread slice, eight slices per workgroup, each slice striding along K (coalesced, W read once for
+/// every x row), partial sums meeting in workgroup memory behind one barrier — or, with subgroups,
+/// summed by `subgroupAdd` first so only one value per subgroup goes through workgroup memory.
+///
+/// The row count is a constant of the kernel: each row's accumulator is a scalar of its own and every
+/// per-row line is written out, so no compiler indexes a private array with a loop counter (SwiftShader
+/// and lavapipe run such code many times slower) and no lane tests rows that do not exist. Each row's
+/// sum is accumulated in the same order whatever `rows` is.
+pub fn gemv_source(o: GemmOpts, rows: usize, subgroups: bool, fault: Option<Fault>) -> String {
+    assert!(
+        (1..=8).contains(&rows),
+        "the decode kernel takes 1 to 8 rows"
+    );
     let st = if o.shader_f16 { "f16" } else { "f32" };
     let acc_t = if fault == Some(Fault::F16Accumulation) {
         "f16"
     } else {
         "f32"
     };
+    let each = |line: &dyn Fn(usize) -> String| (0..rows).map(line).collect::<Vec<_>>().join("\n");
     let mut s = String::new();
     let w = &mut s;
     if o.shader_f16 || acc_t == "f16" {
@@ -35,10 +45,12 @@ pub fn gemv_source(o: GemmOpts, subgroups: bool, fault: Option<Fault>) -> String
     } else {
         "B[wb + k]"
     };
-    let term = if o.shader_f16 {
-        "AccT(ST(A[p.a_off + i * p.lda + k]) * ST(wv))"
-    } else {
-        "AccT(A[p.a_off + i * p.lda + k] * wv)"
+    let term = |i: usize| {
+        if o.shader_f16 {
+            format!("AccT(ST(A[p.a_off + {i}u * p.lda + k]) * ST(wv))")
+        } else {
+            format!("AccT(A[p.a_off + {i}u * p.lda + k] * wv)")
+        }
     };
     let sg_params = if subgroups {
         ", @builtin(subgroup_invocation_id) sgi: u32, @builtin(subgroup_size) sgs: u32"
@@ -47,7 +59,7 @@ pub fn gemv_source(o: GemmOpts, subgroups: bool, fault: Option<Fault>) -> String
     };
     let _ = writeln!(
         w,
-        "var<workgroup> part: array<f32, 2048>;
+        "var<workgroup> part: array<f32, {}>;
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -55,47 +67,53 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let slice = lid / 32u;
   let lane = lid % 32u;
   let col = group_index(wid, nwg) * 8u + slice;
-  var acc = array<AccT, 8>(AccT(0), AccT(0), AccT(0), AccT(0), AccT(0), AccT(0), AccT(0), AccT(0));
+{}
   if (col < p.n) {{
     let wb = p.b_off + col * p.ldb;
     for (var k = lane; k < p.k; k = k + 32u) {{
       let wv = {wload};
-      for (var i = 0u; i < 8u; i = i + 1u) {{
-        if (i < p.m) {{ acc[i] = acc[i] + {term}; }}
-      }}
+{}
     }}
-  }}"
+  }}",
+        256 * rows,
+        each(&|i| format!("  var acc{i} = AccT(0);")),
+        each(&|i| format!("      acc{i} = acc{i} + {};", term(i))),
     );
     if subgroups {
         // Each subgroup (at most 32 lanes, all in one slice) sums its lanes; its first lane posts the sum.
         let _ = writeln!(
             w,
-            "  for (var i = 0u; i < 8u; i = i + 1u) {{
-    let t = subgroupAdd(f32(acc[i]));
-    if (sgi == 0u) {{ part[i * 256u + lid / sgs] = t; }}
+            "{}
+  if (sgi == 0u) {{
+{}
   }}
   workgroupBarrier();
   let per = 32u / sgs;
-  if (lid < 64u) {{
+  if (lid < {}u) {{
     let i = lid / 8u;
     let s = lid % 8u;
     let c = group_index(wid, nwg) * 8u + s;
-    if (i < p.m && c < p.n) {{
+    if (c < p.n) {{
       var sum = 0.0;
-      for (var l = 0u; l < per; l = l + 1u) {{ sum = sum + part[i * 256u + s * per + l]; }}"
+      for (var l = 0u; l < per; l = l + 1u) {{ sum = sum + part[i * 256u + s * per + l]; }}",
+            each(&|i| format!("  let t{i} = subgroupAdd(f32(acc{i}));")),
+            each(&|i| format!("    part[{i}u * 256u + lid / sgs] = t{i};")),
+            8 * rows
         );
     } else {
         let _ = writeln!(
             w,
-            "  for (var i = 0u; i < 8u; i = i + 1u) {{ part[i * 256u + lid] = f32(acc[i]); }}
+            "{}
   workgroupBarrier();
-  if (lid < 64u) {{
+  if (lid < {}u) {{
     let i = lid / 8u;
     let s = lid % 8u;
     let c = group_index(wid, nwg) * 8u + s;
-    if (i < p.m && c < p.n) {{
+    if (c < p.n) {{
       var sum = 0.0;
-      for (var l = 0u; l < 32u; l = l + 1u) {{ sum = sum + part[i * 256u + s * 32u + l]; }}"
+      for (var l = 0u; l < 32u; l = l + 1u) {{ sum = sum + part[i * 256u + s * 32u + l]; }}",
+            each(&|i| format!("  part[{i}u * 256u + lid] = f32(acc{i});")),
+            8 * rows
         );
     }
     let _ = writeln!(

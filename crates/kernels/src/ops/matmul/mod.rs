@@ -285,8 +285,13 @@ pub enum Kernel {
     Scale,
     /// The decode kernel: up to 8 rows of x · Wᵀ, every operand in one buffer.
     Gemv { shader_f16: bool, subgroups: bool },
-    /// The tiled kernel (every layout, split tensors).
-    Tiled { tile: Tile, shader_f16: bool },
+    /// The tiled kernel (every layout, split tensors); `direct`: its barrier-free form, for CPU-type
+    /// adapters (the same sums, see [`GemmOpts::direct`]).
+    Tiled {
+        tile: Tile,
+        shader_f16: bool,
+        direct: bool,
+    },
     /// Tensor cores: x · Wᵀ with f16 weights, every operand in one buffer.
     Coop,
     /// Straight from the quantized blocks.
@@ -323,7 +328,7 @@ pub fn choose(
 ) -> Choice {
     let kernel = match be {
         Backend::Cpu(_) => Kernel::Cpu,
-        Backend::Gpu(_) => {
+        Backend::Gpu(gb) => {
             let (bt, f16) = match b {
                 Weights::F32(t) => (t.tensor(), false),
                 Weights::F16(t) => (t.tensor(), true),
@@ -351,10 +356,18 @@ pub fn choose(
                     shader_f16,
                     subgroups: paths.has(PathId::Subgroups),
                 }
+            } else if gb.info().device_type == "Cpu" && !shader_f16 {
+                // A software adapter: the barrier-free form, on small tiles (it has few cores to fill).
+                Kernel::Tiled {
+                    tile: TILE_SMALL,
+                    shader_f16,
+                    direct: true,
+                }
             } else {
                 Kernel::Tiled {
                     tile: choose_tile(g),
                     shader_f16,
+                    direct: false,
                 }
             }
         }
@@ -450,15 +463,21 @@ pub fn run(
                         trans_b: g.trans_b,
                         b_f16: f16,
                         shader_f16,
+                        direct: false,
                     };
                     gpu_gemv(gb, a, b, c, g, opts, subgroups, fault)
                 }
-                Kernel::Tiled { tile, shader_f16 } => {
+                Kernel::Tiled {
+                    tile,
+                    shader_f16,
+                    direct,
+                } => {
                     let opts = GemmOpts {
                         trans_a: g.trans_a,
                         trans_b: g.trans_b,
                         b_f16: f16,
                         shader_f16,
+                        direct,
                     };
                     gpu_tiled(gb, a, b, c, g, tile, opts, fault)
                 }
@@ -663,8 +682,9 @@ fn gpu_gemv(
     let (bb, lb) = locate_b(tb, ob, ob + eb.max(1) - 1, opts.b_f16)?;
     let (bc, lc) = locate(tc, oc, oc + ec.max(1) - 1, "C")?;
     let key = format!(
-        "gemv_{}{}{}",
+        "gemv_{}_r{}{}{}",
         opts.key(),
+        g.m,
         if subgroups { "_sg" } else { "" },
         fault.map_or_else(String::new, |f| format!("_fault{f:?}"))
     );
@@ -672,7 +692,7 @@ fn gpu_gemv(
         &key,
         &[Access::Read, Access::Read, Access::ReadWrite],
         PipelineOptions::default(),
-        || gemv::gemv_source(opts, subgroups, fault),
+        || gemv::gemv_source(opts, g.m, subgroups, fault),
     )?;
     let p = [
         g.m as u32,

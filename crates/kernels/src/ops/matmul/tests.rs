@@ -254,3 +254,62 @@ mod fuzz {
         }
     }
 }
+
+/// The tiled kernel in both forms (with workgroup tiles and barriers, and barrier-free for CPU-type
+/// adapters), each tile, every layout, batched and split products, f32 and f16 B: the same bits, and
+/// both right. On a software adapter `choose` takes the direct form, so this keeps the tiled one (what
+/// hardware GPUs run) tested there too.
+#[test]
+fn gpu_direct_and_tiled_forms_give_the_same_bits() {
+    let Some(be) = gpu_backend(None) else { return };
+    let mut rng = SeedRng::new(11);
+    let mut gemms: Vec<Gemm> = [(1, 1, 1), (17, 33, 65), (130, 67, 3), (64, 96, 40)]
+        .into_iter()
+        .flat_map(|(m, n, k)| all_layouts(m, n, k))
+        .collect();
+    gemms.push(Gemm::nt(40, 36, 24).batched(
+        [2, 3],
+        [3 * 40 * 24, 40 * 24],
+        [3 * 36 * 24, 36 * 24],
+        [3 * 40 * 36, 40 * 36],
+    ));
+    gemms.push(Gemm::nn(70, 50, 30).alpha(0.5).accumulate());
+    for g in &gemms {
+        let (a, b, c0, want) = case(&mut rng, g);
+        let ta = be.from_f32(&a, 1).unwrap();
+        let tb = be.from_f32(&b, 1).unwrap();
+        let mut outs = Vec::new();
+        for tile in [TILE_SMALL, TILE_MEDIUM, TILE_LARGE] {
+            for direct in [false, true] {
+                let mut tc = be.from_f32(&c0, 1).unwrap();
+                let kernel = Kernel::Tiled {
+                    tile,
+                    shader_f16: false,
+                    direct,
+                };
+                super::run(
+                    &be,
+                    Choice::forced(kernel, PathSet::F32),
+                    (&ta).into(),
+                    (&tb).into(),
+                    (&mut tc).into(),
+                    g,
+                )
+                .unwrap();
+                let got = be.to_vec(&tc).unwrap();
+                assert_nmse(
+                    &format!("{g:?} {} direct={direct}", tile.key()),
+                    &want,
+                    &got,
+                    BOUND,
+                );
+                outs.push((tile.key(), direct, got));
+            }
+        }
+        for pair in outs.chunks(2) {
+            let (tiled, direct) = (&pair[0].2, &pair[1].2);
+            let same = tiled.iter().zip(direct).all(|(x, y)| x == y);
+            assert!(same, "{g:?} tile {}: the two forms differ", pair[0].0);
+        }
+    }
+}

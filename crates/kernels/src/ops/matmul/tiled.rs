@@ -64,16 +64,22 @@ pub struct GemmOpts {
     /// Stage the tiles in workgroup memory as f16 and multiply f16 operands (`enable f16`), adding the
     /// products into f32 accumulators.
     pub shader_f16: bool,
+    /// Read the operands straight from storage, without workgroup tiles or barriers: the form for
+    /// CPU-type adapters (llvmpipe, SwiftShader), which run a workgroup's invocations as SIMD lanes of
+    /// one thread and pay a switch between them at every barrier. Each output sums its products in the
+    /// same order with the same fused multiply-adds as the tiled form, so the results are the same.
+    pub direct: bool,
 }
 
 impl GemmOpts {
     pub fn key(&self) -> String {
         format!(
-            "{}{}{}{}",
+            "{}{}{}{}{}",
             if self.trans_a { 't' } else { 'n' },
             if self.trans_b { 't' } else { 'n' },
             if self.b_f16 { "_bf16" } else { "" },
             if self.shader_f16 { "_sf16" } else { "" },
+            if self.direct { "_direct" } else { "" },
         )
     }
 }
@@ -97,6 +103,9 @@ const PARAMS: &str = "struct Params {
 /// fault's broken variant, tests only).
 pub fn gemm_source(t: Tile, o: GemmOpts, fault: Option<Fault>) -> String {
     assert!(t.is_valid(), "invalid GEMM tile {t:?}");
+    if o.direct && !o.shader_f16 {
+        return direct_source(t, o, fault);
+    }
     let (trans_a, trans_b) = (o.trans_a, o.trans_b);
     // Element type of the workgroup tiles and of the accumulators (f16 accumulation is a planted fault).
     let st = if o.shader_f16 { "f16" } else { "f32" };
@@ -299,6 +308,128 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     match fault {
         // One element past the last row of C: memory the product does not own.
+        Some(Fault::OutOfBoundsWrite) => {
+            let _ = writeln!(
+                w,
+                "  if (lid == 0u && wid.x == 0u && wid.y == 0u && wid.z == 0u) {{ C[c_base + p.m * p.ldc] = 1.0; }}"
+            );
+        }
+        Some(Fault::NanOutput) => {
+            let _ = writeln!(
+                w,
+                "  if (lid == 0u && wid.x == 0u && wid.y == 0u && wid.z == 0u) {{ C[c_base] = bitcast<f32>(0x7fc00000u); }}"
+            );
+        }
+        _ => {}
+    }
+    let _ = writeln!(w, "}}");
+    s
+}
+
+/// The barrier-free form of [`gemm_source`] (see [`GemmOpts::direct`]): the same thread-to-output map
+/// and the same per-output sum, with each operand read from storage at every k.
+fn direct_source(t: Tile, o: GemmOpts, fault: Option<Fault>) -> String {
+    let acc_t = if fault == Some(Fault::F16Accumulation) {
+        "f16"
+    } else {
+        "f32"
+    };
+    let nt = t.threads();
+    let (gm, gn) = (t.tm / 4, t.tn / 4);
+    let (sm, sn) = (t.bm / gm, t.bn / gn);
+    let mut s = String::new();
+    let w = &mut s;
+    if acc_t == "f16" {
+        let _ = writeln!(w, "enable f16;");
+    }
+    let _ = writeln!(w, "alias BT = {};", if o.b_f16 { "u32" } else { "f32" });
+    let _ = writeln!(w, "alias AccT = {acc_t};");
+    let _ = writeln!(w, "{PARAMS}");
+    let a_idx = if o.trans_a {
+        "a_base + k * p.lda + r"
+    } else {
+        "a_base + r * p.lda + k"
+    };
+    let b_idx = if o.trans_b {
+        "b_base + c * p.ldb + k"
+    } else {
+        "b_base + k * p.ldb + c"
+    };
+    let b_read = if o.b_f16 {
+        format!("let e = {b_idx}; return unpack2x16float(B[e >> 1u])[e & 1u];")
+    } else {
+        format!("return B[{b_idx}];")
+    };
+    let _ = writeln!(
+        w,
+        "fn ld_a(a_base: u32, r: u32, k: u32) -> f32 {{ if (r >= p.m) {{ return 0.0; }} return A[{a_idx}]; }}
+fn ld_b(b_base: u32, k: u32, c: u32) -> f32 {{ if (c >= p.n) {{ return 0.0; }} {b_read} }}
+@compute @workgroup_size({nt})
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+  let z1 = wid.z / p.b2;
+  let z2 = wid.z % p.b2;
+  let a_base = p.a_off + z1 * p.sa1 + z2 * p.sa2;
+  let b_base = p.b_off + z1 * p.sb1 + z2 * p.sb2;
+  let c_base = p.c_off + z1 * p.sc1 + z2 * p.sc2;
+  let row0 = wid.y * {bm}u;
+  let col0 = wid.x * {bn}u;
+  let tr = lid / {tcols}u;
+  let tc = lid % {tcols}u;",
+        bm = t.bm,
+        bn = t.bn,
+        tcols = t.bn / t.tn
+    );
+    for gi in 0..gm {
+        for c in 0..4u32 {
+            let _ = writeln!(
+                w,
+                "  let r{} = row0 + {}u + tr * 4u + {c}u;",
+                gi * 4 + c,
+                gi * sm
+            );
+        }
+    }
+    for g in 0..gn {
+        let _ = writeln!(w, "  let c{g} = col0 + {}u + tc * 4u;", g * sn);
+    }
+    for i in 0..t.tm {
+        for g in 0..gn {
+            let _ = writeln!(w, "  var acc{i}_{g} = vec4<AccT>(0.0);");
+        }
+    }
+    let _ = writeln!(w, "  for (var k = 0u; k < p.k; k = k + 1u) {{");
+    for i in 0..t.tm {
+        let _ = writeln!(w, "    let a{i} = ld_a(a_base, r{i}, k);");
+    }
+    for g in 0..gn {
+        let _ = writeln!(
+            w,
+            "    let b{g} = vec4<f32>(ld_b(b_base, k, c{g}), ld_b(b_base, k, c{g} + 1u), ld_b(b_base, k, c{g} + 2u), ld_b(b_base, k, c{g} + 3u));"
+        );
+    }
+    for i in 0..t.tm {
+        for g in 0..gn {
+            let _ = writeln!(
+                w,
+                "    acc{i}_{g} = fma(vec4<AccT>(AccT(a{i})), vec4<AccT>(b{g}), acc{i}_{g});"
+            );
+        }
+    }
+    let _ = writeln!(w, "  }}");
+    for i in 0..t.tm {
+        let _ = writeln!(w, "  if (r{i} < p.m) {{");
+        for g in 0..gn {
+            for j in 0..4u32 {
+                let comp = ["x", "y", "z", "w"][j as usize];
+                let _ = writeln!(
+                    w,
+                    "    {{ let cc = c{g} + {j}u; if (cc < p.n) {{ let ci = c_base + r{i} * p.ldc + cc; var v = p.alpha * f32(acc{i}_{g}.{comp}); if (p.beta != 0.0) {{ v = v + p.beta * C[ci]; }} C[ci] = v; }} }}"
+                );
+            }
+        }
+        let _ = writeln!(w, "  }}");
+    }
+    match fault {
         Some(Fault::OutOfBoundsWrite) => {
             let _ = writeln!(
                 w,

@@ -10,6 +10,11 @@ use crate::error::{Error, Result};
 use crate::gpu::{Access, GpuBackend, Operand, segments};
 use rayon::prelude::*;
 
+/// The forward kernel, and the declaration of its second statistics binding (dropped when the means
+/// and rstds share a buffer).
+const FORWARD: &str = include_str!("forward.wgsl");
+const SECOND_STATS: &str = "@group(0) @binding(5) var<storage, read_write> rstd_out: array<f32>;";
+
 /// Which normalisation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NormKind {
@@ -94,20 +99,30 @@ pub fn norm_forward(
                 Operand::rows(ts, stats.offset(), 1),
                 Operand::rows(ts, stats.offset() + rows, 1),
             ];
-            let pipe = row_kernel(
-                g,
-                "norm_forward",
-                include_str!("forward.wgsl"),
-                &[
-                    Access::Read,
-                    Access::Read,
-                    Access::ReadWrite,
-                    Access::ReadWrite,
-                    Access::ReadWrite,
-                ],
-            )?;
             let extra = [cols as u32, s.eps.to_bits(), (kind == NormKind::Rms) as u32];
-            run(g, "norm_forward", &pipe, rows, &ops, &extra, Grid::Groups)
+            for seg in segments("norm_forward", rows, &ops)? {
+                // WebGPU forbids two bindings of one buffer when either is written: when the means and
+                // the rstds share a buffer (the usual case), the kernel writes both through one binding.
+                let shared = seg.places[3].buffer == seg.places[4].buffer;
+                let (key, source, n) = if shared {
+                    let src = FORWARD
+                        .replace(SECOND_STATS, "")
+                        .replace("rstd_out[", "mean_out[");
+                    ("norm_forward_shared", src, 4)
+                } else {
+                    ("norm_forward", FORWARD.to_string(), 5)
+                };
+                let mut access = vec![Access::Read, Access::Read];
+                access.extend(std::iter::repeat_n(Access::ReadWrite, n - 2));
+                let pipe = row_kernel(g, key, &source, &access)?;
+                let mut p = vec![seg.len() as u32, seg.start as u32];
+                p.extend(seg.places.iter().map(|pl| pl.offset as u32));
+                p.extend_from_slice(&extra);
+                let bufs: Vec<&wgpu::Buffer> =
+                    seg.places[..n].iter().map(|pl| &pl.buffer).collect();
+                g.dispatch(&pipe, &p, &bufs, g.grid(seg.len()))?;
+            }
+            Ok(())
         }
     }
 }

@@ -16,7 +16,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   if (p.causal_t > 0u) { valid = min(p.cols, (p.start + row) % p.causal_t + p.causal_offset + 1u); }
   let base = p.o_x + row * p.cols;
   if (p.backward == 0u) {
-    var m = -3.4028235e38;
+    var m = bitcast<f32>(0xff7fffffu); // -f32::MAX, as bits: the decimal literal is out of range for some compilers (Tint)
     for (var c = lid; c < valid; c = c + WG) { m = max(m, p.scale * x[base + c]); }
     m = reduce_max(m, lid);
     var s = 0.0;

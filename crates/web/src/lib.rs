@@ -1,0 +1,798 @@
+//! TinyGPT in the browser: the same kernels, gate and models, compiled to wasm32 and driven by the
+//! playground's Web Worker (`web/worker.js`). The worker calls one method at a time; each returns a
+//! Promise and reports through the callbacks it is given (log lines, text as it is generated), so the
+//! page stays responsive and every line the console shows is the library's own.
+//!
+//! The verdict store is the gate's `MemoryStore`, seeded from and saved back to the browser's
+//! IndexedDB by the worker (a worker has no synchronous storage).
+//!
+//! The session's state is one `RefCell`, borrowed for the whole of each method, across its awaits:
+//! safe because the worker queues the calls, so one runs at a time; only `stop` comes in between, and
+//! it touches a separate `Cell`.
+#![allow(clippy::await_holding_refcell_ref)]
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+
+use js_sys::{Function, Promise, Uint8Array};
+use serde_json::{Value, json};
+use tinygpt_formats::GgufFile;
+use tinygpt_kernels::device::{BackendChoice, DeviceOptions};
+use tinygpt_kernels::gate::{GateOptions, Gated, MemoryStore, gate_device, gate_for_model};
+use tinygpt_kernels::{Backend, PathId, PathSet};
+use tinygpt_models::chat_template::ChatTemplate;
+use tinygpt_models::gating::{GgufGate, GptGate};
+use tinygpt_models::gpt::checkpoint::{
+    self, CheckpointConfig, CheckpointFiles, TrainState, WeightDtype,
+};
+use tinygpt_models::gpt::{
+    CharVocab, Dataset, GptConfig, GptRunner, Layout, OptimConfig, Trainer, learning_rate,
+};
+use tinygpt_models::llm::{Llm, LlmConfig, LoadOptions};
+use tinygpt_models::sampler::{Sampler, SamplerConfig};
+use tinygpt_models::tokenizer::Tokenizer;
+use wasm_bindgen::prelude::*;
+use wasm_bindgen_futures::{JsFuture, future_to_promise};
+use web_time::Instant;
+
+mod archive;
+
+#[wasm_bindgen(start)]
+pub fn start() {
+    console_error_panic_hook::set_once();
+}
+
+fn js_err(e: impl std::fmt::Display) -> JsValue {
+    JsValue::from_str(&e.to_string())
+}
+
+/// Lets the worker's event loop run (messages such as "stop" are handled there).
+async fn yield_now() {
+    let p = Promise::new(&mut |resolve, _| {
+        let global = js_sys::global();
+        if let Ok(f) = js_sys::Reflect::get(&global, &JsValue::from_str("setTimeout"))
+            && let Ok(f) = f.dyn_into::<Function>()
+        {
+            let _ = f.call2(&global, &resolve, &JsValue::from(0));
+        } else {
+            let _ = resolve.call0(&JsValue::NULL);
+        }
+    });
+    let _ = JsFuture::from(p).await;
+}
+
+fn call(f: &Function, v: impl Into<JsValue>) {
+    let _ = f.call1(&JsValue::NULL, &v.into());
+}
+
+/// The char-level GPT the page samples from (the bundled model, a trained or an uploaded one).
+struct Gpt {
+    runner: GptRunner,
+    vocab: CharVocab,
+    config: CheckpointConfig,
+}
+
+/// A training run in the page.
+struct Training {
+    trainer: Trainer,
+    data: Dataset,
+    config: CheckpointConfig,
+    seed: u64,
+    max_iters: usize,
+    lr: f32,
+    min_lr: f32,
+    warmup: usize,
+    state: TrainState,
+    started: Instant,
+    steps_timed: usize,
+}
+
+/// A GGUF model and its conversation.
+struct Chat {
+    llm: Llm,
+    tok: Tokenizer,
+    template: Option<ChatTemplate>,
+    name: String,
+    messages: Vec<(String, String)>,
+    /// Token ids the KV cache holds.
+    cached: Vec<u32>,
+}
+
+struct Inner {
+    be: Backend,
+    store: MemoryStore,
+    device: Option<Gated>,
+    gpt: Option<Gpt>,
+    training: Option<Training>,
+    chat: Option<Chat>,
+}
+
+/// One page's engine.
+#[wasm_bindgen]
+pub struct Session {
+    inner: Rc<RefCell<Inner>>,
+    stop: Rc<Cell<bool>>,
+    label: String,
+    fallback: Option<String>,
+}
+
+/// Opens the backend `choice` names ("auto", "gpu" or "cpu"). WebGPU is opened with only WebGPU's
+/// default limits (as on phones and many laptops); "auto" falls back to the wasm CPU backend when there
+/// is no adapter, the device request fails, or the only adapter is a software one (SwiftShader runs the
+/// kernels far slower than the CPU backend: "gpu" still uses it). `verdicts` is the JSON map of stored
+/// gate verdicts.
+#[wasm_bindgen]
+pub fn open_session(choice: String, verdicts: String) -> Promise {
+    future_to_promise(async move {
+        let store = MemoryStore {
+            verdicts: serde_json::from_str(&verdicts).unwrap_or_default(),
+            records: Vec::new(),
+        };
+        let cpu = || Backend::Cpu(tinygpt_kernels::cpu::CpuBackend::new(None));
+        let (be, fallback) = if choice == "cpu" {
+            (
+                cpu(),
+                Some("the CPU backend was asked for (?backend=cpu)".to_string()),
+            )
+        } else {
+            let opts = DeviceOptions {
+                backend: BackendChoice::Gpu,
+                low_end: true,
+                ..DeviceOptions::default()
+            };
+            match tinygpt_kernels::device::open(&opts).await {
+                Ok((be, _))
+                    if choice == "auto"
+                        && be.as_gpu().is_some_and(|g| g.info().device_type == "Cpu") =>
+                {
+                    (
+                        cpu(),
+                        Some(
+                            "the only WebGPU adapter is a software one (SwiftShader), which runs the \
+                             kernels far slower than the CPU backend: using the CPU (wasm); \
+                             ?backend=gpu uses WebGPU anyway"
+                                .to_string(),
+                        ),
+                    )
+                }
+                Ok((be, _)) => (be, None),
+                Err(e) if choice == "auto" => (cpu(), Some(format!("no WebGPU device ({e})"))),
+                Err(e) => return Err(js_err(format!("WebGPU was asked for (?backend=gpu): {e}"))),
+            }
+        };
+        let label = match &be {
+            Backend::Cpu(_) => "CPU (wasm)".to_string(),
+            Backend::Gpu(g) => {
+                // Browsers may withhold the adapter's name; its description or vendor stands in.
+                let i = g.info();
+                let name = [&i.name, &i.driver_info, &i.driver]
+                    .into_iter()
+                    .find(|s| !s.is_empty())
+                    .cloned()
+                    .unwrap_or_else(|| format!("WebGPU adapter {:04x}:{:04x}", i.vendor, i.device));
+                format!("{name} (WebGPU)")
+            }
+        };
+        let s = Session {
+            label,
+            fallback,
+            inner: Rc::new(RefCell::new(Inner {
+                be,
+                store,
+                device: None,
+                gpt: None,
+                training: None,
+                chat: None,
+            })),
+            stop: Rc::new(Cell::new(false)),
+        };
+        Ok(JsValue::from(s))
+    })
+}
+
+fn pill_json(g: &Gated) -> Value {
+    json!(
+        g.summary
+            .reports
+            .iter()
+            .map(|r| json!({
+                "path": r.name,
+                "pill": r.pill,
+                "active": g.paths.has(r.path),
+                "status": r.status,
+                "reason": r.reason,
+                "text": r.pill_text(),
+            }))
+            .collect::<Vec<_>>()
+    )
+}
+
+impl Inner {
+    fn paths(&self) -> PathSet {
+        self.device.as_ref().map_or(PathSet::F32, |g| g.paths)
+    }
+}
+
+#[wasm_bindgen]
+impl Session {
+    /// "SwiftShader Device (Subzero) (BrowserWebGpu)" or "CPU (wasm)".
+    pub fn backend(&self) -> String {
+        self.label.clone()
+    }
+
+    /// What the adapter reported and what was asked of it (JSON).
+    pub fn adapter_info(&self) -> String {
+        match &self.inner.borrow().be {
+            Backend::Gpu(g) => serde_json::to_string(g.info()).unwrap_or_default(),
+            Backend::Cpu(_) => "{}".into(),
+        }
+    }
+
+    /// Why the GPU is not used, if it is not.
+    pub fn fallback(&self) -> Option<String> {
+        self.fallback.clone()
+    }
+
+    /// The stored verdicts (JSON), for the worker to save to IndexedDB.
+    pub fn verdicts(&self) -> String {
+        serde_json::to_string(&self.inner.borrow().store.verdicts).unwrap_or_default()
+    }
+
+    /// Gating runs recorded since the last call (JSON list), for the page's telemetry.
+    pub fn take_records(&self) -> String {
+        let records = std::mem::take(&mut self.inner.borrow_mut().store.records);
+        serde_json::to_string(&records).unwrap_or_default()
+    }
+
+    /// Asks a running generation or chat reply to stop at its next token.
+    pub fn stop(&self) {
+        self.stop.set(true);
+    }
+
+    /// Gates every fast path the adapter offers (each log line to `log`); returns the pills (JSON).
+    pub fn gate(&self, regate: bool, log: Function) -> Promise {
+        let inner = self.inner.clone();
+        future_to_promise(async move {
+            let mut i = inner.borrow_mut();
+            let Inner { be, store, .. } = &mut *i;
+            let opts = GateOptions {
+                regate,
+                seed: 20261129,
+                ..GateOptions::default()
+            };
+            let gated = gate_device(be, store, &opts, &mut |l| call(&log, l)).await;
+            let pills = pill_json(&gated);
+            i.device = Some(gated);
+            Ok(JsValue::from_str(&pills.to_string()))
+        })
+    }
+
+    /// Loads a char-level GPT checkpoint from its files (config.json, model.safetensors) and gates it
+    /// end to end (its 100 greedy tokens on the f32 path and the fast paths).
+    pub fn load_gpt(&self, config: Vec<u8>, model: Vec<u8>, log: Function) -> Promise {
+        let inner = self.inner.clone();
+        future_to_promise(async move {
+            let files = CheckpointFiles {
+                config,
+                model,
+                optimizer: None,
+                state: None,
+            };
+            let ck = checkpoint::decode(std::path::Path::new("bundled"), &files).map_err(js_err)?;
+            let mut i = inner.borrow_mut();
+            let gpt = gpt_from(&mut i, ck.config, ck.params, &log).await?;
+            let info = json!({"params": gpt.config.model.num_params(), "vocab": gpt.vocab.len(),
+                              "block": gpt.config.model.block_size});
+            i.gpt = Some(gpt);
+            Ok(JsValue::from_str(&info.to_string()))
+        })
+    }
+
+    /// Samples `n` characters after `prompt` from the loaded GPT, passing each to `on_text`; resolves
+    /// to the timings (JSON). `tinygpt --backend cpu generate` with the same settings gives the same
+    /// text.
+    #[allow(clippy::too_many_arguments)]
+    pub fn generate(
+        &self,
+        prompt: String,
+        n: usize,
+        temperature: f32,
+        top_k: usize,
+        top_p: f32,
+        seed: u64,
+        on_text: Function,
+    ) -> Promise {
+        let (inner, stop) = (self.inner.clone(), self.stop.clone());
+        stop.set(false);
+        future_to_promise(async move {
+            let sc = SamplerConfig {
+                temperature,
+                top_k,
+                top_p,
+                seed,
+            };
+            sc.validate().map_err(js_err)?;
+            let mut i = inner.borrow_mut();
+            let Inner { be, gpt, .. } = &mut *i;
+            let gpt = gpt.as_mut().ok_or_else(|| js_err("no model is loaded"))?;
+            let ids = gpt.vocab.encode(&prompt).map_err(|e| {
+                js_err(format!(
+                    "{e}: the model knows only the characters of its training text"
+                ))
+            })?;
+            if ids.is_empty() {
+                return Err(js_err("the prompt is empty"));
+            }
+            let mut sampler = Sampler::new(sc);
+            let t0 = Instant::now();
+            let mut made = 0usize;
+            let vocab = gpt.vocab.clone();
+            let r = gpt
+                .runner
+                .generate_async(be, &ids, n, &mut sampler, async |t| {
+                    call(&on_text, vocab.decode(&[t]));
+                    made += 1;
+                    if made.is_multiple_of(8) {
+                        yield_now().await;
+                    }
+                    if stop.get() {
+                        return Err(tinygpt_kernels::Error::Shape {
+                            op: "generate",
+                            msg: "stopped".into(),
+                        });
+                    }
+                    Ok(())
+                })
+                .await;
+            if let Err(e) = r
+                && !stop.get()
+            {
+                return Err(js_err(e));
+            }
+            let secs = t0.elapsed().as_secs_f64();
+            Ok(JsValue::from_str(
+                &json!({"tokens": made, "seconds": secs, "tokens_per_s": made as f64 / secs.max(1e-9)})
+                    .to_string(),
+            ))
+        })
+    }
+
+    /// Times `n` single-token steps of the loaded GPT: recording and reading back apart (diagnostics).
+    pub fn bench_steps(&self, n: usize, log: Function) -> Promise {
+        let inner = self.inner.clone();
+        future_to_promise(async move {
+            let mut i = inner.borrow_mut();
+            let Inner { be, gpt, .. } = &mut *i;
+            let gpt = gpt.as_mut().ok_or_else(|| js_err("no model is loaded"))?;
+            gpt.runner.reset();
+            for k in 0..n {
+                let t0 = Instant::now();
+                gpt.runner.feed(be, &[1]).map_err(js_err)?;
+                let t1 = Instant::now();
+                be.flush().map_err(js_err)?;
+                let t2 = Instant::now();
+                let _ = gpt.runner.read_logits(be).await.map_err(js_err)?;
+                let t3 = Instant::now();
+                call(
+                    &log,
+                    format!(
+                        "step {k}: record {:.1} ms, submit {:.1} ms, read {:.1} ms",
+                        (t1 - t0).as_secs_f64() * 1e3,
+                        (t2 - t1).as_secs_f64() * 1e3,
+                        (t3 - t2).as_secs_f64() * 1e3
+                    ),
+                );
+            }
+            Ok(JsValue::UNDEFINED)
+        })
+    }
+
+    /// Starts a training run: `preset` (JSON: n_layer, n_head, n_embd, block_size, batch_size,
+    /// dropout, lr, min_lr, warmup, max_iters, seed) on `text`. Refuses a text too short to train on.
+    pub fn train_start(&self, preset: String, text: String) -> Result<String, JsValue> {
+        let p: Value = serde_json::from_str(&preset).map_err(js_err)?;
+        let get = |k: &str, d: f64| p.get(k).and_then(Value::as_f64).unwrap_or(d);
+        let block = get("block_size", 64.0) as usize;
+        let data = Dataset::from_bytes(text.as_bytes(), block).map_err(js_err)?;
+        let cfg = GptConfig {
+            vocab_size: data.vocab.len(),
+            block_size: block,
+            n_layer: get("n_layer", 2.0) as usize,
+            n_head: get("n_head", 2.0) as usize,
+            n_embd: get("n_embd", 64.0) as usize,
+            dropout: get("dropout", 0.0) as f32,
+        };
+        cfg.validate().map_err(js_err)?;
+        let seed = get("seed", 1337.0) as u64;
+        let params = Layout::new(&cfg).init(&cfg, seed);
+        let mut i = self.inner.borrow_mut();
+        let paths = i.paths();
+        let batch = get("batch_size", 16.0) as usize;
+        let trainer = Trainer::new(
+            &i.be,
+            &cfg,
+            batch,
+            &params,
+            None,
+            OptimConfig::default(),
+            paths,
+        )
+        .map_err(js_err)?;
+        let max_iters = get("max_iters", 200.0) as usize;
+        let info = json!({"params": cfg.num_params(), "vocab": data.vocab.len(),
+                          "train_chars": data.train.len(), "val_chars": data.val.len()});
+        i.training = Some(Training {
+            config: CheckpointConfig {
+                model: cfg,
+                vocab: data.vocab.clone(),
+                provenance: json!({"trained_with": "tinygpt playground"}),
+            },
+            trainer,
+            data,
+            seed,
+            max_iters,
+            lr: get("lr", 1e-3) as f32,
+            min_lr: get("min_lr", 1e-4) as f32,
+            warmup: get("warmup", 10.0) as usize,
+            state: TrainState {
+                seed,
+                max_iters,
+                ..TrainState::default()
+            },
+            started: Instant::now(),
+            steps_timed: 0,
+        });
+        Ok(info.to_string())
+    }
+
+    /// Runs up to `k` training steps (one submit each) and resolves to {iter, loss, tokens_per_s, done}.
+    pub fn train_steps(&self, k: usize) -> Promise {
+        let inner = self.inner.clone();
+        future_to_promise(async move {
+            let mut i = inner.borrow_mut();
+            let Inner { be, training, .. } = &mut *i;
+            let t = training.as_mut().ok_or_else(|| js_err("no training run"))?;
+            let cfg = t.config.model.clone();
+            let batch = t.trainer.batch;
+            let start = t.trainer.step as usize;
+            let end = (start + k.max(1)).min(t.max_iters);
+            for it in start..end {
+                let (x, y) = t
+                    .data
+                    .batch(false, t.seed, it as u64, batch, cfg.block_size);
+                let lr = learning_rate(it, t.warmup, t.max_iters, t.lr, t.min_lr);
+                t.trainer
+                    .train_step(be, &x, &y, lr, t.seed as u32)
+                    .map_err(js_err)?;
+            }
+            let loss = t.trainer.read_loss(be).await.map_err(js_err)?;
+            if !loss.is_finite() {
+                return Err(js_err(format!(
+                    "the training loss became {loss}: lower the learning rate"
+                )));
+            }
+            t.steps_timed += end - start;
+            let iter = t.trainer.step as usize;
+            t.state.step = t.trainer.step;
+            t.state.train_losses.push((iter, loss));
+            let secs = t.started.elapsed().as_secs_f64();
+            let tps = (t.steps_timed * batch * cfg.block_size) as f64 / secs.max(1e-9);
+            Ok(JsValue::from_str(
+                &json!({"iter": iter, "loss": loss, "tokens_per_s": tps,
+                        "ms_per_iter": 1e3 * secs / t.steps_timed.max(1) as f64,
+                        "max_iters": t.max_iters, "done": iter >= t.max_iters})
+                .to_string(),
+            ))
+        })
+    }
+
+    /// Mean validation loss over `batches` fixed batches (dropout off).
+    pub fn train_eval(&self, batches: usize) -> Promise {
+        let inner = self.inner.clone();
+        future_to_promise(async move {
+            let mut i = inner.borrow_mut();
+            let Inner { be, training, .. } = &mut *i;
+            let t = training.as_mut().ok_or_else(|| js_err("no training run"))?;
+            let (batch, block) = (t.trainer.batch, t.config.model.block_size);
+            let mut sum = 0.0f64;
+            for b in 0..batches.max(1) {
+                let (x, y) = t.data.batch(true, t.seed ^ 0xE7A1, b as u64, batch, block);
+                sum += t
+                    .trainer
+                    .eval_loss_async(be, &x, &y)
+                    .await
+                    .map_err(js_err)? as f64;
+                yield_now().await;
+            }
+            let val = (sum / batches.max(1) as f64) as f32;
+            let iter = t.trainer.step as usize;
+            t.state.val_losses.push((iter, val));
+            if t.state.best_val.is_none_or(|b| val < b) {
+                t.state.best_val = Some(val);
+                t.state.best_iter = Some(iter);
+            }
+            Ok(JsValue::from_str(
+                &json!({"iter": iter, "val_loss": val}).to_string(),
+            ))
+        })
+    }
+
+    /// The trained model as a checkpoint archive (a zip of config.json, model.safetensors and
+    /// train_state.json: unzip it into a directory and `tinygpt generate --model DIR` loads it). The
+    /// last complete step's weights, so a running training can always be saved.
+    pub fn train_checkpoint(&self) -> Promise {
+        let inner = self.inner.clone();
+        future_to_promise(async move {
+            let i = inner.borrow();
+            let t = i
+                .training
+                .as_ref()
+                .ok_or_else(|| js_err("no training run"))?;
+            let (params, _, _) = t.trainer.read_state(&i.be).await.map_err(js_err)?;
+            let files =
+                checkpoint::encode(&t.config, &params, WeightDtype::F32, None, Some(&t.state))
+                    .map_err(js_err)?;
+            let zip = archive::write(&files).map_err(js_err)?;
+            Ok(JsValue::from(Uint8Array::from(zip.as_slice())))
+        })
+    }
+
+    /// Samples from the model being trained from now on (its current weights, gated like any model).
+    pub fn use_trained(&self, log: Function) -> Promise {
+        let inner = self.inner.clone();
+        future_to_promise(async move {
+            let mut i = inner.borrow_mut();
+            let (config, params) = {
+                let t = i
+                    .training
+                    .as_ref()
+                    .ok_or_else(|| js_err("no training run"))?;
+                let (p, _, _) = t.trainer.read_state(&i.be).await.map_err(js_err)?;
+                (t.config.clone(), p)
+            };
+            let gpt = gpt_from(&mut i, config, params, &log).await?;
+            i.gpt = Some(gpt);
+            Ok(JsValue::UNDEFINED)
+        })
+    }
+
+    /// Loads a checkpoint archive (as downloaded) and samples from it.
+    pub fn load_checkpoint(&self, zip: Vec<u8>, log: Function) -> Promise {
+        let inner = self.inner.clone();
+        future_to_promise(async move {
+            let files = archive::read(&zip).map_err(js_err)?;
+            let ck = checkpoint::decode(std::path::Path::new("upload"), &files).map_err(js_err)?;
+            let mut i = inner.borrow_mut();
+            let gpt = gpt_from(&mut i, ck.config, ck.params, &log).await?;
+            let info = json!({"params": gpt.config.model.num_params(), "vocab": gpt.vocab.len()});
+            i.gpt = Some(gpt);
+            Ok(JsValue::from_str(&info.to_string()))
+        })
+    }
+
+    /// Loads a GGUF model from its bytes, gated end to end; resolves to its description (JSON).
+    pub fn load_gguf(&self, bytes: Vec<u8>, name: String, log: Function) -> Promise {
+        let inner = self.inner.clone();
+        future_to_promise(async move {
+            let file = GgufFile::from_bytes(bytes).map_err(|e| {
+                js_err(format!(
+                    "{name} is not a GGUF model this runner can read: {e}"
+                ))
+            })?;
+            let cfg = LlmConfig::from_gguf(&file).map_err(js_err)?;
+            let tok = Tokenizer::from_gguf(file.metadata()).map_err(js_err)?;
+            let mut i = inner.borrow_mut();
+            let Inner {
+                be, store, device, ..
+            } = &mut *i;
+            let paths = match device.as_ref() {
+                Some(d) if !d.paths.is_empty() => {
+                    let gate_model = GgufGate {
+                        file: &file,
+                        cfg: &cfg,
+                        prompt: tok.encode("The capital of France is", true),
+                        name: name.clone(),
+                        tokens: tinygpt_models::gating::token_budget(be),
+                    };
+                    let opts = GateOptions {
+                        seed: 20261129,
+                        ..GateOptions::default()
+                    };
+                    gate_for_model(be, store, &gate_model, &opts, &mut |l| call(&log, l))
+                        .await
+                        .map_err(js_err)?
+                        .paths
+                }
+                _ => PathSet::F32,
+            };
+            let opts = LoadOptions {
+                context: Some(cfg.train_context.clamp(1, 2048)),
+                paths,
+                ..LoadOptions::default()
+            };
+            let llm = Llm::from_gguf(be, &file, &opts, &mut |_| {}).map_err(js_err)?;
+            drop(file);
+            let template = match tok.chat_template() {
+                Some(src) => Some(ChatTemplate::new(src).map_err(js_err)?),
+                None => ChatTemplate::builtin(if tok.token_id("<start_of_turn>").is_some() {
+                    "gemma"
+                } else {
+                    "chatml"
+                })
+                .ok(),
+            };
+            let info = json!({"name": name, "arch": cfg.arch.name(), "layers": cfg.n_layer,
+                "vocab": cfg.vocab, "context": llm.context(),
+                "weights_mb": llm.memory().weights as f64 / 1e6,
+                "paths": paths.iter().map(PathId::name).collect::<Vec<_>>()});
+            i.chat = Some(Chat {
+                llm,
+                tok,
+                template,
+                name,
+                messages: Vec::new(),
+                cached: Vec::new(),
+            });
+            Ok(JsValue::from_str(&info.to_string()))
+        })
+    }
+
+    /// Forgets the conversation.
+    pub fn chat_reset(&self) {
+        if let Some(c) = self.inner.borrow_mut().chat.as_mut() {
+            c.messages.clear();
+            c.cached.clear();
+            c.llm.reset();
+        }
+    }
+
+    /// Adds `message` to the conversation and streams the reply to `on_text`; resolves to the timings.
+    pub fn chat_send(
+        &self,
+        message: String,
+        max_tokens: usize,
+        temperature: f32,
+        seed: u64,
+        on_text: Function,
+    ) -> Promise {
+        let (inner, stop) = (self.inner.clone(), self.stop.clone());
+        stop.set(false);
+        future_to_promise(async move {
+            let sc = SamplerConfig {
+                temperature,
+                top_k: 40,
+                top_p: 0.95,
+                seed,
+            };
+            sc.validate().map_err(js_err)?;
+            let mut i = inner.borrow_mut();
+            let Inner { be, chat, .. } = &mut *i;
+            let c = chat
+                .as_mut()
+                .ok_or_else(|| js_err("no GGUF model is loaded"))?;
+            let template = c
+                .template
+                .as_ref()
+                .ok_or_else(|| js_err(format!("{} has no chat template", c.name)))?;
+            c.messages.push(("user".into(), message));
+            let text_of = |id: Option<u32>| {
+                id.and_then(|i| c.tok.token_text(i))
+                    .unwrap_or("")
+                    .to_string()
+            };
+            let msgs: Vec<(&str, &str)> = c
+                .messages
+                .iter()
+                .map(|(r, t)| (r.as_str(), t.as_str()))
+                .collect();
+            let prompt = template
+                .render(
+                    &msgs,
+                    true,
+                    &text_of(c.tok.bos_id()),
+                    &text_of(c.tok.eos_id()),
+                )
+                .map_err(js_err)?;
+            let ids = c.tok.encode_with(&prompt, true, true);
+            if ids.len() >= c.llm.context() {
+                c.messages.pop();
+                return Err(js_err(format!(
+                    "the conversation ({} tokens) no longer fits the context of {}: reset it",
+                    ids.len(),
+                    c.llm.context()
+                )));
+            }
+            // Keep the cached prefix the new rendering shares (at least one token is always fed).
+            let keep = c
+                .cached
+                .iter()
+                .zip(&ids)
+                .take_while(|(a, b)| a == b)
+                .count()
+                .min(ids.len() - 1);
+            c.llm.truncate(keep);
+            c.cached.truncate(keep);
+            let t0 = Instant::now();
+            c.llm.feed(be, &ids[keep..]).map_err(js_err)?;
+            c.cached.extend_from_slice(&ids[keep..]);
+            let mut logits = c.llm.read_logits(be).await.map_err(js_err)?;
+            let prompt_secs = t0.elapsed().as_secs_f64();
+            let t1 = Instant::now();
+            let mut sampler = Sampler::new(sc);
+            let mut text = c.tok.stream_decoder(false);
+            let mut reply = String::new();
+            let mut made = 0usize;
+            let mut finish = "length";
+            while made < max_tokens {
+                let id = sampler.sample(&logits);
+                if c.tok.is_eog(id) {
+                    finish = "stop";
+                    break;
+                }
+                made += 1;
+                let piece = text.push(id).map_err(js_err)?;
+                reply.push_str(&piece);
+                call(&on_text, piece);
+                if made >= max_tokens || c.llm.position() >= c.llm.context() || stop.get() {
+                    finish = if stop.get() { "stopped" } else { "length" };
+                    break;
+                }
+                c.llm.feed(be, &[id]).map_err(js_err)?;
+                c.cached.push(id);
+                logits = c.llm.read_logits(be).await.map_err(js_err)?;
+                if made.is_multiple_of(8) {
+                    yield_now().await;
+                }
+            }
+            let tail = text.finish();
+            reply.push_str(&tail);
+            call(&on_text, tail);
+            c.messages.push(("assistant".into(), reply));
+            let secs = t1.elapsed().as_secs_f64();
+            Ok(JsValue::from_str(
+                &json!({"tokens": made, "seconds": secs, "prompt_tokens": ids.len() - keep,
+                        "prompt_seconds": prompt_secs, "finish": finish,
+                        "tokens_per_s": made as f64 / secs.max(1e-9)})
+                .to_string(),
+            ))
+        })
+    }
+}
+
+/// A runner for `params`, its paths gated end to end for this model.
+async fn gpt_from(
+    i: &mut Inner,
+    config: CheckpointConfig,
+    params: Vec<f32>,
+    log: &Function,
+) -> Result<Gpt, JsValue> {
+    let Inner {
+        be, store, device, ..
+    } = i;
+    let cfg = &config.model;
+    let paths = match device.as_ref() {
+        Some(d) if !d.paths.is_empty() => {
+            let gm = GptGate {
+                cfg,
+                vocab: &config.vocab,
+                params: &params,
+                tokens: tinygpt_models::gating::token_budget(be),
+            };
+            let opts = GateOptions {
+                seed: 20261129,
+                ..GateOptions::default()
+            };
+            gate_for_model(be, store, &gm, &opts, &mut |l| call(log, l))
+                .await
+                .map_err(js_err)?
+                .paths
+        }
+        _ => PathSet::F32,
+    };
+    let runner = GptRunner::new(be, cfg, &params, paths).map_err(js_err)?;
+    Ok(Gpt {
+        runner,
+        vocab: config.vocab.clone(),
+        config,
+    })
+}
