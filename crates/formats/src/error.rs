@@ -10,12 +10,9 @@ use crate::ggml_type::GgmlType;
 /// Anything that can go wrong reading, writing or converting GGUF data.
 #[derive(Debug, thiserror::Error)]
 pub enum FormatError {
-    #[error("I/O error on {path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// The OS's error on a path (said once: it is the message, not a source to repeat).
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
 
     #[error("not a GGUF file: magic at offset 0 is {found:02x?}, expected \"GGUF\" (47 47 55 46)")]
     BadMagic { found: Vec<u8> },
@@ -145,7 +142,7 @@ impl FormatError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         FormatError::Io {
             path: path.into(),
-            source,
+            err: source,
         }
     }
 }

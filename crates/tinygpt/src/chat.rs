@@ -61,11 +61,25 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &ChatArgs) -> Result<()> {
     // The tokens whose keys and values the cache holds, in order.
     let mut cached: Vec<u32> = Vec::new();
     eprintln!("type a message; /reset starts over, /exit (or end of input) quits.");
-    let mut lines = std::io::stdin().lock().lines();
+    let mut input = std::io::stdin().lock();
+    let mut raw = Vec::new();
     loop {
         eprint!("> ");
-        let Some(line) = lines.next() else { break };
-        let line = line.context("reading stdin")?;
+        raw.clear();
+        if input.read_until(b'\n', &mut raw).context("reading stdin")? == 0 {
+            break;
+        }
+        // One bad line is reported and skipped; the conversation goes on.
+        let line = match std::str::from_utf8(&raw) {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!(
+                    "that line is not valid UTF-8 (bad byte at offset {}); it was skipped, type it again",
+                    e.valid_up_to()
+                );
+                continue;
+            }
+        };
         let line = line.trim();
         match line {
             "" => continue,

@@ -73,6 +73,13 @@ fn main() {
     // step makes hundreds of them).
     let mut pool = rayon::ThreadPoolBuilder::new();
     if let Some(n) = cli.device.threads {
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        if n == 0 || n > cores {
+            eprintln!(
+                "error: --threads {n}: this machine runs 1 to {cores} threads (leave it out to use all {cores})"
+            );
+            std::process::exit(2);
+        }
         pool = pool.num_threads(n);
     }
     let result = match pool.build() {

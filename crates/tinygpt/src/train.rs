@@ -4,7 +4,7 @@ use crate::paths;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tinygpt_kernels::Backend;
 use tinygpt_models::gpt::checkpoint::{self, CheckpointConfig, TrainState, WeightDtype};
@@ -16,12 +16,18 @@ pub struct TrainArgs {
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Checkpoint directory: the model (written whenever the validation loss improves) and, in
-    /// DIR/resume, the full training state after every evaluation.
-    #[arg(long, default_value = "out/shakespeare-char")]
-    pub out: PathBuf,
+    /// DIR/resume, the full training state after every evaluation. A directory that already holds a
+    /// checkpoint is refused unless --resume or --overwrite says what to do with it. Default: the
+    /// --resume directory, else out/shakespeare-char.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
     /// Continue the run saved in this directory (its resume/ state), with the same data and --max-iters.
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Replace the checkpoint already in --out with this run's (it is replaced as a whole at the first
+    /// evaluation; until then the old one stays intact).
+    #[arg(long)]
+    pub overwrite: bool,
     #[arg(long, default_value_t = 5000)]
     pub max_iters: usize,
     /// Evaluate (and checkpoint on improvement) every N iterations.
@@ -79,7 +85,132 @@ fn read_text(path: &PathBuf) -> Result<Vec<u8>> {
     std::fs::read(path).with_context(|| format!("cannot read the training text {}", path.display()))
 }
 
+/// Refuses flags that cannot mean anything (zero batches, NaN rates) before anything is allocated.
+fn check_flags(a: &TrainArgs) -> Result<()> {
+    for (flag, v) in [
+        ("--max-iters", a.max_iters),
+        ("--eval-every", a.eval_every),
+        ("--eval-iters", a.eval_iters),
+        ("--log-every", a.log_every),
+        ("--batch-size", a.batch_size),
+        ("--block-size", a.block_size),
+    ] {
+        if v == 0 {
+            bail!("{flag} 0: it must be at least 1");
+        }
+    }
+    if a.batch_size > 1 << 16 {
+        bail!("--batch-size {} is over the limit of 65536", a.batch_size);
+    }
+    for (flag, v, positive) in [
+        ("--lr", a.lr, true),
+        ("--min-lr", a.min_lr, false),
+        ("--weight-decay", a.weight_decay, false),
+        ("--grad-clip", a.grad_clip, false),
+    ] {
+        if !v.is_finite() || v < 0.0 || (positive && v == 0.0) {
+            bail!(
+                "{flag} {v}: it must be a finite number {}",
+                if positive { "above 0" } else { "of 0 or more" }
+            );
+        }
+    }
+    if !(0.0..1.0).contains(&a.dropout) {
+        bail!("--dropout {}: it must be in [0, 1)", a.dropout);
+    }
+    if a.min_lr > a.lr {
+        bail!("--min-lr {} is above --lr {}", a.min_lr, a.lr);
+    }
+    Ok(())
+}
+
+/// Refuses a model and batch whose training would not fit in memory, before allocating any of it.
+fn check_memory(be: &Backend, cfg: &GptConfig, batch: usize) -> Result<()> {
+    let Some(need) = cfg.train_bytes(batch) else {
+        bail!(
+            "this model and --batch-size {batch} need more memory than can be counted: make them smaller"
+        );
+    };
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    if let (Backend::Cpu(_), Some(have)) = (be, available_memory())
+        && need > have
+    {
+        {
+            bail!(
+                "training this model with --batch-size {batch} needs about {:.1} GiB and this machine has {:.1} GiB free: lower --batch-size, --block-size or the model's size",
+                gib(need),
+                gib(have)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Free memory (Linux's MemAvailable), where the system says.
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Whether `dir` already holds a checkpoint (the model, or a run's resumable state).
+fn holds_checkpoint(dir: &Path) -> bool {
+    dir.join("config.json").exists()
+        || dir.join("model.safetensors").exists()
+        || dir.join("resume").exists()
+}
+
+/// Where this run writes; refuses to replace a checkpoint by surprise.
+fn out_dir(a: &TrainArgs) -> Result<PathBuf> {
+    let out = a
+        .out
+        .clone()
+        .or_else(|| a.resume.clone())
+        .unwrap_or_else(|| PathBuf::from("out/shakespeare-char"));
+    if out.exists() && !out.is_dir() {
+        bail!("--out {}: it is not a directory", out.display());
+    }
+    let same = |x: &Path, y: &Path| {
+        x.canonicalize()
+            .ok()
+            .zip(y.canonicalize().ok())
+            .is_some_and(|(x, y)| x == y)
+    };
+    let resuming_here = a
+        .resume
+        .as_ref()
+        .is_some_and(|r| same(r, &out) || same(r, &out.join("resume")));
+    if holds_checkpoint(&out) && !resuming_here && !a.overwrite {
+        bail!(
+            "{} already holds a checkpoint: continue it with --resume {}, replace it with --overwrite, or train into another --out",
+            out.display(),
+            out.display()
+        );
+    }
+    Ok(out)
+}
+
+/// Readies the checkpoint directory before the first iteration, so an unwritable one is found now
+/// rather than at the first evaluation; tidies a save an earlier run left cut short.
+fn prepare_out(out: &Path) -> Result<()> {
+    std::fs::create_dir_all(out)
+        .with_context(|| format!("cannot create the checkpoint directory {}", out.display()))?;
+    // Finish or discard a save that an earlier run left cut short, here and in resume/.
+    for dir in [out.to_path_buf(), out.join("resume")] {
+        checkpoint::recover(&dir)
+            .with_context(|| format!("cannot tidy the checkpoint in {}", dir.display()))?;
+    }
+    let probe = out.join(format!(".write-test.{}.tmp", std::process::id()));
+    std::fs::write(&probe, b"")
+        .and_then(|_| std::fs::remove_file(&probe))
+        .with_context(|| format!("cannot write checkpoints into {}", out.display()))?;
+    Ok(())
+}
+
 pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result<()> {
+    check_flags(a)?;
+    let out = out_dir(a)?;
     let data_path = a
         .data
         .clone()
@@ -107,6 +238,7 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
                 );
             };
             let state = l.state.unwrap_or_default();
+            check_memory(be, &l.config.model, a.batch_size)?;
             (l.config.model, data, l.params, Some((m, v)), state)
         }
         None => {
@@ -121,6 +253,7 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
                 dropout: a.dropout,
             };
             cfg.validate().map_err(anyhow::Error::msg)?;
+            check_memory(be, &cfg, a.batch_size)?;
             let params = Layout::new(&cfg).init(&cfg, a.seed);
             let state = TrainState {
                 seed: a.seed,
@@ -139,6 +272,7 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
         f16_forward: a.f16_forward,
         ..OptimConfig::default()
     };
+    prepare_out(&out)?;
     let t_setup = Instant::now();
     let mut tr = Trainer::new(
         be,
@@ -194,6 +328,7 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
     let mut train_time = 0.0f64;
     let mut last_loss = f32::NAN;
     let end = a.stop_at.map_or(a.max_iters, |s| s.min(a.max_iters));
+    let mut saved = false;
     if let Some(dir) = &a.resume
         && state.max_iters != 0
         && state.max_iters != a.max_iters
@@ -243,8 +378,13 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
             let val = evaluate(be, &mut tr, &data, seed, a, true)?;
             state.val_losses.push((it + 1, val));
             let improved = state.best_val.is_none_or(|b| val < b);
+            let train_loss = if last_loss.is_nan() {
+                "-".to_string()
+            } else {
+                format!("{last_loss:.4}")
+            };
             let line = format!(
-                "iter {}: train loss {last_loss:.4}, val loss {val:.4}{}",
+                "iter {}: train loss {train_loss}, val loss {val:.4}{}",
                 it + 1,
                 if improved {
                     " (best so far, saved)"
@@ -264,7 +404,7 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
             // The resumable state (f32 weights, optimizer, progress) after every evaluation; the model
             // people use (OUT itself) only when validation improves, unless told otherwise.
             let (p, m, v) = tr.state(be)?;
-            let resume_dir = a.out.join("resume");
+            let resume_dir = out.join("resume");
             checkpoint::save(
                 &resume_dir,
                 &ckpt_cfg,
@@ -275,11 +415,12 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
             )
             .with_context(|| format!("saving the resumable state to {}", resume_dir.display()))?;
             if improved || a.always_save {
-                checkpoint::save(&a.out, &ckpt_cfg, &p, dtype, None, Some(&state))
-                    .with_context(|| format!("saving the checkpoint to {}", a.out.display()))?;
+                checkpoint::save(&out, &ckpt_cfg, &p, dtype, None, Some(&state))
+                    .with_context(|| format!("saving the checkpoint to {}", out.display()))?;
+                saved = true;
             }
             // The loss curve so far, beside the checkpoint.
-            let png = a.out.join("loss.png");
+            let png = out.join("loss.png");
             if let Err(e) = crate::plot::write_loss_png(
                 &png,
                 "TinyGPT training",
@@ -295,12 +436,24 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
     let secs = t0.elapsed().as_secs_f64();
     let iters = end.saturating_sub(start);
     eprintln!(
-        "done: {iters} iterations in {secs:.1}s ({:.2} ms/iter in steps, {:.0} tokens/s overall); best val loss {} at iter {}; checkpoint in {}",
+        "done: {iters} iterations in {secs:.1}s ({:.2} ms/iter in steps, {:.0} tokens/s overall); best val loss {} at iter {}; {}",
         1e3 * train_time / iters.max(1) as f64,
         (tokens_per_iter * iters) as f64 / secs,
         state.best_val.map_or("-".into(), |v| format!("{v:.4}")),
         state.best_iter.map_or("-".into(), |v| v.to_string()),
-        a.out.display()
+        if saved {
+            format!("checkpoint in {}", out.display())
+        } else if iters == 0 {
+            format!(
+                "nothing to do: {} is already at iteration {start}",
+                out.display()
+            )
+        } else {
+            format!(
+                "the checkpoint in {} is unchanged (no better validation loss)",
+                out.display()
+            )
+        }
     );
     if let Some(p) = &a.summary {
         let s = serde_json::json!({

@@ -63,6 +63,25 @@ const TINY: &[&str] = &[
     "4",
 ];
 
+/// TINY with some of its flags given other values (or added).
+fn tiny_with<'a>(set: &[(&'a str, &'a str)]) -> Vec<&'a str> {
+    let mut a: Vec<&str> = Vec::new();
+    let mut skip = false;
+    for w in TINY {
+        if skip {
+            skip = false;
+        } else if set.iter().any(|(f, _)| f == w) {
+            skip = true;
+        } else {
+            a.push(w);
+        }
+    }
+    for (f, v) in set {
+        a.extend([*f, *v]);
+    }
+    a
+}
+
 fn losses(summary: &Path) -> Vec<(usize, f32)> {
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(summary).unwrap()).unwrap();
     serde_json::from_value(v["train_losses"].clone()).unwrap()
@@ -245,14 +264,130 @@ fn a_checkpoint_of_another_config_is_refused_and_an_earlier_checkpoint_survives_
     ]);
     let o = run(&b);
     assert!(
-        !o.status.success() && stderr(&o).contains("saving"),
+        !o.status.success() && stderr(&o).contains("cannot create the checkpoint directory"),
         "{}",
         stderr(&o)
+    );
+    assert!(
+        !stderr(&o).contains("iter "),
+        "found before the first iteration"
     );
     assert_eq!(
         std::fs::read(out.join("model.safetensors")).unwrap(),
         before
     );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_checkpoint_is_never_replaced_by_surprise() {
+    let d = tmp("surprise");
+    let data = text_file(&d);
+    let out = d.join("out");
+    let mut a = TINY.to_vec();
+    a.extend([
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let o = run(&a);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let before = std::fs::read(out.join("model.safetensors")).unwrap();
+    // The same command again refuses and says what to do; the checkpoint is untouched.
+    let o = run(&a);
+    let e = stderr(&o);
+    assert!(!o.status.success(), "{e}");
+    assert!(
+        e.contains("already holds a checkpoint")
+            && e.contains("--resume")
+            && e.contains("--overwrite"),
+        "{e}"
+    );
+    assert_eq!(
+        std::fs::read(out.join("model.safetensors")).unwrap(),
+        before
+    );
+    // --resume continues it in place (its directory is the default --out): nothing left to do at
+    // --max-iters, and the message says so rather than claiming a new checkpoint.
+    let mut r = TINY.to_vec();
+    r.extend([
+        "--data",
+        data.to_str().unwrap(),
+        "--resume",
+        out.to_str().unwrap(),
+    ]);
+    let o = run(&r);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("nothing to do"), "{}", stderr(&o));
+    // --overwrite replaces it with a new run's (another seed: other weights).
+    let o = run(&[a.clone(), vec!["--overwrite", "--seed", "9"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_ne!(
+        std::fs::read(out.join("model.safetensors")).unwrap(),
+        before
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn flags_that_cannot_mean_anything_are_refused_before_any_work() {
+    let d = tmp("flags");
+    let data = text_file(&d);
+    let out = d.join("out");
+    for (flag, value, needle) in [
+        ("--batch-size", "0", "--batch-size 0"),
+        ("--max-iters", "0", "--max-iters 0"),
+        ("--lr", "NaN", "--lr NaN"),
+        ("--n-layer", "100000", "number of layers"),
+        ("--n-embd", "1048576", "width"),
+    ] {
+        let mut a = tiny_with(&[(flag, value)]);
+        a.extend([
+            "--data",
+            data.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        let o = run(&a);
+        let e = stderr(&o);
+        assert!(!o.status.success(), "{flag} {value}: {e}");
+        assert!(
+            e.contains(needle),
+            "{flag} {value}: expected {needle:?} in {e}"
+        );
+        assert!(!e.contains("panicked"), "{e}");
+        assert!(!out.exists(), "{flag} {value}: refused runs write nothing");
+    }
+    // A model and batch that no machine holds (about a terabyte of activations): refused by the
+    // estimate, before anything is allocated.
+    let mut a = tiny_with(&[("--n-embd", "12000"), ("--batch-size", "65536")]);
+    a.extend([
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let o = run(&a);
+    assert!(
+        !o.status.success() && stderr(&o).contains("GiB"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!out.exists());
+    for threads in ["0", "100000"] {
+        let o = run(&[
+            "--backend",
+            "cpu",
+            "--threads",
+            threads,
+            "generate",
+            "-n",
+            "4",
+        ]);
+        assert!(!o.status.success());
+        assert!(stderr(&o).contains("--threads"), "{}", stderr(&o));
+    }
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -289,4 +424,127 @@ fn the_bundled_model_meets_its_validation_loss() {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("{s}"));
     assert!(loss <= 1.55, "val loss {loss} on 160 windows");
+}
+
+fn smollm2() -> PathBuf {
+    let dir = std::env::var_os("TINYGPT_MODELS_DIR").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.cache/models"),
+        PathBuf::from,
+    );
+    let p = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/fetch-models.sh",
+        p.display()
+    );
+    p
+}
+
+/// Runs the binary with a deadline: an input that hangs fails the test instead of stalling it.
+fn run_within(args: &[&str], stdin: &[u8], secs: u64) -> Output {
+    use std::io::Write;
+    let mut child = bin()
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{args:?} did not finish within {secs} s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn a_directory_a_named_pipe_or_a_file_given_as_a_model_is_refused_at_once() {
+    let d = tmp("not-models");
+    let fifo = d.join("pipe.gguf");
+    assert!(
+        Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let file = d.join("model.gguf");
+    std::fs::write(&file, b"GGUF").unwrap();
+    for (args, needle) in [
+        (
+            vec![
+                "--backend",
+                "cpu",
+                "run",
+                "--prompt",
+                "Hi",
+                d.to_str().unwrap(),
+            ],
+            "is a directory",
+        ),
+        (
+            vec![
+                "--backend",
+                "cpu",
+                "run",
+                "--prompt",
+                "Hi",
+                fifo.to_str().unwrap(),
+            ],
+            "named pipe",
+        ),
+        (
+            vec![
+                "--backend",
+                "cpu",
+                "generate",
+                "--model",
+                file.to_str().unwrap(),
+            ],
+            "not a checkpoint directory",
+        ),
+    ] {
+        let o = run_within(&args, b"", 30);
+        let e = stderr(&o);
+        assert!(!o.status.success(), "{args:?}: {e}");
+        assert!(e.contains(needle), "{args:?}: expected {needle:?} in {e}");
+        assert_eq!(e.matches("error").count(), 1, "one error, said once: {e}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_chat_survives_a_line_of_invalid_utf8() {
+    let model = smollm2();
+    let input = [
+        &b"\xff\xfe bad bytes\n"[..],
+        &b"What is the capital of France?\n"[..],
+    ]
+    .concat();
+    let o = run_within(
+        &[
+            "--backend",
+            "cpu",
+            "chat",
+            model.to_str().unwrap(),
+            "-n",
+            "8",
+            "--temperature",
+            "0",
+        ],
+        &input,
+        300,
+    );
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    assert!(e.contains("not valid UTF-8"), "{e}");
+    assert!(
+        !String::from_utf8_lossy(&o.stdout).trim().is_empty(),
+        "the next line is answered: {e}"
+    );
 }

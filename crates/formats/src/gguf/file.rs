@@ -52,6 +52,23 @@ impl GgufFile {
     #[cfg(not(target_arch = "wasm32"))]
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, FormatError> {
         let path = path.as_ref();
+        // A directory, a named pipe or a device is refused before opening it (opening a pipe blocks
+        // until someone writes to it; mapping a device fails with the OS's puzzling "No such device").
+        let meta = std::fs::metadata(path).map_err(|e| FormatError::io(path, e))?;
+        if !meta.is_file() {
+            let what = if meta.is_dir() {
+                "is a directory"
+            } else {
+                "is not a regular file (a named pipe, socket or device)"
+            };
+            return Err(FormatError::io(
+                path,
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("{what}; give the path of a .gguf model file"),
+                ),
+            ));
+        }
         let file = std::fs::File::open(path).map_err(|e| FormatError::io(path, e))?;
         // SAFETY: the map is read-only and private to this process. Memory-mapping is undefined behaviour
         // only if another process truncates or rewrites the file while it is mapped; model files are not
