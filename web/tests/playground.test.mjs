@@ -95,7 +95,7 @@ async function trainTiny(page, context, iters) {
   await page.click('#train-start');
   await page.waitForFunction(() => /^(done|stopped)$/m.test(document.getElementById('train-log').textContent), null, { timeout: 15 * MINUTE });
   const log = await page.textContent('#train-log');
-  mark(`trained ${iters} steps`);
+  mark(`trained ${iters} steps: ${log.match(/^iter \d+: loss .*$/gm)?.pop()}`);
   const losses = [...log.matchAll(/^iter (\d+): loss (\d+\.\d{4})/gm)].map((m) => [Number(m[1]), Number(m[2])]);
   assert.ok(losses.length >= 2, log);
   const [first, last] = [losses[0], losses[losses.length - 1]];

@@ -39,6 +39,189 @@ pub struct GatesCmd {
     /// Machine-readable output.
     #[arg(long)]
     pub json: bool,
+    /// Summarise the local gate history (every gating run this machine recorded in the cache
+    /// directory's gate-history.jsonl) instead of gating: per adapter and driver, per path, runs,
+    /// passes, fails, the worst figures and when. Nothing leaves the machine.
+    #[arg(long)]
+    pub history: bool,
+}
+
+/// One path's record on one adapter and driver, over the gate history.
+#[derive(Default, serde::Serialize)]
+struct PathHistory {
+    /// Gate runs that measured (verdicts taken from the cache are not counted).
+    runs: usize,
+    passes: usize,
+    fails: usize,
+    /// The largest mean_rel / limit seen (1 or more is a fail), and when.
+    worst_ratio: f64,
+    worst_time_unix: u64,
+    last_time_unix: u64,
+    last_reason: Option<String>,
+}
+
+/// The end-to-end token gate's record on one adapter and driver.
+#[derive(Default, serde::Serialize)]
+struct TokenHistory {
+    runs: usize,
+    /// (path, token position where it left the f32 path's tokens, when).
+    drops: Vec<(String, usize, u64)>,
+}
+
+#[derive(Default, serde::Serialize)]
+struct AdapterHistory {
+    adapter: String,
+    driver: String,
+    first_time_unix: u64,
+    last_time_unix: u64,
+    paths: BTreeMap<String, PathHistory>,
+    token_gate: TokenHistory,
+}
+
+/// `tinygpt gates --history`: reads the history file, skipping (and counting) lines it cannot parse.
+fn history(cmd: &GatesCmd) -> Result<()> {
+    let Some(dir) = cache_dir() else {
+        bail!("no cache directory (set TINYGPT_CACHE_DIR)");
+    };
+    let path = dir.join("gate-history.jsonl");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(anyhow::anyhow!("cannot read {}: {e}", path.display())),
+    };
+    let mut by: BTreeMap<(String, String), AdapterHistory> = BTreeMap::new();
+    let mut bad = 0usize;
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let Ok(r) = serde_json::from_str::<GateRecord>(line) else {
+            bad += 1;
+            continue;
+        };
+        let a = by
+            .entry((r.adapter.clone(), r.driver.clone()))
+            .or_insert_with(|| AdapterHistory {
+                adapter: r.adapter.clone(),
+                driver: r.driver.clone(),
+                first_time_unix: r.time_unix,
+                ..Default::default()
+            });
+        a.first_time_unix = a.first_time_unix.min(r.time_unix);
+        a.last_time_unix = a.last_time_unix.max(r.time_unix);
+        for p in r
+            .paths
+            .iter()
+            .filter(|p| !p.from_cache && !p.shapes.is_empty())
+        {
+            let h = a.paths.entry(p.name.clone()).or_default();
+            h.runs += 1;
+            if p.status == tinygpt_kernels::gate::Status::Active {
+                h.passes += 1;
+            } else {
+                h.fails += 1;
+            }
+            let worst = p
+                .shapes
+                .iter()
+                .map(|s| s.mean_rel / s.limit_rel.max(f64::MIN_POSITIVE))
+                .fold(
+                    0.0f64,
+                    |m, x| if x.is_nan() { f64::INFINITY } else { m.max(x) },
+                );
+            if worst >= h.worst_ratio {
+                h.worst_ratio = worst;
+                h.worst_time_unix = r.time_unix;
+            }
+            if r.time_unix >= h.last_time_unix {
+                h.last_time_unix = r.time_unix;
+                h.last_reason = p.reason.clone();
+            }
+        }
+        if let Some(t) = r.token.as_ref().filter(|t| !t.from_cache) {
+            a.token_gate.runs += 1;
+            for (p, pos) in &t.dropped {
+                a.token_gate
+                    .drops
+                    .push((format!("{p:?}"), *pos, r.time_unix));
+            }
+        }
+    }
+    let adapters: Vec<AdapterHistory> = by.into_values().collect();
+    if cmd.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "file": path.display().to_string(),
+                "unreadable_lines": bad,
+                "adapters": adapters,
+            }))?
+        );
+        return Ok(());
+    }
+    if adapters.is_empty() {
+        println!("no gate runs recorded yet in {}", path.display());
+        return Ok(());
+    }
+    let when = chrono_like;
+    for a in &adapters {
+        println!(
+            "{} · driver {} · {} to {}",
+            a.adapter,
+            a.driver,
+            when(a.first_time_unix),
+            when(a.last_time_unix)
+        );
+        for (name, h) in &a.paths {
+            println!(
+                "  {name:<14} {:>3} runs, {:>3} passed, {:>3} failed · worst mean_rel at {:.0}% of its limit ({}){}",
+                h.runs,
+                h.passes,
+                h.fails,
+                100.0 * h.worst_ratio,
+                when(h.worst_time_unix),
+                h.last_reason
+                    .as_ref()
+                    .filter(|_| h.fails > 0)
+                    .map_or(String::new(), |r| format!(" · last failure: {r}"))
+            );
+        }
+        let t = &a.token_gate;
+        if t.runs > 0 {
+            println!(
+                "  token gate     {:>3} runs, {} paths dropped{}",
+                t.runs,
+                t.drops.len(),
+                t.drops
+                    .iter()
+                    .map(|(p, pos, at)| format!(" · {p} at token {pos} ({})", when(*at)))
+                    .collect::<String>()
+            );
+        }
+    }
+    if bad > 0 {
+        println!("({bad} unreadable lines in {} skipped)", path.display());
+    }
+    println!("from {}", path.display());
+    Ok(())
+}
+
+/// A Unix time as "YYYY-MM-DD HH:MM UTC" (civil-from-days, no time-zone database needed).
+fn chrono_like(t: u64) -> String {
+    let days = (t / 86_400) as i64;
+    let (h, m) = ((t % 86_400) / 3600, (t % 3600) / 60);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let mo = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(mo <= 2);
+    format!("{y:04}-{mo:02}-{d:02} {h:02}:{m:02} UTC")
+}
+
+/// `tinygpt gates` without a device when only the history is asked for.
+pub fn history_only(cmd: &GatesCmd) -> Option<Result<()>> {
+    cmd.history.then(|| history(cmd))
 }
 
 /// The cache directory: `TINYGPT_CACHE_DIR`, else the user's cache directory.

@@ -173,8 +173,7 @@ pub fn load_for_serving(
     args: &ModelArgs,
     parallel: impl FnOnce(u64) -> usize,
 ) -> Result<(Loaded, usize)> {
-    let file =
-        GgufFile::open(&args.model).context("cannot open the model")?;
+    let file = GgufFile::open(&args.model).context("cannot open the model")?;
     let cfg =
         LlmConfig::from_gguf(&file).with_context(|| format!("loading {}", args.model.display()))?;
     drop(file);

@@ -7,6 +7,7 @@ mod gates;
 mod generate;
 mod llm_common;
 mod paths;
+mod perplexity;
 mod plot;
 mod run;
 mod serve;
@@ -47,6 +48,9 @@ enum Cmd {
     Run(run::RunArgs),
     /// Chat with a GGUF model on stdin, using its chat template.
     Chat(chat::ChatArgs),
+    /// Perplexity of a text under a GGUF model (llama.cpp's method: chunks of -c tokens, the second
+    /// half of each scored).
+    Perplexity(perplexity::PerplexityArgs),
     /// An OpenAI-compatible HTTP server (chat and text completions, continuous batching) that also
     /// serves the browser playground.
     Serve(serve::ServeArgs),
@@ -117,6 +121,9 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::Gates(c) => {
+            if let Some(r) = gates::history_only(c) {
+                return r;
+            }
             let be = cli.device.open()?;
             gates::run(&be, &cli.gate, c)
         }
@@ -139,6 +146,10 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Chat(a) => {
             let be = cli.device.open()?;
             chat::run(&be, &cli.gate, a)
+        }
+        Cmd::Perplexity(a) => {
+            let be = cli.device.open()?;
+            perplexity::run(&be, &cli.gate, a)
         }
         // The server opens the device on its model thread (GPU handles stay on one thread).
         Cmd::Serve(a) => serve::run(&cli.device, &cli.gate, a),

@@ -548,3 +548,127 @@ fn a_chat_survives_a_line_of_invalid_utf8() {
         "the next line is answered: {e}"
     );
 }
+
+fn models_dir() -> PathBuf {
+    smollm2().parent().unwrap().to_path_buf()
+}
+
+/// The slice of the bundled text the llama.cpp reference scored.
+fn perplexity_text(dir: &Path) -> PathBuf {
+    let text = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data/shakespeare.txt"),
+    )
+    .unwrap();
+    let slice: String = text.chars().skip(1_000_000).take(20_000).collect();
+    let p = dir.join("slice.txt");
+    std::fs::write(&p, slice).unwrap();
+    p
+}
+
+#[test]
+fn perplexity_matches_llama_cpp_within_one_percent() {
+    let reference: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/perplexity_llamacpp.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let d = tmp("ppl");
+    let text = perplexity_text(&d);
+    for (name, chunks) in [
+        ("SmolLM2-135M-Instruct.Q4_1.gguf", 4),
+        ("gemma-3-270m-Q4_K_M.gguf", 2),
+    ] {
+        let model = models_dir().join(name);
+        let o = run(&[
+            "--backend",
+            "cpu",
+            "perplexity",
+            model.to_str().unwrap(),
+            text.to_str().unwrap(),
+            "-c",
+            "256",
+            "--chunks",
+            &chunks.to_string(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let out = String::from_utf8_lossy(&o.stdout);
+        let ours: f64 = out
+            .split("Final estimate: PPL = ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no final estimate in {out}"));
+        let theirs = reference["models"][name]["running"][chunks - 1]
+            .as_f64()
+            .unwrap();
+        let rel = (ours - theirs).abs() / theirs;
+        assert!(
+            rel < 0.01,
+            "{name}: ours {ours}, llama.cpp {theirs} ({:.2}% apart)",
+            100.0 * rel
+        );
+    }
+    // A text too short for two chunks is refused with what to do.
+    let short = d.join("short.txt");
+    std::fs::write(&short, "A short text.").unwrap();
+    let o = run(&[
+        "--backend",
+        "cpu",
+        "perplexity",
+        smollm2().to_str().unwrap(),
+        short.to_str().unwrap(),
+    ]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("smaller -c"),
+        "{}",
+        stderr(&o)
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn gate_history_summarises_every_run_this_machine_recorded() {
+    let cache = tmp("history");
+    let with_cache = |args: &[&str]| {
+        bin()
+            .env("TINYGPT_CACHE_DIR", &cache)
+            .args(args)
+            .output()
+            .expect("the binary runs")
+    };
+    let o = with_cache(&["gates", "--history"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("no gate runs recorded yet"));
+    // Two measured runs on the GPU (the second forced past the cache), one cached.
+    for extra in [&[][..], &["--regate"][..], &[][..]] {
+        let o = with_cache(&[&["--backend", "gpu", "gates"][..], extra].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    // A damaged line is skipped and counted, not fatal.
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(cache.join("gate-history.jsonl"))
+        .unwrap();
+    std::io::Write::write_all(&mut f, b"{ not a record\n").unwrap();
+    let o = with_cache(&["gates", "--history", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["unreadable_lines"], 1);
+    let adapters = v["adapters"].as_array().unwrap();
+    assert_eq!(adapters.len(), 1, "{v}");
+    let paths = adapters[0]["paths"].as_object().unwrap();
+    assert!(!paths.is_empty(), "{v}");
+    for (name, h) in paths {
+        assert_eq!(h["runs"], 2, "{name}: {h}");
+        assert_eq!(
+            h["passes"].as_u64().unwrap() + h["fails"].as_u64().unwrap(),
+            2
+        );
+    }
+    let o = with_cache(&["gates", "--history"]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("2 runs") && text.contains("UTC"), "{text}");
+    let _ = std::fs::remove_dir_all(&cache);
+}

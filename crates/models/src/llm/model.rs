@@ -218,6 +218,8 @@ struct Core {
     parallel: usize,
     /// The fast paths every product runs with.
     paths: PathSet,
+    /// Logits of every row of a pass ([`Llm::score`]), made on first use.
+    scored: Option<Tensor>,
 }
 
 /// A GGUF model loaded on a backend, with its own sequence's KV cache.
@@ -325,6 +327,7 @@ impl Llm {
                 context,
                 parallel: opts.parallel,
                 paths: opts.paths,
+                scored: None,
             },
             seq: Sequence { cache, pos: 0 },
         })
@@ -461,6 +464,48 @@ impl Llm {
         c.forward(be, &tokens, &mut segs)
     }
 
+    /// Feeds `tokens` (after what the cache holds) and returns the logits after each of the tokens
+    /// from index `from` on, row after row (soft-capped if the model caps them): what perplexity
+    /// scores. Passes of at most the batch, each read back before the next.
+    pub async fn score(&mut self, be: &Backend, tokens: &[u32], from: usize) -> Result<Vec<f32>> {
+        let c = &mut self.core;
+        self.seq.check(tokens, c.cfg.vocab)?;
+        let v = c.cfg.vocab;
+        let mut out = Vec::with_capacity(tokens.len().saturating_sub(from) * v);
+        for (i, chunk) in tokens.chunks(c.batch).enumerate() {
+            let start = i * c.batch;
+            let f = from.saturating_sub(start);
+            if f >= chunk.len() {
+                c.forward(
+                    be,
+                    chunk,
+                    &mut [Seg {
+                        seq: &mut self.seq,
+                        rows: chunk.len(),
+                    }],
+                )?;
+                continue;
+            }
+            c.forward_scored(
+                be,
+                chunk,
+                &mut [Seg {
+                    seq: &mut self.seq,
+                    rows: chunk.len(),
+                }],
+                Some(f),
+            )?;
+            let t = c.scored.as_ref().expect("made by forward_scored");
+            let rows = be.read_f32(t.at(0), (chunk.len() - f) * v).await?;
+            out.extend_from_slice(&rows);
+        }
+        let cap = c.cfg.final_softcap;
+        if cap > 0.0 {
+            out.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
+        }
+        Ok(out)
+    }
+
     /// The logits after the last token fed (host), soft-capped if the model caps them.
     pub async fn read_logits(&self, be: &Backend) -> Result<Vec<f32>> {
         Ok(self.core.read_logits(be, 1).await?.swap_remove(0))
@@ -523,6 +568,21 @@ impl Core {
     /// One pass over `tokens`, split among `segs` in order (one segment of any length, or several of
     /// one row each).
     fn forward(&mut self, be: &Backend, tokens: &[u32], segs: &mut [Seg<'_>]) -> Result<()> {
+        self.forward_scored(be, tokens, segs, None)
+    }
+
+    /// [`Core::forward`]; with `scored_from = Some(f)` (one segment) the logits of rows f.. go to
+    /// `scored` instead of the last row's to `logits`.
+    fn forward_scored(
+        &mut self,
+        be: &Backend,
+        tokens: &[u32],
+        segs: &mut [Seg<'_>],
+        scored_from: Option<usize>,
+    ) -> Result<()> {
+        if scored_from.is_some() && self.scored.is_none() {
+            self.scored = Some(be.zeros(self.batch * self.cfg.vocab, self.cfg.vocab)?);
+        }
         let Core {
             cfg,
             w,
@@ -532,6 +592,7 @@ impl Core {
             batch,
             context,
             paths,
+            scored,
             ..
         } = self;
         let mut spans = Vec::with_capacity(segs.len());
@@ -572,10 +633,10 @@ impl Core {
         }
         // Only each sequence's last position's logits are needed: one row for one sequence, every row
         // when each sequence has one.
-        let (first, rows) = if segs.len() == 1 {
-            (pass.m - 1, 1)
-        } else {
-            (0, pass.m)
+        let (first, rows) = match scored_from {
+            Some(f) => (f, pass.m - f),
+            None if segs.len() == 1 => (pass.m - 1, 1),
+            None => (0, pass.m),
         };
         let last = s.x.at(first * d);
         pass.rms_norm(last, &w.output_norm, s.xn.at_mut(0), &mut s.stats, rows, d)?;
@@ -583,8 +644,11 @@ impl Core {
             m: rows,
             ..pass.rows()
         };
-        w.head()
-            .matmul(be, head_rows, s.xn.at(0), s.logits.at_mut(0))?;
+        let out = match (scored_from, scored.as_mut()) {
+            (Some(_), Some(t)) => t.at_mut(0),
+            _ => s.logits.at_mut(0),
+        };
+        w.head().matmul(be, head_rows, s.xn.at(0), out)?;
         for g in segs.iter_mut() {
             g.seq.pos += g.rows;
         }
