@@ -50,6 +50,9 @@ const GEMMA: &str = "{%- set ns = namespace(system='') -%}\
 
 const TEMPLATE_NAME: &str = "chat";
 
+/// Template instructions one render may run (a real template spends tens per message).
+const TEMPLATE_FUEL: u64 = 2_000_000;
+
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -65,6 +68,9 @@ impl ChatTemplate {
             .build()
             .map_err(|e| ChatTemplateError::Compile(e.to_string()))?;
         env.set_syntax(syntax);
+        // Templates come inside model files: bound the work one render may do, so a template that
+        // loops for ever (or nearly) is an error, not a hung chat or server.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);

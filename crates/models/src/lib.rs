@@ -1,6 +1,8 @@
 //! TinyGPT models.
 
 pub mod chat_template;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod gating;
 pub mod gpt;
 pub mod llm;

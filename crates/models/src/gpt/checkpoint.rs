@@ -571,6 +571,20 @@ pub fn decode(base: &Path, files: &CheckpointFiles) -> Result<Loaded, Checkpoint
     }
     let layout = Layout::new(&config.model);
     let mp = base.join("model.safetensors");
+    // Every parameter takes at least two bytes (f16): a config that describes far more than the
+    // weights file could hold is refused before its parameters are allocated (smaller mismatches
+    // reach the per-tensor shape check, which names the tensor).
+    if layout.total > 1 << 24 && (layout.total as u64).saturating_mul(2) > files.model.len() as u64
+    {
+        return Err(CheckpointError::Invalid {
+            path: mp,
+            msg: format!(
+                "the config describes {} parameters but the file has {} bytes: config.json and the weights disagree",
+                layout.total,
+                files.model.len()
+            ),
+        });
+    }
     let st = SafeTensors::deserialize(&files.model).map_err(|e| CheckpointError::Invalid {
         path: mp.clone(),
         msg: e.to_string(),

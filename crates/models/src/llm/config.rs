@@ -10,6 +10,8 @@ use super::error::{LlmError, Result};
 
 /// Largest layer count, width or head count accepted (2^20; the largest models have ~2^14).
 const MAX_DIM: usize = 1 << 20;
+/// Most layers a model may declare (the largest real models have a few hundred).
+const MAX_LAYERS: usize = 4096;
 
 /// Architectures the runner implements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,14 +151,15 @@ impl LlmConfig {
         }
         // Bounds far above any real model, so a corrupted file cannot make the sizes derived from these
         // overflow (every matrix must also match the tensors, which the file's length bounds).
-        let too_big = [n_layer, d_model, n_ff, n_head, n_kv_head, head_dim]
-            .iter()
-            .any(|&v| v > MAX_DIM)
+        let too_big = n_layer > MAX_LAYERS
+            || [d_model, n_ff, n_head, n_kv_head, head_dim]
+                .iter()
+                .any(|&v| v > MAX_DIM)
             || n_head.checked_mul(head_dim).is_none_or(|p| p > MAX_DIM);
         if too_big {
             return Err(LlmError::Invalid(format!(
-                "hyperparameters out of range: {n_layer} layers, width {d_model}, FFN {n_ff}, {n_head} heads \
-                 of {head_dim} (each at most {MAX_DIM})"
+                "hyperparameters out of range: {n_layer} layers (at most {MAX_LAYERS}), width {d_model}, \
+                 FFN {n_ff}, {n_head} heads of {head_dim} (each at most {MAX_DIM})"
             )));
         }
         if n_kv_head == 0 || n_head % n_kv_head != 0 {
