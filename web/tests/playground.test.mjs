@@ -19,6 +19,7 @@ const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..')
 const BIN = process.env.TINYGPT_BIN ?? path.join(ROOT, 'target/release/tinygpt');
 const MODELS = process.env.TINYGPT_MODELS_DIR ?? path.join(ROOT, '.cache/models');
 const SMOLLM2 = path.join(MODELS, 'SmolLM2-135M-Instruct.Q4_1.gguf');
+const GEMMA = path.join(MODELS, 'gemma-3-270m-Q4_K_M.gguf');
 const ENV = { ...process.env, TINYGPT_CACHE_DIR: mkdtempSync(path.join(tmpdir(), 'tinygpt-web-cache-')) };
 const MINUTE = 60_000;
 
@@ -136,7 +137,7 @@ test('WebGPU (SwiftShader): gates, pills, sampling, training, checkpoint', { tim
   await context.close();
 });
 
-test('CPU (wasm): sampling, training, SmolLM2 chat from a file, fallback', { timeout: 40 * MINUTE }, async () => {
+test('CPU (wasm): sampling, training, SmolLM2 and Gemma 3 from a file, a bad file', { timeout: 40 * MINUTE }, async () => {
   const { page, context } = await openPage('?backend=cpu');
   assert.equal(await page.textContent('#backend'), 'CPU (wasm)');
   assert.match(await page.textContent('#status'), /CPU \(wasm\)/);
@@ -160,6 +161,18 @@ test('CPU (wasm): sampling, training, SmolLM2 chat from a file, fallback', { tim
   const reply = transcript.split(`> ${question}\n`)[1].replace(/\n$/, '');
   const nativeOut = native(['chat', SMOLLM2, '-n', '32', '--temperature', '0'], `${question}\n`);
   assert.equal(reply, nativeOut.replace(/\n$/, ''), `page: ${JSON.stringify(reply)}`);
+  // Gemma-3-270M runs too (a 262,144-token vocabulary; read in slices): its greedy reply equals
+  // `tinygpt chat`'s.
+  await page.setInputFiles('#gguf-file', GEMMA);
+  await page.waitForFunction(() => /gemma3/.test(document.getElementById('gguf-info').textContent), null, { timeout: 10 * MINUTE });
+  await page.fill('#chat-max-tokens', '8');
+  await page.fill('#chat-input', 'Hi');
+  await page.click('#chat-send');
+  await page.waitForFunction(() => /tokens in/.test(document.getElementById('status').textContent), null, { timeout: 10 * MINUTE });
+  mark(`gemma chat: ${await page.textContent('#status')}`);
+  const gemmaReply = (await page.textContent('#chat-output')).split('> Hi\n')[1].replace(/\n$/, '');
+  const gemmaNative = native(['chat', GEMMA, '-n', '8', '--temperature', '0'], 'Hi\n');
+  assert.equal(gemmaReply, gemmaNative.replace(/\n$/, ''), `page: ${JSON.stringify(gemmaReply)}`);
   // Bad input: a file that is not GGUF gets one clear message, and the page keeps working.
   const bad = path.join(mkdtempSync(path.join(tmpdir(), 'tinygpt-web-bad-')), 'notes.gguf');
   execFileSync('sh', ['-c', `echo 'not a model' > ${bad}`]);
