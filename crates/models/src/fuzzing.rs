@@ -103,6 +103,7 @@ pub fn tokenizer(tok: &Tokenizer, data: &[u8]) {
 
 /// The real models' tokenizers (SmolLM2's byte-level BPE, Gemma 3's SentencePiece), from the files
 /// in `TINYGPT_MODELS_DIR` (default: the repository's .cache/models).
+#[cfg(not(target_arch = "wasm32"))]
 pub fn tokenizers() -> Vec<Tokenizer> {
     let dir = std::env::var_os("TINYGPT_MODELS_DIR").map_or_else(
         || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.cache/models"),
