@@ -306,23 +306,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let _ = writeln!(w, "    }} }}");
         }
     }
-    match fault {
-        // One element past the last row of C: memory the product does not own.
-        Some(Fault::OutOfBoundsWrite) => {
-            let _ = writeln!(
-                w,
-                "  if (lid == 0u && wid.x == 0u && wid.y == 0u && wid.z == 0u) {{ C[c_base + p.m * p.ldc] = 1.0; }}"
-            );
-        }
-        Some(Fault::NanOutput) => {
-            let _ = writeln!(
-                w,
-                "  if (lid == 0u && wid.x == 0u && wid.y == 0u && wid.z == 0u) {{ C[c_base] = bitcast<f32>(0x7fc00000u); }}"
-            );
-        }
-        _ => {}
-    }
-    let _ = writeln!(w, "}}");
+    end_main(w, fault);
     s
 }
 
@@ -429,7 +413,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         let _ = writeln!(w, "  }}");
     }
+    end_main(w, fault);
+    s
+}
+
+/// The planted faults' extra store (tests only), then the end of `main`: shared by both forms.
+fn end_main(w: &mut String, fault: Option<Fault>) {
     match fault {
+        // One element past the last row of C: memory the product does not own.
         Some(Fault::OutOfBoundsWrite) => {
             let _ = writeln!(
                 w,
@@ -445,5 +436,4 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         _ => {}
     }
     let _ = writeln!(w, "}}");
-    s
 }
