@@ -247,7 +247,7 @@ fn format_time(format: &str, unix_secs: i64) -> String {
 
 /// Days since 1970-01-01 -> (year, month 1..=12, day 1..=31), proleptic Gregorian (H. Hinnant's
 /// algorithm).
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
+pub fn civil_from_days(days: i64) -> (i64, i64, i64) {
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z.rem_euclid(146_097);

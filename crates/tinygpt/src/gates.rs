@@ -203,19 +203,10 @@ fn history(cmd: &GatesCmd) -> Result<()> {
     Ok(())
 }
 
-/// A Unix time as "YYYY-MM-DD HH:MM UTC" (civil-from-days, no time-zone database needed).
+/// A Unix time as "YYYY-MM-DD HH:MM UTC".
 fn chrono_like(t: u64) -> String {
-    let days = (t / 86_400) as i64;
+    let (y, mo, d) = tinygpt_models::chat_template::civil_from_days((t / 86_400) as i64);
     let (h, m) = ((t % 86_400) / 3600, (t % 3600) / 60);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let mo = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(mo <= 2);
     format!("{y:04}-{mo:02}-{d:02} {h:02}:{m:02} UTC")
 }
 
