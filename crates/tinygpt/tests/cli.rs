@@ -3,6 +3,9 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+mod common;
+use common::{models_dir, smollm2};
+
 fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_tinygpt"));
     c.env(
@@ -62,6 +65,17 @@ const TINY: &[&str] = &[
     "--eval-every",
     "4",
 ];
+
+/// `a` reading `data` and writing into `out`.
+fn with_io<'a>(mut a: Vec<&'a str>, data: &'a Path, out: &'a Path) -> Vec<&'a str> {
+    a.extend([
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    a
+}
 
 /// TINY with some of its flags given other values (or added).
 fn tiny_with<'a>(set: &[(&'a str, &'a str)]) -> Vec<&'a str> {
@@ -225,13 +239,7 @@ fn a_checkpoint_of_another_config_is_refused_and_an_earlier_checkpoint_survives_
     let d = tmp("ckpt");
     let data = text_file(&d);
     let out = d.join("out");
-    let mut a = TINY.to_vec();
-    a.extend([
-        "--data",
-        data.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let a = with_io(TINY.to_vec(), &data, &out);
     assert!(run(&a).status.success());
     let before = std::fs::read(out.join("model.safetensors")).unwrap();
     // Claim another width in the config: the weights no longer fit it.
@@ -284,13 +292,7 @@ fn a_checkpoint_is_never_replaced_by_surprise() {
     let d = tmp("surprise");
     let data = text_file(&d);
     let out = d.join("out");
-    let mut a = TINY.to_vec();
-    a.extend([
-        "--data",
-        data.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let a = with_io(TINY.to_vec(), &data, &out);
     let o = run(&a);
     assert!(o.status.success(), "{}", stderr(&o));
     let before = std::fs::read(out.join("model.safetensors")).unwrap();
@@ -342,13 +344,7 @@ fn flags_that_cannot_mean_anything_are_refused_before_any_work() {
         ("--n-layer", "100000", "number of layers"),
         ("--n-embd", "1048576", "width"),
     ] {
-        let mut a = tiny_with(&[(flag, value)]);
-        a.extend([
-            "--data",
-            data.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ]);
+        let a = with_io(tiny_with(&[(flag, value)]), &data, &out);
         let o = run(&a);
         let e = stderr(&o);
         assert!(!o.status.success(), "{flag} {value}: {e}");
@@ -361,13 +357,11 @@ fn flags_that_cannot_mean_anything_are_refused_before_any_work() {
     }
     // A model and batch that no machine holds (about a terabyte of activations): refused by the
     // estimate, before anything is allocated.
-    let mut a = tiny_with(&[("--n-embd", "12000"), ("--batch-size", "65536")]);
-    a.extend([
-        "--data",
-        data.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let a = with_io(
+        tiny_with(&[("--n-embd", "12000"), ("--batch-size", "65536")]),
+        &data,
+        &out,
+    );
     let o = run(&a);
     assert!(
         !o.status.success() && stderr(&o).contains("GiB"),
@@ -424,20 +418,6 @@ fn the_bundled_model_meets_its_validation_loss() {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("{s}"));
     assert!(loss <= 1.55, "val loss {loss} on 160 windows");
-}
-
-fn smollm2() -> PathBuf {
-    let dir = std::env::var_os("TINYGPT_MODELS_DIR").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.cache/models"),
-        PathBuf::from,
-    );
-    let p = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/fetch-models.sh",
-        p.display()
-    );
-    p
 }
 
 /// Runs the binary with a deadline: an input that hangs fails the test instead of stalling it.
@@ -547,10 +527,6 @@ fn a_chat_survives_a_line_of_invalid_utf8() {
         !String::from_utf8_lossy(&o.stdout).trim().is_empty(),
         "the next line is answered: {e}"
     );
-}
-
-fn models_dir() -> PathBuf {
-    smollm2().parent().unwrap().to_path_buf()
 }
 
 /// The slice of the bundled text the llama.cpp reference scored.

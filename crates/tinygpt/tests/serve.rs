@@ -3,26 +3,14 @@
 //! Shakespeare model for plain completions.
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-fn smollm2() -> PathBuf {
-    let dir = std::env::var_os("TINYGPT_MODELS_DIR").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.cache/models"),
-        PathBuf::from,
-    );
-    let p = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/fetch-models.sh",
-        p.display()
-    );
-    p
-}
+mod common;
+use common::smollm2;
 
 /// A running server; killed when dropped.
 struct Server {
