@@ -469,9 +469,16 @@ fn tensor_f32(path: &Path, view: &TensorView<'_>) -> Result<Vec<f32>, Checkpoint
 
 /// Loads a checkpoint directory written by [`save`].
 pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
-    // A save that committed but was cut short before its renames: read the new files where they are
-    // (the next save finishes the renames; a load changes nothing, so it never races a running save).
+    decode(dir, &read_files(dir, true)?)
+}
+
+/// The files of the checkpoint in `dir` (the optimizer and training state only `with_training`). A
+/// save that committed but was cut short before its renames: the new files are read where they are
+/// (the next save finishes the renames; a load changes nothing, so it never races a running save).
+fn read_files(dir: &Path, with_training: bool) -> Result<CheckpointFiles, CheckpointError> {
     let journal = read_journal(dir)?;
+    // Where the checkpoint's `name` is: its committed temp file, nowhere (the save removes it), or
+    // its own name.
     let where_is = |name: &str| -> Option<PathBuf> {
         if let Some(j) = &journal {
             if let Some((tmp, _)) = j.rename.iter().find(|(_, t)| t == name) {
@@ -491,17 +498,16 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
     };
     let optional = |name: &str| -> Result<Option<Vec<u8>>, CheckpointError> {
         match where_is(name) {
-            Some(p) if p.exists() => read(&p).map(Some),
+            Some(p) if with_training && p.exists() => read(&p).map(Some),
             _ => Ok(None),
         }
     };
-    let files = CheckpointFiles {
+    Ok(CheckpointFiles {
         config: required("config.json")?,
         model: required("model.safetensors")?,
         optimizer: optional("optimizer.safetensors")?,
         state: optional("train_state.json")?,
-    };
-    decode(dir, &files)
+    })
 }
 
 /// Loads only what running a model needs (config.json and model.safetensors), so a damaged optimizer
@@ -517,22 +523,7 @@ pub fn load_model(dir: &Path) -> Result<Loaded, CheckpointError> {
             ),
         });
     }
-    let journal = read_journal(dir)?;
-    let where_is = |name: &str| -> PathBuf {
-        journal
-            .as_ref()
-            .and_then(|j| j.rename.iter().find(|(_, t)| t == name))
-            .map(|(tmp, _)| dir.join(tmp))
-            .filter(|t| t.exists())
-            .unwrap_or_else(|| dir.join(name))
-    };
-    let files = CheckpointFiles {
-        config: read(&where_is("config.json"))?,
-        model: read(&where_is("model.safetensors"))?,
-        optimizer: None,
-        state: None,
-    };
-    decode(dir, &files)
+    decode(dir, &read_files(dir, false)?)
 }
 
 /// Reads a checkpoint from its files' bytes (`base` names where they came from, in errors).
