@@ -4,6 +4,7 @@
 use tinygpt_formats::{GgufFile, Metadata, MetadataArray, MetadataValue};
 use tinygpt_kernels::gate::GateCase;
 use tinygpt_kernels::ops::glu::Activation;
+use tinygpt_kernels::ops::norm::NormKind;
 use tinygpt_kernels::ops::rope::RopeLayout;
 
 use super::error::{LlmError, Result};
@@ -21,6 +22,9 @@ pub enum Arch {
     /// Gemma 3: adds per-head Q/K norms, post-attention and post-FFN norms, GeGLU, scaled embeddings and
     /// interleaved sliding-window layers.
     Gemma3,
+    /// GPT-2 and its kind (TinyGPT's exported char-level models): LayerNorm with biases, learned
+    /// positions, one fused Q/K/V matrix, a plain GELU MLP, biases on every projection.
+    Gpt2,
 }
 
 impl Arch {
@@ -29,6 +33,7 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Gemma3 => "gemma3",
+            Arch::Gpt2 => "gpt2",
         }
     }
 
@@ -36,6 +41,7 @@ impl Arch {
         match s {
             "llama" => Some(Arch::Llama),
             "gemma3" => Some(Arch::Gemma3),
+            "gpt2" => Some(Arch::Gpt2),
             _ => None,
         }
     }
@@ -72,6 +78,13 @@ pub struct LlmConfig {
     /// `<arch>.context_length`: the context the model was trained for.
     pub train_context: usize,
     pub norm_eps: f32,
+    /// RMSNorm (llama, Gemma) or LayerNorm (GPT-2, whose norms also have biases).
+    pub norm: NormKind,
+    /// A learned position table (`position_embd`) is added to the token embeddings (GPT-2, whose
+    /// `n_rot` is then 0: no RoPE).
+    pub learned_positions: bool,
+    /// act(gate) · up (llama, Gemma) or act(up) alone (GPT-2).
+    pub gated_ffn: bool,
     pub rope_layout: RopeLayout,
     /// Multiplies the attention scores.
     pub attn_scale: f32,
@@ -104,10 +117,11 @@ impl LlmConfig {
     pub fn gate_cases(&self) -> Vec<GateCase> {
         let (d, qd, kvd, ff) = (self.d_model, self.q_dim(), self.kv_dim(), self.n_ff);
         let mut v = Vec::new();
+        let up = if self.gated_ffn { 2 * ff } else { ff };
         for (name, n, k) in [
             ("qkv", qd + 2 * kvd, d),
             ("attn_output", d, qd),
-            ("gate_up", 2 * ff, d),
+            ("gate_up", up, d),
             ("ffn_down", d, ff),
         ] {
             v.push(GateCase::new(&format!("model {name} decode"), 1, n, k));
@@ -143,7 +157,11 @@ impl LlmConfig {
         // llama.cpp: n_embd_head_k = key_length, else n_embd / n_head.
         let head_dim = opt("attention.key_length")?.unwrap_or(d_model / n_head);
         let head_dim_v = opt("attention.value_length")?.unwrap_or(head_dim);
-        let n_rot = opt("rope.dimension_count")?.unwrap_or(head_dim);
+        // GPT-2 has no RoPE: its positions are a learned table added to the embeddings.
+        let n_rot = match arch {
+            Arch::Gpt2 => 0,
+            _ => opt("rope.dimension_count")?.unwrap_or(head_dim),
+        };
         if head_dim_v != head_dim {
             return Err(LlmError::Unsupported(format!(
                 "key length {head_dim} differs from value length {head_dim_v}"
@@ -175,12 +193,12 @@ impl LlmConfig {
             )));
         }
         let train_context = req("context_length")?;
-        let norm_eps = optf("attention.layer_norm_rms_epsilon")?.ok_or_else(|| {
-            LlmError::Invalid(format!(
-                "missing {}",
-                key("attention.layer_norm_rms_epsilon")
-            ))
-        })?;
+        let eps_key = match arch {
+            Arch::Gpt2 => "attention.layer_norm_epsilon",
+            _ => "attention.layer_norm_rms_epsilon",
+        };
+        let norm_eps =
+            optf(eps_key)?.ok_or_else(|| LlmError::Invalid(format!("missing {}", key(eps_key))))?;
         let rope_base = optf("rope.freq_base")?.unwrap_or(10_000.0);
         let rope_freq_scale = rope_scaling(md, &key)?;
         if let Some(n) = opt("expert_count")?
@@ -202,7 +220,7 @@ impl LlmConfig {
             .map_or_else(String::new, file_type_name);
         if !(norm_eps >= 0.0 && norm_eps.is_finite() && rope_base > 0.0 && rope_base.is_finite()) {
             return Err(LlmError::Invalid(format!(
-                "RMS epsilon {norm_eps} and rope base {rope_base} must be finite and non-negative"
+                "norm epsilon {norm_eps} and rope base {rope_base} must be finite and non-negative"
             )));
         }
 
@@ -220,6 +238,9 @@ impl LlmConfig {
             vocab,
             train_context,
             norm_eps,
+            norm: NormKind::Rms,
+            learned_positions: false,
+            gated_ffn: true,
             rope_layout: RopeLayout::Normal,
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
             embed_scale: 1.0,
@@ -242,6 +263,18 @@ impl LlmConfig {
             // the same rotations to the same pairs of values, so the attention scores are identical.
             Arch::Llama => {}
             Arch::Gemma3 => gemma3(md, &key, &mut cfg)?,
+            // llama.cpp `llama_model_gpt2`: LayerNorm, learned positions, GELU (tanh) MLP.
+            Arch::Gpt2 => {
+                cfg.norm = NormKind::Layer;
+                cfg.learned_positions = true;
+                cfg.gated_ffn = false;
+                cfg.activation = Activation::Gelu;
+                if n_kv_head != n_head {
+                    return Err(LlmError::Invalid(format!(
+                        "gpt2 models have as many KV heads as heads ({n_head}), not {n_kv_head}"
+                    )));
+                }
+            }
         }
         Ok(cfg)
     }

@@ -1,14 +1,17 @@
-//! The forward pass of llama and Gemma 3 from GGUF, written once for both backends (llm.c style: every
-//! buffer is planned when the model loads, then each pass calls the ops top to bottom).
+//! The forward pass of llama, Gemma 3 and GPT-2 from GGUF, written once for both backends (llm.c style:
+//! every buffer is planned when the model loads, then each pass calls the ops top to bottom).
 //!
 //! A pass takes m new tokens (the prompt, or one token when decoding) at positions pos..pos+m:
 //!
 //! ```text
-//!   x = embed(tokens) · embed_scale
+//!   x = embed(tokens) · embed_scale  [+ positions(pos)]
 //!   per layer:  x += [post_norm] o_proj(attend(rope([q_norm] q), cache ← rope([k_norm] k), cache ← v))
-//!               x += [post_norm] down(act(gate) · up)           (each sublayer reads rms_norm(x))
-//!   logits = head(rms_norm(x of the last token))                 (cap · tanh(logits / cap) if capped)
+//!               x += [post_norm] down(act(gate) · up)           (each sublayer reads norm(x))
+//!   logits = head(norm(x of the last token))                     (cap · tanh(logits / cap) if capped)
 //! ```
+//!
+//! GPT-2 differs only in its options: LayerNorm with biases for `norm`, learned positions instead of
+//! RoPE, biases on every projection, and down(gelu(up)) for the MLP.
 //!
 //! Q, K and V come out of one fused product (likewise gate and up), so each token row of the product
 //! holds `[q | k | v]`. With one row (decoding) every member is already contiguous; with several rows
@@ -23,6 +26,7 @@ use tinygpt_formats::GgufFile;
 use tinygpt_kernels::ops::add::add_assign;
 use tinygpt_kernels::ops::attention::{DecodeShape, attend};
 use tinygpt_kernels::ops::fill::copy;
+use tinygpt_kernels::ops::gelu::gelu;
 use tinygpt_kernels::ops::glu::glu;
 use tinygpt_kernels::ops::matmul::{Gemm, RowMode, matmul};
 use tinygpt_kernels::ops::norm::{NormKind, NormShape, norm_forward};
@@ -32,7 +36,7 @@ use tinygpt_kernels::{Backend, DType, PathSet, TMut, TRef, Tensor};
 use super::config::{LayerAttention, LlmConfig};
 use super::error::{LlmError, Result};
 use super::kv_cache::KvCache;
-use super::weights::{LayerWeights, LoadProgress, Rows, Slot, Weights};
+use super::weights::{LayerWeights, LoadProgress, Norm, Rows, Slot, Weights, add_bias};
 
 /// How to set a model up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,6 +86,10 @@ impl MemoryReport {
 struct Scratch {
     /// Token ids (u32).
     ids: Tensor,
+    /// Each row's position (u32), for learned positions.
+    pos_ids: Tensor,
+    /// `batch` ones: the left operand of bias additions (see [`add_bias`]).
+    ones: Tensor,
     /// The residual stream [batch, d].
     x: Tensor,
     /// A sublayer's normed input, or its post-normed output [batch, d].
@@ -114,6 +122,8 @@ impl Scratch {
         let split = qd.max(kvd).max(ff);
         Ok(Scratch {
             ids: be.zeros_typed(batch, batch, DType::U32)?,
+            pos_ids: be.zeros_typed(batch, batch, DType::U32)?,
+            ones: be.from_f32(&vec![1.0; batch], batch)?,
             x: z(batch, d)?,
             xn: z(batch, d)?,
             stats: z(2, batch * heads)?,
@@ -132,6 +142,8 @@ impl Scratch {
     fn bytes(&self) -> u64 {
         [
             &self.ids,
+            &self.pos_ids,
+            &self.ones,
             &self.x,
             &self.xn,
             &self.stats,
@@ -207,7 +219,7 @@ impl Sequence {
 struct Core {
     cfg: LlmConfig,
     w: Weights,
-    /// RoPE tables, one per distinct (base, scale), and the table each layer uses.
+    /// RoPE tables, one per distinct (base, scale), and the table each layer uses (none without RoPE).
     ropes: Vec<Tensor>,
     layer_rope: Vec<usize>,
     s: Scratch,
@@ -300,7 +312,7 @@ impl Llm {
         let mut keys: Vec<(u32, u32)> = Vec::new();
         let mut ropes = Vec::new();
         let mut layer_rope = Vec::with_capacity(cfg.n_layer);
-        for la in &cfg.layers {
+        for la in cfg.layers.iter().filter(|_| cfg.n_rot > 0) {
             let key = (la.rope_base.to_bits(), la.rope_scale.to_bits());
             let i = match keys.iter().position(|&k| k == key) {
                 Some(i) => i,
@@ -392,8 +404,11 @@ impl Llm {
 
     /// The kernel layout of each projection, for reports: ("qkv", "q4 fused") etc.
     pub fn layouts(&self) -> Vec<(String, String)> {
-        let fused = |f: &super::weights::Fused, n: usize| {
-            if f.num_groups() == 1 {
+        let fused = |f: &super::weights::Fused| {
+            let n = f.num_members();
+            if n == 1 {
+                f.layout()
+            } else if f.num_groups() == 1 {
                 format!("{} (fused {n} in 1)", f.layout())
             } else {
                 format!("{} ({n} in {})", f.layout(), f.num_groups())
@@ -406,10 +421,10 @@ impl Llm {
             v.join(", ")
         };
         vec![
-            ("qkv".into(), layouts(&|l| fused(&l.qkv, 3))),
-            ("attn_output".into(), layouts(&|l| l.wo.layout())),
-            ("gate_up".into(), layouts(&|l| fused(&l.gate_up, 2))),
-            ("ffn_down".into(), layouts(&|l| l.down.layout())),
+            ("qkv".into(), layouts(&|l| fused(&l.qkv))),
+            ("attn_output".into(), layouts(&|l| l.wo.w.layout())),
+            ("gate_up".into(), layouts(&|l| fused(&l.gate_up))),
+            ("ffn_down".into(), layouts(&|l| l.down.w.layout())),
             (
                 "head".into(),
                 format!(
@@ -624,8 +639,19 @@ impl Core {
         be.write_u32(s.ids.at_mut(0), tokens)?;
         w.embed
             .get_rows(be, s.ids.at(0), s.x.at_mut(0), pass.m, cfg.embed_scale)?;
+        if let Some(pos) = &w.pos_embd {
+            let ids: Vec<u32> = pass
+                .spans
+                .iter()
+                .flat_map(|sp| sp.pos0..sp.pos0 + sp.rows)
+                .map(|p| p as u32)
+                .collect();
+            be.write_u32(s.pos_ids.at_mut(0), &ids)?;
+            pos.get_rows(be, s.pos_ids.at(0), s.out.at_mut(0), pass.m, 1.0)?;
+            add_assign(be, s.x.at_mut(0), s.out.at(0), pass.m * d, 1.0)?;
+        }
         for (l, lw) in w.layers.iter().enumerate() {
-            let rope = &ropes[layer_rope[l]];
+            let rope = layer_rope.get(l).map(|&i| &ropes[i]);
             let mut caches: Vec<&mut Tensor> =
                 segs.iter_mut().map(|g| &mut g.seq.cache.kv[l]).collect();
             pass.attention(lw, &cfg.layers[l], s, &mut caches, rope)?;
@@ -639,7 +665,7 @@ impl Core {
             None => (0, pass.m),
         };
         let last = s.x.at(first * d);
-        pass.rms_norm(last, &w.output_norm, s.xn.at_mut(0), &mut s.stats, rows, d)?;
+        pass.norm(last, &w.output_norm, &mut s.xn, &mut s.stats, rows, &s.ones)?;
         let head_rows = Rows {
             m: rows,
             ..pass.rows()
@@ -719,6 +745,37 @@ impl Pass<'_> {
         )?)
     }
 
+    /// y = norm(x) · w (+ b) over `rows` rows of the model's width, with the model's norm.
+    fn norm(
+        &self,
+        x: TRef<'_>,
+        n: &Norm,
+        y: &mut Tensor,
+        stats: &mut Tensor,
+        rows: usize,
+        ones: &Tensor,
+    ) -> Result<()> {
+        let d = self.cfg.d_model;
+        let shape = NormShape {
+            rows,
+            cols: d,
+            eps: self.cfg.norm_eps,
+        };
+        norm_forward(
+            self.be,
+            self.cfg.norm,
+            x,
+            (&n.w).into(),
+            y.at_mut(0),
+            stats.at_mut(0),
+            shape,
+        )?;
+        if let Some(b) = &n.b {
+            add_bias(self.be, ones.at(0), b, y.at_mut(0), rows, d)?;
+        }
+        Ok(())
+    }
+
     /// Rotates the `span`'s rows of `x` (`x` views its first row).
     fn rope(&self, x: TMut<'_>, span: Span, table: &Tensor, heads: usize, ld: usize) -> Result<()> {
         let shape = RopeShape {
@@ -760,14 +817,27 @@ impl Pass<'_> {
         la: &LayerAttention,
         s: &mut Scratch,
         caches: &mut [&mut Tensor],
-        rope: &Tensor,
+        rope: Option<&Tensor>,
     ) -> Result<()> {
         let (be, cfg, m) = (self.be, self.cfg, self.m);
-        let (d, hd, qd, kvd) = (cfg.d_model, cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
+        let (hd, qd, kvd) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
         let (n_head, n_kv) = (cfg.n_head, cfg.n_kv_head);
-        self.rms_norm(s.x.at(0), &lw.attn_norm, s.xn.at_mut(0), &mut s.stats, m, d)?;
-        lw.qkv
-            .apply(be, self.rows(), s.xn.at(0), &mut s.proj, self.batch)?;
+        self.norm(
+            s.x.at(0),
+            &lw.attn_norm,
+            &mut s.xn,
+            &mut s.stats,
+            m,
+            &s.ones,
+        )?;
+        lw.qkv.apply(
+            be,
+            self.rows(),
+            s.xn.at(0),
+            &mut s.proj,
+            self.batch,
+            s.ones.at(0),
+        )?;
         let [q, k, v] = [0, 1, 2].map(|i| lw.qkv.slot(i, self.batch));
         // When Q, K and V come out of one product, each row holds [q | k | v]: without Q/K norms, one
         // RoPE call rotates the heads of q and k together, and one copy moves k and v into the cache.
@@ -783,16 +853,17 @@ impl Pass<'_> {
             Some(nw) => {
                 let src = contiguous(be, &s.proj, q, qd, m, &mut s.split_a, &s.one)?;
                 self.rms_norm(src, nw, s.qn.at_mut(0), &mut s.stats, m * n_head, hd)?;
-                for sp in spans {
-                    self.rope(s.qn.at_mut(sp.row0 * qd), *sp, rope, n_head, qd)?;
+                for sp in spans.iter().filter(|_| rope.is_some()) {
+                    let table = rope.expect("filtered");
+                    self.rope(s.qn.at_mut(sp.row0 * qd), *sp, table, n_head, qd)?;
                 }
                 (&s.qn, Slot { offset: 0, ld: qd })
             }
             None => {
                 let heads = if qk_together { n_head + n_kv } else { n_head };
-                for sp in spans {
+                for sp in spans.iter().filter(|_| rope.is_some()) {
                     let x = s.proj.at_mut(q.offset + sp.row0 * q.ld);
-                    self.rope(x, *sp, rope, heads, q.ld)?;
+                    self.rope(x, *sp, rope.expect("filtered"), heads, q.ld)?;
                 }
                 (&s.proj, q)
             }
@@ -827,8 +898,8 @@ impl Pass<'_> {
         }
         for (sp, cache) in spans.iter().zip(caches.iter_mut()) {
             let at = sp.pos0 * row;
-            if !qk_together {
-                self.rope(cache.at_mut(at), *sp, rope, n_kv, row)?;
+            if let (false, Some(table)) = (qk_together, rope) {
+                self.rope(cache.at_mut(at), *sp, table, n_kv, row)?;
             }
             if !kv_together {
                 let from = s.proj.at(v.offset + sp.row0 * v.ld);
@@ -862,25 +933,37 @@ impl Pass<'_> {
             attend(be, query, keys, values, s.att.at_mut(sp.row0 * qd), shape)?;
         }
         lw.wo
-            .matmul(be, self.rows(), s.att.at(0), s.out.at_mut(0))?;
+            .apply(be, self.rows(), s.att.at(0), s.out.at_mut(0), s.ones.at(0))?;
         self.residual(lw.post_attn_norm.as_ref(), s)
     }
 
     fn feed_forward(&self, lw: &LayerWeights, s: &mut Scratch) -> Result<()> {
         let (be, cfg, m) = (self.be, self.cfg, self.m);
-        let (d, ff) = (cfg.d_model, cfg.n_ff);
-        self.rms_norm(s.x.at(0), &lw.ffn_norm, s.xn.at_mut(0), &mut s.stats, m, d)?;
-        lw.gate_up
-            .apply(be, self.rows(), s.xn.at(0), &mut s.proj, self.batch)?;
-        let (g, u) = (
-            lw.gate_up.slot(0, self.batch),
-            lw.gate_up.slot(1, self.batch),
-        );
-        let gate = contiguous(be, &s.proj, g, ff, m, &mut s.split_a, &s.one)?;
-        let up = contiguous(be, &s.proj, u, ff, m, &mut s.split_b, &s.one)?;
-        glu(be, cfg.activation, gate, up, s.act.at_mut(0), m * ff)?;
+        let ff = cfg.n_ff;
+        self.norm(s.x.at(0), &lw.ffn_norm, &mut s.xn, &mut s.stats, m, &s.ones)?;
+        lw.gate_up.apply(
+            be,
+            self.rows(),
+            s.xn.at(0),
+            &mut s.proj,
+            self.batch,
+            s.ones.at(0),
+        )?;
+        if cfg.gated_ffn {
+            let (g, u) = (
+                lw.gate_up.slot(0, self.batch),
+                lw.gate_up.slot(1, self.batch),
+            );
+            let gate = contiguous(be, &s.proj, g, ff, m, &mut s.split_a, &s.one)?;
+            let up = contiguous(be, &s.proj, u, ff, m, &mut s.split_b, &s.one)?;
+            glu(be, cfg.activation, gate, up, s.act.at_mut(0), m * ff)?;
+        } else {
+            // The one member fills the group: m packed rows of ff.
+            let up = lw.gate_up.slot(0, self.batch);
+            gelu(be, s.proj.at(up.offset), s.act.at_mut(0), m * ff)?;
+        }
         lw.down
-            .matmul(be, self.rows(), s.act.at(0), s.out.at_mut(0))?;
+            .apply(be, self.rows(), s.act.at(0), s.out.at_mut(0), s.ones.at(0))?;
         self.residual(lw.post_ffn_norm.as_ref(), s)
     }
 }

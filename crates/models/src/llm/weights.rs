@@ -3,9 +3,11 @@
 //! fused into as few matrices as their layouts allow.
 //!
 //! Loading is planned first: every tensor the architecture needs is looked up, its shape and type
-//! checked, and every tensor of the file must be one the runner uses (a file with biases or RoPE
-//! frequency factors would otherwise run with them silently ignored). Only then is anything converted,
-//! so a bad file fails fast with one error naming the tensor.
+//! checked, and every tensor of the file must be one the runner uses (a file with RoPE frequency
+//! factors, say, would otherwise run with them silently ignored). Only then is anything converted, so a
+//! bad file fails fast with one error naming the tensor.
+//!
+//! Biases (GPT-2 has them on every projection and norm) are f32 vectors added to each output row.
 
 use std::collections::HashSet;
 
@@ -126,6 +128,61 @@ pub(crate) struct Rows {
     pub mode: RowMode,
 }
 
+/// y[r, c] += bias[c] for the `m` rows of `n` (contiguous) elements of `y`: one 1-deep product
+/// ones[m x 1] · bias[1 x n] accumulated into y, on either backend in one op, exact (each element gains
+/// 1 · bias[c] and nothing else). `ones` holds at least `m` ones.
+pub(crate) fn add_bias(
+    be: &Backend,
+    ones: TRef<'_>,
+    bias: &Tensor,
+    y: TMut<'_>,
+    m: usize,
+    n: usize,
+) -> Result<()> {
+    let g = Gemm::nn(m, n, 1).accumulate();
+    Ok(matmul(be, PathSet::F32, ones, bias, y, &g)?)
+}
+
+/// A norm's weight and, for LayerNorm with a bias (GPT-2), its bias.
+pub(crate) struct Norm {
+    pub w: Tensor,
+    pub b: Option<Tensor>,
+}
+
+impl Norm {
+    fn bytes(&self) -> u64 {
+        self.w.bytes() + self.b.as_ref().map_or(0, Tensor::bytes)
+    }
+}
+
+/// A projection and its bias, if it has one.
+pub(crate) struct Linear {
+    pub w: Matrix,
+    pub b: Option<Tensor>,
+}
+
+impl Linear {
+    /// y[m, N] = x[m, K] · Wᵀ (+ bias).
+    pub fn apply(
+        &self,
+        be: &Backend,
+        r: Rows,
+        x: TRef<'_>,
+        mut y: TMut<'_>,
+        ones: TRef<'_>,
+    ) -> Result<()> {
+        self.w.matmul(be, r, x, y.reborrow())?;
+        if let Some(b) = &self.b {
+            add_bias(be, ones, b, y, r.m, self.w.rows())?;
+        }
+        Ok(())
+    }
+
+    fn bytes(&self) -> u64 {
+        self.w.bytes() + self.b.as_ref().map_or(0, Tensor::bytes)
+    }
+}
+
 /// A matrix converted to a kernel layout, still on the host.
 struct HostMatrix {
     w: KernelWeights,
@@ -184,17 +241,24 @@ pub(crate) struct Slot {
 /// product per layout instead of one per projection (small products are the least efficient calls).
 pub(crate) struct Fused {
     groups: Vec<Matrix>,
+    /// Per group: the members' biases side by side (zeros for a member without one), if any has one.
+    biases: Vec<Option<Tensor>>,
     /// Per member: (group, first output column inside the group).
     members: Vec<(usize, usize)>,
 }
 
 impl Fused {
-    fn new(be: &Backend, parts: Vec<HostMatrix>, paths: PathSet) -> Result<Fused> {
+    /// `parts`: each member's matrix and bias.
+    fn new(
+        be: &Backend,
+        parts: Vec<(HostMatrix, Option<Vec<f32>>)>,
+        paths: PathSet,
+    ) -> Result<Fused> {
         let mut keys: Vec<(u8, usize)> = Vec::new();
-        let mut buckets: Vec<Vec<HostMatrix>> = Vec::new();
+        let mut buckets: Vec<Vec<(HostMatrix, Option<Vec<f32>>)>> = Vec::new();
         let mut members = Vec::with_capacity(parts.len());
         for p in parts {
-            let key = layout_key(&p.w);
+            let key = layout_key(&p.0.w);
             let g = match keys.iter().position(|&k| k == key) {
                 Some(g) => g,
                 None => {
@@ -203,18 +267,58 @@ impl Fused {
                     keys.len() - 1
                 }
             };
-            members.push((g, buckets[g].iter().map(|h| h.rows).sum()));
+            members.push((g, buckets[g].iter().map(|h| h.0.rows).sum()));
             buckets[g].push(p);
         }
-        let groups = buckets
-            .into_iter()
-            .map(|b| Matrix::upload(be, stack(b), paths))
-            .collect::<Result<_>>()?;
-        Ok(Fused { groups, members })
+        let mut groups = Vec::with_capacity(buckets.len());
+        let mut biases = Vec::with_capacity(buckets.len());
+        for b in buckets {
+            let bias = if b.iter().any(|(_, bias)| bias.is_some()) {
+                let mut v = Vec::new();
+                for (h, bias) in &b {
+                    match bias {
+                        Some(bias) => v.extend_from_slice(bias),
+                        None => v.resize(v.len() + h.rows, 0.0),
+                    }
+                }
+                Some(be.from_f32(&v, v.len())?)
+            } else {
+                None
+            };
+            let (mats, _): (Vec<HostMatrix>, Vec<_>) = b.into_iter().unzip();
+            groups.push(Matrix::upload(be, stack(mats), paths)?);
+            biases.push(bias);
+        }
+        Ok(Fused {
+            groups,
+            biases,
+            members,
+        })
     }
 
-    /// Runs every group on x[r.m, K]: group g writes its m x N_g output from element
-    /// `batch · (N of the groups before g)` of `out`, which holds `batch` x (sum of all N).
+    /// One matrix that already holds several members' rows one after another (GPT-2's `attn_qkv`),
+    /// `widths` rows each.
+    fn one(
+        be: &Backend,
+        part: (HostMatrix, Option<Vec<f32>>),
+        widths: &[usize],
+        paths: PathSet,
+    ) -> Result<Fused> {
+        let mut f = Fused::new(be, vec![part], paths)?;
+        let mut col = 0;
+        f.members = widths
+            .iter()
+            .map(|w| {
+                col += w;
+                (0, col - w)
+            })
+            .collect();
+        Ok(f)
+    }
+
+    /// Runs every group on x[r.m, K] (adding its bias): group g writes its m x N_g output from element
+    /// `batch · (N of the groups before g)` of `out`, which holds `batch` x (sum of all N). `ones` holds
+    /// at least `r.m` ones (see [`add_bias`]).
     pub fn apply(
         &self,
         be: &Backend,
@@ -222,10 +326,14 @@ impl Fused {
         x: TRef<'_>,
         out: &mut Tensor,
         batch: usize,
+        ones: TRef<'_>,
     ) -> Result<()> {
         let mut base = 0;
-        for g in &self.groups {
+        for (g, bias) in self.groups.iter().zip(&self.biases) {
             g.matmul(be, r, x, out.at_mut(base))?;
+            if let Some(b) = bias {
+                add_bias(be, ones, b, out.at_mut(base), r.m, g.rows())?;
+            }
             base += batch * g.rows();
         }
         Ok(())
@@ -242,7 +350,8 @@ impl Fused {
     }
 
     pub fn bytes(&self) -> u64 {
-        self.groups.iter().map(Matrix::bytes).sum()
+        self.groups.iter().map(Matrix::bytes).sum::<u64>()
+            + self.biases.iter().flatten().map(Tensor::bytes).sum::<u64>()
     }
 
     /// "q8/32" for one group, "q4+q8/16" for two.
@@ -254,6 +363,10 @@ impl Fused {
             .join("+")
     }
 
+    pub fn num_members(&self) -> usize {
+        self.members.len()
+    }
+
     pub fn num_groups(&self) -> usize {
         self.groups.len()
     }
@@ -261,25 +374,27 @@ impl Fused {
 
 /// One transformer block.
 pub(crate) struct LayerWeights {
-    pub attn_norm: Tensor,
+    pub attn_norm: Norm,
     /// Members: Q, K, V.
     pub qkv: Fused,
     pub q_norm: Option<Tensor>,
     pub k_norm: Option<Tensor>,
-    pub wo: Matrix,
+    pub wo: Linear,
     pub post_attn_norm: Option<Tensor>,
-    pub ffn_norm: Tensor,
-    /// Members: gate, up.
+    pub ffn_norm: Norm,
+    /// Members: gate, up (a gated FFN) or up alone.
     pub gate_up: Fused,
-    pub down: Matrix,
+    pub down: Linear,
     pub post_ffn_norm: Option<Tensor>,
 }
 
 pub(crate) struct Weights {
     pub embed: Matrix,
+    /// Learned positions (GPT-2), one row per position the model was trained for.
+    pub pos_embd: Option<Matrix>,
     /// The output projection; None when tied to the embeddings (no `output.weight`).
     pub head: Option<Matrix>,
-    pub output_norm: Tensor,
+    pub output_norm: Norm,
     pub layers: Vec<LayerWeights>,
 }
 
@@ -289,22 +404,22 @@ impl Weights {
     }
 
     pub fn bytes(&self) -> u64 {
-        let v = |t: &Tensor| t.bytes();
         let ov = |t: &Option<Tensor>| t.as_ref().map_or(0, |t| t.bytes());
         self.embed.bytes()
+            + self.pos_embd.as_ref().map_or(0, Matrix::bytes)
             + self.head.as_ref().map_or(0, Matrix::bytes)
-            + v(&self.output_norm)
+            + self.output_norm.bytes()
             + self
                 .layers
                 .iter()
                 .map(|l| {
-                    v(&l.attn_norm)
+                    l.attn_norm.bytes()
                         + l.qkv.bytes()
                         + ov(&l.q_norm)
                         + ov(&l.k_norm)
                         + l.wo.bytes()
                         + ov(&l.post_attn_norm)
-                        + v(&l.ffn_norm)
+                        + l.ffn_norm.bytes()
                         + l.gate_up.bytes()
                         + l.down.bytes()
                         + ov(&l.post_ffn_norm)
@@ -337,16 +452,23 @@ impl Weights {
             total: ld.total,
         });
         let gemma = cfg.arch == Arch::Gemma3;
+        let gpt2 = cfg.arch == Arch::Gpt2;
         let embed = ld.matrix("token_embd.weight")?;
+        let pos_embd = if cfg.learned_positions {
+            Some(ld.matrix("position_embd.weight")?)
+        } else {
+            None
+        };
         let head = if plan.has_output {
             Some(ld.matrix("output.weight")?)
         } else {
             None
         };
-        let output_norm = ld.vector("output_norm.weight")?;
+        let output_norm = ld.norm("output_norm", gpt2)?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let n = |t: &str| format!("blk.{i}.{t}.weight");
+            let bias = |t: &str| format!("blk.{i}.{t}.bias");
             let opt_vec = |ld: &mut Loader<'_>, t: &str| -> Result<Option<Tensor>> {
                 if gemma {
                     ld.vector(&n(t)).map(Some)
@@ -354,20 +476,40 @@ impl Weights {
                     Ok(None)
                 }
             };
-            let attn_norm = ld.vector(&n("attn_norm"))?;
-            let q = ld.host(&n("attn_q"))?;
-            let k = ld.host(&n("attn_k"))?;
-            let v = ld.host(&n("attn_v"))?;
-            let qkv = Fused::new(be, vec![q, k, v], paths)?;
+            let opt_bias = |ld: &mut Loader<'_>, t: &str| -> Result<Option<Vec<f32>>> {
+                if gpt2 {
+                    ld.host_vector(&bias(t)).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            let attn_norm = ld.norm(&format!("blk.{i}.attn_norm"), gpt2)?;
+            let qkv = if gpt2 {
+                let w = ld.host(&n("attn_qkv"))?;
+                let b = opt_bias(&mut ld, "attn_qkv")?;
+                let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+                Fused::one(be, (w, b), &[qd, kvd, kvd], paths)?
+            } else {
+                let q = ld.host(&n("attn_q"))?;
+                let k = ld.host(&n("attn_k"))?;
+                let v = ld.host(&n("attn_v"))?;
+                Fused::new(be, vec![(q, None), (k, None), (v, None)], paths)?
+            };
             let q_norm = opt_vec(&mut ld, "attn_q_norm")?;
             let k_norm = opt_vec(&mut ld, "attn_k_norm")?;
-            let wo = ld.matrix(&n("attn_output"))?;
+            let wo = ld.linear(i, "attn_output", gpt2)?;
             let post_attn_norm = opt_vec(&mut ld, "post_attention_norm")?;
-            let ffn_norm = ld.vector(&n("ffn_norm"))?;
-            let gate = ld.host(&n("ffn_gate"))?;
-            let up = ld.host(&n("ffn_up"))?;
-            let gate_up = Fused::new(be, vec![gate, up], paths)?;
-            let down = ld.matrix(&n("ffn_down"))?;
+            let ffn_norm = ld.norm(&format!("blk.{i}.ffn_norm"), gpt2)?;
+            let gate_up = if cfg.gated_ffn {
+                let gate = ld.host(&n("ffn_gate"))?;
+                let up = ld.host(&n("ffn_up"))?;
+                Fused::new(be, vec![(gate, None), (up, None)], paths)?
+            } else {
+                let up = ld.host(&n("ffn_up"))?;
+                let b = opt_bias(&mut ld, "ffn_up")?;
+                Fused::new(be, vec![(up, b)], paths)?
+            };
+            let down = ld.linear(i, "ffn_down", gpt2)?;
             let post_ffn_norm = opt_vec(&mut ld, "post_ffw_norm")?;
             layers.push(LayerWeights {
                 attn_norm,
@@ -384,6 +526,7 @@ impl Weights {
         }
         Ok(Weights {
             embed,
+            pos_embd,
             head,
             output_norm,
             layers,
@@ -424,6 +567,7 @@ impl Plan {
             cfg.vocab,
         );
         let has_output = file.tensor("output.weight").is_some();
+        let gpt2 = cfg.arch == Arch::Gpt2;
         // (name, rows, cols, is a matrix); a vector has one row.
         let mut want: Vec<(String, usize, usize, bool)> = vec![
             ("token_embd.weight".into(), v, d, true),
@@ -432,19 +576,42 @@ impl Plan {
         if has_output {
             want.push(("output.weight".into(), v, d, true));
         }
+        if cfg.learned_positions {
+            want.push(("position_embd.weight".into(), cfg.train_context, d, true));
+        }
+        if gpt2 {
+            want.push(("output_norm.bias".into(), 1, d, false));
+        }
         for i in 0..cfg.n_layer {
             let n = |t: &str| format!("blk.{i}.{t}.weight");
+            let b = |t: &str| format!("blk.{i}.{t}.bias");
             want.extend([
                 (n("attn_norm"), 1, d, false),
-                (n("attn_q"), qd, d, true),
-                (n("attn_k"), kvd, d, true),
-                (n("attn_v"), kvd, d, true),
                 (n("attn_output"), d, qd, true),
                 (n("ffn_norm"), 1, d, false),
-                (n("ffn_gate"), ff, d, true),
                 (n("ffn_up"), ff, d, true),
                 (n("ffn_down"), d, ff, true),
             ]);
+            if gpt2 {
+                want.extend([
+                    (n("attn_qkv"), qd + 2 * kvd, d, true),
+                    (b("attn_qkv"), 1, qd + 2 * kvd, false),
+                    (b("attn_norm"), 1, d, false),
+                    (b("attn_output"), 1, d, false),
+                    (b("ffn_norm"), 1, d, false),
+                    (b("ffn_up"), 1, ff, false),
+                    (b("ffn_down"), 1, d, false),
+                ]);
+            } else {
+                want.extend([
+                    (n("attn_q"), qd, d, true),
+                    (n("attn_k"), kvd, d, true),
+                    (n("attn_v"), kvd, d, true),
+                ]);
+            }
+            if cfg.gated_ffn {
+                want.push((n("ffn_gate"), ff, d, true));
+            }
             if cfg.arch == Arch::Gemma3 {
                 want.extend([
                     (n("attn_q_norm"), 1, hd, false),
@@ -535,7 +702,8 @@ impl Loader<'_> {
         Matrix::upload(self.be, h, self.paths)
     }
 
-    fn vector(&mut self, name: &str) -> Result<Tensor> {
+    /// A vector (norm weight, bias) as f32 on the host, checked finite.
+    fn host_vector(&mut self, name: &str) -> Result<Vec<f32>> {
         let v = self.file.dequantize(name)?;
         if let Some(bad) = v.iter().find(|x| !x.is_finite()) {
             return Err(LlmError::Invalid(format!(
@@ -543,7 +711,34 @@ impl Loader<'_> {
             )));
         }
         self.advance(name)?;
+        Ok(v)
+    }
+
+    fn vector(&mut self, name: &str) -> Result<Tensor> {
+        let v = self.host_vector(name)?;
         Ok(self.be.from_f32(&v, v.len().max(1))?)
+    }
+
+    /// `{prefix}.weight`, and `{prefix}.bias` when the norms have biases.
+    fn norm(&mut self, prefix: &str, with_bias: bool) -> Result<Norm> {
+        let w = self.vector(&format!("{prefix}.weight"))?;
+        let b = if with_bias {
+            Some(self.vector(&format!("{prefix}.bias"))?)
+        } else {
+            None
+        };
+        Ok(Norm { w, b })
+    }
+
+    /// Layer `i`'s projection `t`, with its bias when the projections have biases.
+    fn linear(&mut self, i: usize, t: &str, with_bias: bool) -> Result<Linear> {
+        let w = self.matrix(&format!("blk.{i}.{t}.weight"))?;
+        let b = if with_bias {
+            Some(self.vector(&format!("blk.{i}.{t}.bias"))?)
+        } else {
+            None
+        };
+        Ok(Linear { w, b })
     }
 }
 
