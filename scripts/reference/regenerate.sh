@@ -6,7 +6,8 @@
 #                    with 2 cores the build takes ~15 minutes
 #   .cache/venv-hf   transformers, torch (CPU use only), gguf, accelerate
 # Then runs, in order: llamacpp_reference.py, hf_reference.py, chat_template_reference.py (both
-# modes), compare.py. About 5 minutes once the environments exist.
+# modes), compare.py, and export_reference.py (both modes) on the bundled model as `tinygpt export`
+# writes it into .cache/export/. About 5 minutes once the environments exist.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -45,3 +46,15 @@ log "chat templates"
 "$VENV_REF/bin/python" chat_template_reference.py llamacpp
 log "agreement"
 "$VENV_REF/bin/python" compare.py
+log "the bundled model exported to GGUF and Hugging Face, run by llama.cpp and transformers"
+EXPORT="$ROOT/.cache/export"
+rm -rf "$EXPORT" && mkdir -p "$EXPORT"
+(cd "$ROOT" && cargo build --release --quiet)
+TINYGPT="$ROOT/target/release/tinygpt"
+"$TINYGPT" export --gguf "$EXPORT/shakespeare.f32.gguf" --hf "$EXPORT/hf"
+"$TINYGPT" export --gguf "$EXPORT/shakespeare.f16.gguf" --type f16
+"$TINYGPT" export --gguf "$EXPORT/shakespeare.q8_0.gguf" --type q8_0
+"$VENV_REF/bin/python" export_reference.py llamacpp
+"$VENV_HF/bin/python" export_reference.py transformers
+log "a GPT-2 with biases, written by gguf-py, and transformers on it"
+"$VENV_HF/bin/python" gpt2_reference.py

@@ -23,5 +23,6 @@ pub use gguf::{
     GgufFile, GgufHeader, GgufWriter, Metadata, MetadataArray, MetadataValue, TensorInfo, ValueType,
 };
 pub use tensor::{
-    KernelWeights, dequantize_row, dequantize_tensor, load_matrix, quantize, repack_q4, repack_q8,
+    KernelWeights, dequantize_bytes, dequantize_row, dequantize_tensor, load_matrix, quantize,
+    repack_q4, repack_q8,
 };

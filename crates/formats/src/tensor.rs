@@ -185,6 +185,30 @@ pub fn quantize(ggml_type: GgmlType, values: &[f32]) -> Result<Vec<u8>, FormatEr
     })
 }
 
+/// Decodes the `n` values that [`quantize`] encoded as `bytes` of `ggml_type`, with the reference
+/// twins (what a reader of the file will compute with).
+pub fn dequantize_bytes(
+    ggml_type: GgmlType,
+    bytes: &[u8],
+    n: usize,
+) -> Result<Vec<f32>, FormatError> {
+    if !ggml_type.can_dequantize() {
+        return Err(FormatError::Quantize {
+            ggml_type,
+            detail: "no dequantizer for this type".into(),
+        });
+    }
+    if ggml_type.bytes_for(n as u64) != Some(bytes.len() as u64) {
+        return Err(FormatError::Quantize {
+            ggml_type,
+            detail: format!("{} bytes do not hold {n} values", bytes.len()),
+        });
+    }
+    let mut out = vec![0.0; n];
+    dequantize_into(ggml_type, bytes, &mut out);
+    Ok(out)
+}
+
 /// Repacks blocks covering a `rows x cols` row-major matrix into a `Q8Matrix`.
 ///
 /// Panics if the blocks do not cover exactly `rows * cols` values or `cols` is not a whole number of

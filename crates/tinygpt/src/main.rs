@@ -3,6 +3,7 @@
 mod bench;
 mod chat;
 mod device;
+mod export;
 mod gates;
 mod generate;
 mod llm_common;
@@ -44,7 +45,10 @@ enum Cmd {
     Generate(generate::GenerateArgs),
     /// Validation loss of a trained char-level GPT.
     Eval(generate::EvalArgs),
-    /// Continue a prompt with a GGUF model (llama, gemma3), streaming the text.
+    /// Export a char-level GPT as a GGUF file (llama.cpp's gpt2 architecture) or a Hugging Face GPT-2
+    /// directory.
+    Export(export::ExportArgs),
+    /// Continue a prompt with a GGUF model (llama, gemma3, gpt2), streaming the text.
     Run(run::RunArgs),
     /// Chat with a GGUF model on stdin, using its chat template.
     Chat(chat::ChatArgs),
@@ -139,6 +143,7 @@ fn run(cli: Cli) -> Result<()> {
             let be = cli.device.open()?;
             generate::eval(&be, &cli.gate, a)
         }
+        Cmd::Export(a) => export::run(a),
         Cmd::Run(a) => {
             let be = cli.device.open()?;
             run::run(&be, &cli.gate, a)

@@ -24,6 +24,10 @@ pub struct TrainArgs {
     /// Continue the run saved in this directory (its resume/ state), with the same data and --max-iters.
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Start from the weights of this model (a TinyGPT checkpoint or a Hugging Face GPT-2 directory,
+    /// e.g. one `tinygpt export --hf` wrote): its shape and vocabulary, a fresh optimizer and schedule.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["resume", "block_size", "n_layer", "n_head", "n_embd"])]
+    pub init_from: Option<PathBuf>,
     /// Replace the checkpoint already in --out with this run's (it is replaced as a whole at the first
     /// evaluation; until then the old one stays intact).
     #[arg(long)]
@@ -241,6 +245,32 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
             check_memory(be, &l.config.model, a.batch_size)?;
             (l.config.model, data, l.params, Some((m, v)), state)
         }
+        None if a.init_from.is_some() => {
+            let dir = a.init_from.as_ref().expect("matched");
+            let l = checkpoint::load_model(dir)
+                .with_context(|| format!("cannot start from the model in {}", dir.display()))?;
+            let text = std::str::from_utf8(&bytes).context("the training text is not UTF-8")?;
+            let data = Dataset::with_vocab(text, l.config.vocab.clone(), l.config.model.block_size)
+                .with_context(|| {
+                    format!(
+                        "cannot train the model in {} on {}",
+                        dir.display(),
+                        data_path.display()
+                    )
+                })?;
+            let cfg = GptConfig {
+                dropout: a.dropout,
+                ..l.config.model
+            };
+            cfg.validate().map_err(anyhow::Error::msg)?;
+            check_memory(be, &cfg, a.batch_size)?;
+            let state = TrainState {
+                seed: a.seed,
+                max_iters: a.max_iters,
+                ..Default::default()
+            };
+            (cfg, data, l.params, None, state)
+        }
         None => {
             let data = Dataset::from_bytes(&bytes, a.block_size)
                 .with_context(|| format!("cannot train on {}", data_path.display()))?;
@@ -308,6 +338,7 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
             "device": be.describe(),
             "batch_size": a.batch_size,
             "lr": a.lr, "min_lr": a.min_lr, "warmup": a.warmup,
+            "init_from": a.init_from.as_ref().map(|d| d.display().to_string()),
         }),
     };
     let dtype = if a.save_dtype == "f16" {

@@ -648,3 +648,161 @@ fn gate_history_summarises_every_run_this_machine_recorded() {
     assert!(text.contains("2 runs") && text.contains("UTC"), "{text}");
     let _ = std::fs::remove_dir_all(&cache);
 }
+
+#[test]
+fn a_model_exports_to_gguf_and_hugging_face_and_both_run_and_train_on() {
+    let dir = tmp("export");
+    let data = text_file(&dir);
+    let out = dir.join("model");
+    let first = dir.join("first.json");
+    // Enough learning that a trained model's loss stands well below a fresh one's.
+    let fast = [
+        ("--max-iters", "40"),
+        ("--warmup", "0"),
+        ("--lr", "1e-2"),
+        ("--eval-every", "40"),
+    ];
+    let mut a = with_io(tiny_with(&fast), &data, &out);
+    a.extend(["--summary", first.to_str().unwrap()]);
+    let t = run(&a);
+    assert!(t.status.success(), "{}", stderr(&t));
+    let (gguf, hf) = (dir.join("model.gguf"), dir.join("hf"));
+    let (g, h) = (gguf.to_str().unwrap(), hf.to_str().unwrap());
+    let m = out.to_str().unwrap();
+    let e = run(&["export", m, "--gguf", g, "--hf", h]);
+    assert!(e.status.success(), "{}", stderr(&e));
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        assert!(hf.join(f).is_file(), "{f}");
+    }
+
+    // What is there is never replaced by surprise.
+    let before = std::fs::read(&gguf).unwrap();
+    let again = run(&["export", m, "--gguf", g]);
+    assert!(!again.status.success());
+    assert!(stderr(&again).contains("--overwrite"), "{}", stderr(&again));
+    assert_eq!(std::fs::read(&gguf).unwrap(), before);
+    let again = run(&["export", m, "--hf", h]);
+    assert!(
+        stderr(&again).contains("already holds config.json"),
+        "{}",
+        stderr(&again)
+    );
+    // Q8_0 needs whole 32-wide blocks; this model is 16 wide.
+    let q8 = dir.join("q8.gguf");
+    let o = run(&[
+        "export",
+        m,
+        "--gguf",
+        q8.to_str().unwrap(),
+        "--type",
+        "q8_0",
+    ]);
+    assert!(
+        stderr(&o).contains("export it as F16 or F32"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!q8.exists());
+    assert!(!run(&["export", m]).status.success(), "no target given");
+
+    // The same greedy text from the checkpoint, its Hugging Face export and its GGUF export.
+    let greedy = |model: &str| {
+        let o = run(&[
+            "--backend",
+            "cpu",
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "To be",
+            "-n",
+            "40",
+            "--temperature",
+            "0",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let want = greedy(m);
+    assert_eq!(greedy(h), want);
+    let r = run(&[
+        "--backend",
+        "cpu",
+        "run",
+        g,
+        "-p",
+        "To be",
+        "-n",
+        "40",
+        "--temperature",
+        "0",
+    ]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert_eq!(
+        String::from_utf8(r.stdout).unwrap().trim_end(),
+        want.trim_end()
+    );
+
+    // Training continues from the export: its first loss is the trained model's, not a fresh one's.
+    let shape = ["--n-layer", "--n-head", "--n-embd", "--block-size"];
+    let from_export = |extra: &[&str], out: &Path| -> Output {
+        let mut a: Vec<&str> = Vec::new();
+        let mut skip = false;
+        for w in with_io(tiny_with(&[("--max-iters", "4")]), &data, out) {
+            if std::mem::take(&mut skip) {
+                continue;
+            }
+            skip = shape.contains(&w);
+            if !skip {
+                a.push(w);
+            }
+        }
+        a.extend(["--init-from", h]);
+        a.extend(extra);
+        run(&a)
+    };
+    let second = dir.join("second.json");
+    let t2 = from_export(&["--summary", second.to_str().unwrap()], &dir.join("again"));
+    assert!(t2.status.success(), "{}", stderr(&t2));
+    let (fresh, resumed) = (losses(&first), losses(&second));
+    let trained = fresh.last().unwrap().1;
+    eprintln!(
+        "first losses: fresh {}, from the export {}; trained {trained}",
+        fresh[0].1, resumed[0].1
+    );
+    assert!(
+        resumed[0].1 < fresh[0].1 - 0.3 && (resumed[0].1 - trained).abs() < 0.3,
+        "first loss from the export {}, a fresh model's {}, the trained model's last {trained}",
+        resumed[0].1,
+        fresh[0].1
+    );
+
+    // A shape flag next to --init-from, and a text with characters the model lacks, are refused.
+    let b = from_export(&["--n-layer", "2"], &dir.join("x"));
+    assert!(stderr(&b).contains("cannot be used with"), "{}", stderr(&b));
+    let other = dir.join("other.txt");
+    std::fs::write(&other, "Zebras! ".repeat(100)).unwrap();
+    let b = run(&[
+        "--backend",
+        "cpu",
+        "train",
+        "--max-iters",
+        "2",
+        "--init-from",
+        h,
+        "--data",
+        other.to_str().unwrap(),
+        "--out",
+        dir.join("y").to_str().unwrap(),
+    ]);
+    assert!(
+        stderr(&b).contains("not in the model's vocabulary"),
+        "{}",
+        stderr(&b)
+    );
+}

@@ -445,7 +445,7 @@ fn read(path: &Path) -> Result<Vec<u8>, CheckpointError> {
     std::fs::read(path).map_err(io(path))
 }
 
-fn tensor_f32(path: &Path, view: &TensorView<'_>) -> Result<Vec<f32>, CheckpointError> {
+pub(crate) fn tensor_f32(path: &Path, view: &TensorView<'_>) -> Result<Vec<f32>, CheckpointError> {
     let d = view.data();
     match view.dtype() {
         Dtype::F32 => Ok(d
@@ -511,7 +511,8 @@ fn read_files(dir: &Path, with_training: bool) -> Result<CheckpointFiles, Checkp
 }
 
 /// Loads only what running a model needs (config.json and model.safetensors), so a damaged optimizer
-/// or training state never stops `generate` or `eval`.
+/// or training state never stops `generate` or `eval`. A Hugging Face GPT-2 directory (see
+/// [`super::hf`]) loads too.
 pub fn load_model(dir: &Path) -> Result<Loaded, CheckpointError> {
     if dir.exists() && !dir.is_dir() {
         return Err(CheckpointError::Io {
@@ -522,6 +523,11 @@ pub fn load_model(dir: &Path) -> Result<Loaded, CheckpointError> {
                  a .gguf model runs with `tinygpt run`",
             ),
         });
+    }
+    if let Ok(config) = std::fs::read(dir.join("config.json"))
+        && super::hf::is_hf_config(&config)
+    {
+        return super::hf::load_hf(dir);
     }
     decode(dir, &read_files(dir, false)?)
 }

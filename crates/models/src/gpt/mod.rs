@@ -5,6 +5,8 @@ mod block;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod export;
+pub mod hf;
 pub mod infer;
 pub mod layout;
 pub mod train;

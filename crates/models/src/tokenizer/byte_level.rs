@@ -26,6 +26,12 @@ pub(crate) fn byte_to_char_table() -> [char; 256] {
     table
 }
 
+/// The character that stands for `byte`.
+pub(crate) fn byte_char(byte: u8) -> char {
+    static TABLE: OnceLock<[char; 256]> = OnceLock::new();
+    TABLE.get_or_init(byte_to_char_table)[usize::from(byte)]
+}
+
 /// The byte a character of the alphabet stands for, or `None` for characters outside it.
 pub(crate) fn char_to_byte(c: char) -> Option<u8> {
     // The alphabet only uses code points below 256 + 256; index a reverse table built once.

@@ -29,6 +29,7 @@ use std::collections::BTreeSet;
 
 use tinygpt_formats::Metadata;
 
+pub(crate) use byte_level::byte_char as byte_level_char;
 pub use error::TokenizerError;
 pub use spec::{TokenizerModel, TokenizerSpec};
 pub use stream::StreamDecoder;
