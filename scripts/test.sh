@@ -19,6 +19,7 @@ fi
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
 
 bash scripts/fetch-models.sh
+bash scripts/fetch-vocab-suite.sh
 cargo test --workspace --release --no-fail-fast
 
 # The official `openai` Python client against `tinygpt serve` (the binary the tests just built).

@@ -19,6 +19,7 @@ PYTHON="${PYTHON:-python3}"
 log() { printf '[reference] %s\n' "$*" >&2; }
 
 "$ROOT/scripts/fetch-models.sh"
+"$ROOT/scripts/fetch-vocab-suite.sh"
 
 if ! "$VENV_REF/bin/python" -c "import llama_cpp, numpy" 2>/dev/null; then
     log "creating $VENV_REF (builds llama.cpp from the llama-cpp-python source package)"
@@ -56,5 +57,9 @@ TINYGPT="$ROOT/target/release/tinygpt"
 "$TINYGPT" export --gguf "$EXPORT/shakespeare.q8_0.gguf" --type q8_0
 "$VENV_REF/bin/python" export_reference.py llamacpp
 "$VENV_HF/bin/python" export_reference.py transformers
+log "tokenizer cases where llama.cpp departs from a plain reading of the vocabulary"
+"$VENV_REF/bin/python" vocab_reference.py
+log "llama.cpp's undefined code points"
+python3 llama_unicode.py
 log "a GPT-2 with biases, written by gguf-py, and transformers on it"
 "$VENV_HF/bin/python" gpt2_reference.py

@@ -16,6 +16,7 @@
 mod bpe;
 mod byte_level;
 mod error;
+mod llama_unicode;
 mod pretokenize;
 mod spec;
 mod spm;
@@ -246,6 +247,7 @@ impl Tokenizer {
         let eog = detect_special_by_text(&vocab, &mut attrs, &mut special);
         vocab.attrs = attrs;
         vocab.build_special_cache();
+        strip_attributes(&mut vocab, spec.model_name.as_deref(), spec.pre.as_deref());
 
         let algorithm = match algorithm_config {
             Some(config) => {
@@ -627,6 +629,37 @@ fn byte_level_decode(text: &str) -> Vec<u8> {
         }
     }
     out
+}
+
+/// The whitespace-stripping attributes llama.cpp gives tokens by model name and pre-tokenizer (the end
+/// of `llama_vocab::impl::load`). Phi-3's special tokens drop the whitespace after them (except
+/// `<unk>`, `<s>` and `<|endoftext|>`), so "<|user|>\n Hi" tokenizes as "<|user|>" "Hi"; the mask
+/// tokens of Jina v2 and ModernBERT drop the whitespace before them.
+fn strip_attributes(vocab: &mut Vocab, model_name: Option<&str>, pre: Option<&str>) {
+    let name = model_name.unwrap_or("").to_ascii_lowercase();
+    let pre = pre.unwrap_or("");
+    let set = |vocab: &mut Vocab, text: &str, bit: u32, on: bool| {
+        if let Some(id) = vocab.get(text) {
+            vocab.set_attr(id, bit, on);
+        }
+    };
+    if ["jina-v2-de", "jina-v2-es", "jina-v2-code"]
+        .iter()
+        .any(|p| pre.contains(p))
+    {
+        set(vocab, "<mask>", attr::LSTRIP, true);
+    } else if name.contains("phi-3") || name.contains("phi3") {
+        let ids = vocab.special_ids().to_vec();
+        for id in ids {
+            vocab.set_attr(id, attr::RSTRIP, true);
+        }
+        set(vocab, "</s>", attr::RSTRIP, true);
+        for t in ["<unk>", "<s>", "<|endoftext|>"] {
+            set(vocab, t, attr::RSTRIP, false);
+        }
+    } else if name.contains("modern-bert") {
+        set(vocab, "[MASK]", attr::LSTRIP, true);
+    }
 }
 
 /// llama.cpp's `clean_spaces` passes over detokenized bytes, transcribed literally (they compact

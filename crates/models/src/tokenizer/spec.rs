@@ -70,6 +70,9 @@ pub struct TokenizerSpec {
     pub add_eos: Option<bool>,
     pub add_space_prefix: Option<bool>,
     pub chat_template: Option<String>,
+    /// `general.name`: llama.cpp sets some token attributes by model name (Phi-3's special tokens
+    /// drop the whitespace after them).
+    pub model_name: Option<String>,
 }
 
 impl TokenizerSpec {
@@ -93,6 +96,7 @@ impl TokenizerSpec {
             add_eos: None,
             add_space_prefix: None,
             chat_template: None,
+            model_name: None,
         }
     }
 
@@ -131,6 +135,9 @@ impl TokenizerSpec {
             add_space_prefix: flag("tokenizer.ggml.add_space_prefix")?,
             chat_template: metadata
                 .get_opt::<&str>("tokenizer.chat_template")?
+                .map(str::to_string),
+            model_name: metadata
+                .get_opt::<&str>("general.name")?
                 .map(str::to_string),
         })
     }

@@ -14,6 +14,10 @@ pub(crate) mod attr {
     pub const CONTROL: u32 = 1 << 3;
     pub const USER_DEFINED: u32 = 1 << 4;
     pub const BYTE: u32 = 1 << 5;
+    /// Whitespace before the token is dropped when it is cut out of the text.
+    pub const LSTRIP: u32 = 1 << 7;
+    /// Whitespace after the token is dropped when it is cut out of the text.
+    pub const RSTRIP: u32 = 1 << 8;
 }
 
 /// llama.cpp's token types (`tokenizer.ggml.token_type`) to attributes; a missing array means every
@@ -105,10 +109,23 @@ impl Vocab {
         self.attrs.get(id as usize).copied().unwrap_or(0)
     }
 
+    /// Sets or clears attribute `bit` of token `id`.
+    pub fn set_attr(&mut self, id: u32, bit: u32, on: bool) {
+        if let Some(a) = self.attrs.get_mut(id as usize) {
+            *a = if on { *a | bit } else { *a & !bit };
+        }
+    }
+
+    /// The special tokens partitions cut out (control, user-defined and unknown ones).
+    pub fn special_ids(&self) -> &[u32] {
+        &self.special
+    }
+
     /// Splits `text` around special tokens the way llama.cpp's `tokenizer_st_partition` does: each
     /// special token, longest first, is cut out of every remaining text fragment, left to right.
     /// Control and unknown tokens are only recognised with `parse_special`; user-defined tokens
-    /// always are.
+    /// always are. A token with [`attr::LSTRIP`] / [`attr::RSTRIP`] takes the ASCII whitespace
+    /// before / after it along (C's `isspace`, as llama.cpp).
     pub fn partition(&self, text: &str, parse_special: bool) -> Vec<Fragment> {
         if text.is_empty() {
             return Vec::new();
@@ -137,14 +154,30 @@ impl Vocab {
                     next.push(fragment);
                     continue;
                 };
+                let (lstrip, rstrip) = (
+                    self.attr(id) & attr::LSTRIP != 0,
+                    self.attr(id) & attr::RSTRIP != 0,
+                );
+                let bytes = text.as_bytes();
                 let mut start = range.start;
                 while let Some(found) = text[start..range.end].find(needle) {
                     let at = start + found;
-                    if at > start {
-                        next.push(Fragment::Text(start..at));
+                    let mut left_end = at;
+                    if lstrip {
+                        while left_end > start && is_c_space(bytes[left_end - 1]) {
+                            left_end -= 1;
+                        }
+                    }
+                    if left_end > start {
+                        next.push(Fragment::Text(start..left_end));
                     }
                     next.push(Fragment::Token(id));
                     start = at + needle.len();
+                    if rstrip {
+                        while start < range.end && is_c_space(bytes[start]) {
+                            start += 1;
+                        }
+                    }
                 }
                 if start < range.end {
                     next.push(Fragment::Text(start..range.end));
@@ -154,4 +187,9 @@ impl Vocab {
         }
         fragments
     }
+}
+
+/// C's `isspace` in the "C" locale: space, \t, \n, \v, \f, \r.
+fn is_c_space(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r')
 }
