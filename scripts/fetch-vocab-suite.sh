@@ -13,7 +13,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEST="${TINYGPT_VOCAB_DIR:-$ROOT/.cache/llama-vocab}"
 SDIST_DIR="$ROOT/.cache/pypi-sdist"
 SDIST="$SDIST_DIR/llama_cpp_python-0.3.36.tar.gz"
-SDIST_URL="https://files.pythonhosted.org/packages/source/l/llama-cpp-python/llama_cpp_python-0.3.36.tar.gz"
 SDIST_SHA256="$(cat "$ROOT/scripts/llama-cpp-python-0.3.36.sha256")"
 PYTHON="${PYTHON:-python3}"
 
@@ -25,23 +24,23 @@ if [ -f "$DEST/.complete" ]; then
 fi
 mkdir -p "$SDIST_DIR"
 if [ ! -f "$SDIST" ] || [ "$(sha256sum "$SDIST" | cut -d' ' -f1)" != "$SDIST_SHA256" ]; then
-    log "downloading llama-cpp-python 0.3.36's source package from PyPI (77 MB)"
-    "$PYTHON" - "$SDIST_URL" "$SDIST.tmp" <<'PY'
-import sys, urllib.request
-urllib.request.urlretrieve(sys.argv[1], sys.argv[2])
-PY
-    got="$(sha256sum "$SDIST.tmp" | cut -d' ' -f1)"
+    log "downloading llama-cpp-python 0.3.36's source package from PyPI (77 MB; nothing is built)"
+    rm -rf "$SDIST_DIR/download" && mkdir -p "$SDIST_DIR/download"
+    PIP_ROOT_USER_ACTION=ignore "$PYTHON" -m pip download --disable-pip-version-check --quiet --no-deps \
+        --no-binary llama-cpp-python "llama-cpp-python==0.3.36" -d "$SDIST_DIR/download"
+    got="$(sha256sum "$SDIST_DIR/download/$(basename "$SDIST")" | cut -d' ' -f1)"
     if [ "$got" != "$SDIST_SHA256" ]; then
-        rm -f "$SDIST.tmp"
+        rm -rf "$SDIST_DIR/download"
         log "error: the download's sha256 $got differs from the pinned $SDIST_SHA256"
         exit 1
     fi
-    mv -f "$SDIST.tmp" "$SDIST"
+    mv -f "$SDIST_DIR/download/$(basename "$SDIST")" "$SDIST"
+    rm -rf "$SDIST_DIR/download"
 fi
 rm -rf "$DEST.tmp" && mkdir -p "$DEST.tmp"
 tar -xzf "$SDIST" -C "$DEST.tmp" --strip-components=4 --wildcards \
-    'llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-*' \
-    'llama_cpp_python-0.3.36/vendor/llama.cpp/LICENSE'
+    'llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-*'
+tar -xzf "$SDIST" -C "$DEST.tmp" --strip-components=3 'llama_cpp_python-0.3.36/vendor/llama.cpp/LICENSE'
 touch "$DEST.tmp/.complete"
 rm -rf "$DEST" && mv "$DEST.tmp" "$DEST"
 log "placed $(ls "$DEST"/*.gguf | wc -l) vocabularies in $DEST"
