@@ -33,7 +33,7 @@ fi
 if ! "$VENV_HF/bin/python" -c "import torch, transformers, gguf, accelerate" 2>/dev/null; then
     log "creating $VENV_HF"
     "$PYTHON" -m venv "$VENV_HF"
-    "$VENV_HF/bin/pip" install "torch==2.15.0" "transformers==5.24.0" "gguf==0.19.0" \
+    "$VENV_HF/bin/pip" install "torch==2.15.0" "transformers==5.24.0" "gguf==0.19.0" "sentencepiece" \
         "accelerate==1.15.0" "numpy"
 fi
 
@@ -63,3 +63,5 @@ log "llama.cpp's undefined code points"
 python3 llama_unicode.py
 log "a GPT-2 with biases, written by gguf-py, and transformers on it"
 "$VENV_HF/bin/python" gpt2_reference.py
+log "tiny Qwen2 / Qwen3 models converted by llama.cpp's convert_hf_to_gguf.py, and transformers on them"
+"$VENV_HF/bin/python" qwen_reference.py

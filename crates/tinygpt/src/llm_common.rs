@@ -23,7 +23,7 @@ use tinygpt_models::tokenizer::Tokenizer;
 /// The model to load.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// A GGUF model file (architectures: llama, gemma3, gpt2).
+    /// A GGUF model file (architectures: llama, gemma3, qwen2, qwen3, gpt2).
     pub model: PathBuf,
     /// KV cache length in tokens (default: the model's trained context, at most 4096).
     #[arg(long)]

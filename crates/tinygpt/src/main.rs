@@ -48,7 +48,7 @@ enum Cmd {
     /// Export a char-level GPT as a GGUF file (llama.cpp's gpt2 architecture) or a Hugging Face GPT-2
     /// directory.
     Export(export::ExportArgs),
-    /// Continue a prompt with a GGUF model (llama, gemma3, gpt2), streaming the text.
+    /// Continue a prompt with a GGUF model (llama, gemma3, qwen2, qwen3, gpt2), streaming the text.
     Run(run::RunArgs),
     /// Chat with a GGUF model on stdin, using its chat template.
     Chat(chat::ChatArgs),

@@ -22,17 +22,32 @@ pub enum Arch {
     /// Gemma 3: adds per-head Q/K norms, post-attention and post-FFN norms, GeGLU, scaled embeddings and
     /// interleaved sliding-window layers.
     Gemma3,
+    /// Qwen2 / Qwen2.5: llama's layout with biases on Q, K and V, NeoX RoPE.
+    Qwen2,
+    /// Qwen3: per-head RMSNorm of Q and K before RoPE (as Gemma 3), no biases, NeoX RoPE.
+    Qwen3,
     /// GPT-2 and its kind (TinyGPT's exported char-level models): LayerNorm with biases, learned
     /// positions, one fused Q/K/V matrix, a plain GELU MLP, biases on every projection.
     Gpt2,
 }
 
 impl Arch {
+    /// Every architecture the runner implements.
+    pub const ALL: [Arch; 5] = [
+        Arch::Llama,
+        Arch::Gemma3,
+        Arch::Qwen2,
+        Arch::Qwen3,
+        Arch::Gpt2,
+    ];
+
     /// The `general.architecture` value.
     pub fn name(self) -> &'static str {
         match self {
             Arch::Llama => "llama",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
             Arch::Gpt2 => "gpt2",
         }
     }
@@ -41,6 +56,8 @@ impl Arch {
         match s {
             "llama" => Some(Arch::Llama),
             "gemma3" => Some(Arch::Gemma3),
+            "qwen2" => Some(Arch::Qwen2),
+            "qwen3" => Some(Arch::Qwen3),
             "gpt2" => Some(Arch::Gpt2),
             _ => None,
         }
@@ -263,6 +280,13 @@ impl LlmConfig {
             // the same rotations to the same pairs of values, so the attention scores are identical.
             Arch::Llama => {}
             Arch::Gemma3 => gemma3(md, &key, &mut cfg)?,
+            // llama.cpp `llama_model_qwen2` / `llama_model_qwen3` (LLAMA_ROPE_TYPE_NEOX): the
+            // converter keeps transformers' Q/K row order, so RoPE rotates halves.
+            Arch::Qwen2 => cfg.rope_layout = RopeLayout::Neox,
+            Arch::Qwen3 => {
+                cfg.rope_layout = RopeLayout::Neox;
+                cfg.qk_norm = true;
+            }
             // llama.cpp `llama_model_gpt2`: LayerNorm, learned positions, GELU (tanh) MLP.
             Arch::Gpt2 => {
                 cfg.norm = NormKind::Layer;

@@ -13,7 +13,8 @@ pub enum LlmError {
     Kernel(#[from] tinygpt_kernels::Error),
 
     #[error(
-        "unsupported model architecture '{0}' (general.architecture); this runner supports: llama, gemma3"
+        "unsupported model architecture '{0}' (general.architecture); this runner supports: {supported}",
+        supported = super::config::Arch::ALL.map(super::config::Arch::name).join(", ")
     )]
     UnsupportedArch(String),
 

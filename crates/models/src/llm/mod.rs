@@ -1,5 +1,5 @@
-//! Real small LLMs from GGUF files — the `llama` (SmolLM2, Llama) and `gemma3` architectures — on either
-//! backend: weights stay block-quantized in the kernels' layouts, the prompt runs in one batched pass,
+//! Real small LLMs from GGUF files — the `llama` (SmolLM2, Llama), `gemma3`, `qwen2` (Qwen2.5),
+//! `qwen3` and `gpt2` architectures — on either backend: weights stay block-quantized in the kernels' layouts, the prompt runs in one batched pass,
 //! then one token per pass through a KV cache.
 //!
 //! ```no_run

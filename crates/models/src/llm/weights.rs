@@ -451,7 +451,6 @@ impl Weights {
             done: 0,
             total: ld.total,
         });
-        let gemma = cfg.arch == Arch::Gemma3;
         let gpt2 = cfg.arch == Arch::Gpt2;
         let embed = ld.matrix("token_embd.weight")?;
         let pos_embd = if cfg.learned_positions {
@@ -469,8 +468,8 @@ impl Weights {
         for i in 0..cfg.n_layer {
             let n = |t: &str| format!("blk.{i}.{t}.weight");
             let bias = |t: &str| format!("blk.{i}.{t}.bias");
-            let opt_vec = |ld: &mut Loader<'_>, t: &str| -> Result<Option<Tensor>> {
-                if gemma {
+            let opt_vec = |ld: &mut Loader<'_>, t: &str, on: bool| -> Result<Option<Tensor>> {
+                if on {
                     ld.vector(&n(t)).map(Some)
                 } else {
                     Ok(None)
@@ -490,15 +489,23 @@ impl Weights {
                 let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
                 Fused::one(be, (w, b), &[qd, kvd, kvd], paths)?
             } else {
-                let q = ld.host(&n("attn_q"))?;
-                let k = ld.host(&n("attn_k"))?;
-                let v = ld.host(&n("attn_v"))?;
-                Fused::new(be, vec![(q, None), (k, None), (v, None)], paths)?
+                // Q/K/V biases where the file has them (Qwen2).
+                let mut parts = Vec::with_capacity(3);
+                for t in ["attn_q", "attn_k", "attn_v"] {
+                    let w = ld.host(&n(t))?;
+                    let b = if plan.has(&bias(t)) {
+                        Some(ld.host_vector(&bias(t))?)
+                    } else {
+                        None
+                    };
+                    parts.push((w, b));
+                }
+                Fused::new(be, parts, paths)?
             };
-            let q_norm = opt_vec(&mut ld, "attn_q_norm")?;
-            let k_norm = opt_vec(&mut ld, "attn_k_norm")?;
+            let q_norm = opt_vec(&mut ld, "attn_q_norm", cfg.qk_norm)?;
+            let k_norm = opt_vec(&mut ld, "attn_k_norm", cfg.qk_norm)?;
             let wo = ld.linear(i, "attn_output", gpt2)?;
-            let post_attn_norm = opt_vec(&mut ld, "post_attention_norm")?;
+            let post_attn_norm = opt_vec(&mut ld, "post_attention_norm", cfg.post_norms)?;
             let ffn_norm = ld.norm(&format!("blk.{i}.ffn_norm"), gpt2)?;
             let gate_up = if cfg.gated_ffn {
                 let gate = ld.host(&n("ffn_gate"))?;
@@ -510,7 +517,7 @@ impl Weights {
                 Fused::new(be, vec![(up, b)], paths)?
             };
             let down = ld.linear(i, "ffn_down", gpt2)?;
-            let post_ffn_norm = opt_vec(&mut ld, "post_ffw_norm")?;
+            let post_ffn_norm = opt_vec(&mut ld, "post_ffw_norm", cfg.post_norms)?;
             layers.push(LayerWeights {
                 attn_norm,
                 qkv,
@@ -554,6 +561,8 @@ fn matrix_type_supported(t: GgmlType) -> bool {
 struct Plan {
     total_bytes: u64,
     has_output: bool,
+    /// Optional tensors the file has.
+    optional: HashSet<String>,
 }
 
 impl Plan {
@@ -568,6 +577,7 @@ impl Plan {
         );
         let has_output = file.tensor("output.weight").is_some();
         let gpt2 = cfg.arch == Arch::Gpt2;
+        let mut optional = HashSet::new();
         // (name, rows, cols, is a matrix); a vector has one row.
         let mut want: Vec<(String, usize, usize, bool)> = vec![
             ("token_embd.weight".into(), v, d, true),
@@ -585,23 +595,9 @@ impl Plan {
         for i in 0..cfg.n_layer {
             let n = |t: &str| format!("blk.{i}.{t}.weight");
             let b = |t: &str| format!("blk.{i}.{t}.bias");
-            want.extend([
-                (n("attn_norm"), 1, d, false),
-                (n("attn_output"), d, qd, true),
-                (n("ffn_norm"), 1, d, false),
-                (n("ffn_up"), ff, d, true),
-                (n("ffn_down"), d, ff, true),
-            ]);
+            want.push((n("attn_norm"), 1, d, false));
             if gpt2 {
-                want.extend([
-                    (n("attn_qkv"), qd + 2 * kvd, d, true),
-                    (b("attn_qkv"), 1, qd + 2 * kvd, false),
-                    (b("attn_norm"), 1, d, false),
-                    (b("attn_output"), 1, d, false),
-                    (b("ffn_norm"), 1, d, false),
-                    (b("ffn_up"), 1, ff, false),
-                    (b("ffn_down"), 1, d, false),
-                ]);
+                want.push((n("attn_qkv"), qd + 2 * kvd, d, true));
             } else {
                 want.extend([
                     (n("attn_q"), qd, d, true),
@@ -609,13 +605,41 @@ impl Plan {
                     (n("attn_v"), kvd, d, true),
                 ]);
             }
+            want.extend([
+                (n("attn_output"), d, qd, true),
+                (n("ffn_norm"), 1, d, false),
+            ]);
             if cfg.gated_ffn {
                 want.push((n("ffn_gate"), ff, d, true));
             }
-            if cfg.arch == Arch::Gemma3 {
+            want.extend([(n("ffn_up"), ff, d, true), (n("ffn_down"), d, ff, true)]);
+            if gpt2 {
+                want.extend([
+                    (b("attn_qkv"), 1, qd + 2 * kvd, false),
+                    (b("attn_norm"), 1, d, false),
+                    (b("attn_output"), 1, d, false),
+                    (b("ffn_norm"), 1, d, false),
+                    (b("ffn_up"), 1, ff, false),
+                    (b("ffn_down"), 1, d, false),
+                ]);
+            }
+            // Optional Q/K/V biases (llama.cpp `create_tensor_qkv`: Qwen2 has them).
+            if matches!(cfg.arch, Arch::Qwen2 | Arch::Qwen3) {
+                for (t, width) in [("attn_q", qd), ("attn_k", kvd), ("attn_v", kvd)] {
+                    if file.tensor(&b(t)).is_some() {
+                        optional.insert(b(t));
+                        want.push((b(t), 1, width, false));
+                    }
+                }
+            }
+            if cfg.qk_norm {
                 want.extend([
                     (n("attn_q_norm"), 1, hd, false),
                     (n("attn_k_norm"), 1, hd, false),
+                ]);
+            }
+            if cfg.post_norms {
+                want.extend([
                     (n("post_attention_norm"), 1, d, false),
                     (n("post_ffw_norm"), 1, d, false),
                 ]);
@@ -660,7 +684,13 @@ impl Plan {
         Ok(Plan {
             total_bytes,
             has_output,
+            optional,
         })
+    }
+
+    /// Whether the optional tensor `name` is in the file (and so in the plan).
+    fn has(&self, name: &str) -> bool {
+        self.optional.contains(name)
     }
 }
 

@@ -26,7 +26,8 @@ use tinygpt_models::chat_template::ChatTemplate;
 /// `tinygpt serve`.
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
-    /// A GGUF model (llama, gemma3); without one, the bundled Shakespeare model (text completion only).
+    /// A GGUF model (llama, gemma3, qwen2, qwen3, gpt2); without one, the bundled Shakespeare model
+    /// (text completion only).
     pub model: Option<PathBuf>,
     /// Address to listen on. Anything but loopback exposes the server to the network.
     #[arg(long, default_value = "127.0.0.1")]
