@@ -2,6 +2,12 @@
 //! compare: the text's tokens cut into chunks of `-c` tokens, each run from an empty cache with its
 //! first token replaced by BOS (when the model adds one), and the second half of each chunk scored
 //! (each token's negative log-likelihood given everything before it in the chunk).
+//!
+//! `--kl-divergence` measures what the fast paths cost in numerics over the whole file, as llama.cpp's
+//! `--kl-divergence` does against a base model's logits: the model on the gated fast paths (and, when
+//! several are active, on each one alone) against the same model on the canonical f32 path, at every
+//! scored token — the KL divergence of the fast path's next-token distribution from the f32 one, the
+//! perplexity ratio and how often the two agree on the most likely token.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -9,7 +15,9 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use tinygpt_kernels::Backend;
+use tinygpt_kernels::gate::pills;
+use tinygpt_kernels::{Backend, PathSet};
+use tinygpt_models::llm::{Llm, LoadOptions};
 
 use crate::gates::GateArgs;
 use crate::llm_common::{ModelArgs, load};
@@ -26,6 +34,10 @@ pub struct PerplexityArgs {
     /// Score only the first K chunks (default: every whole chunk of the text).
     #[arg(long)]
     pub chunks: Option<usize>,
+    /// Compare every active fast path against the canonical f32 path over the file: KL divergence,
+    /// perplexity ratio and same-top-1 rate (a GPU backend; the CPU backend has only the f32 path).
+    #[arg(long)]
+    pub kl_divergence: bool,
 }
 
 /// Running sums of the scored tokens' negative log-likelihoods (f64, as llama.cpp keeps them).
@@ -66,6 +78,60 @@ pub fn nll(logits: &[f32], target: u32) -> f64 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
     -(logits[target as usize] as f64 - max - sum.ln())
+}
+
+/// How far one distribution is from another over the scored tokens.
+#[derive(Default, Clone, Copy, Debug)]
+pub struct Divergence {
+    pub count: usize,
+    pub kl: f64,
+    pub kl2: f64,
+    pub kl_max: f64,
+    pub same_top1: usize,
+}
+
+impl Divergence {
+    /// Adds one token: KL(base ‖ test) over the vocabulary (f64 log-softmax of each).
+    pub fn add(&mut self, base: &[f32], test: &[f32]) {
+        let lb = log_softmax(base);
+        let lt = log_softmax(test);
+        let kl: f64 = lb.iter().zip(&lt).map(|(b, t)| b.exp() * (b - t)).sum();
+        let kl = kl.max(0.0);
+        self.count += 1;
+        self.kl += kl;
+        self.kl2 += kl * kl;
+        self.kl_max = self.kl_max.max(kl);
+        let argmax = |v: &[f32]| tinygpt_models::sampler::argmax(v);
+        if argmax(base) == argmax(test) {
+            self.same_top1 += 1;
+        }
+    }
+    pub fn mean(&self) -> f64 {
+        self.kl / self.count.max(1) as f64
+    }
+    /// Standard error of the mean KL divergence.
+    pub fn mean_err(&self) -> f64 {
+        let n = self.count as f64;
+        if self.count < 2 {
+            return f64::NAN;
+        }
+        let var = (self.kl2 / n - self.mean().powi(2)).max(0.0);
+        (var / (n - 1.0)).sqrt()
+    }
+    pub fn same_top1_pct(&self) -> f64 {
+        100.0 * self.same_top1 as f64 / self.count.max(1) as f64
+    }
+}
+
+fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max
+        + logits
+            .iter()
+            .map(|&x| (x as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
+    logits.iter().map(|&x| x as f64 - lse).collect()
 }
 
 pub fn run(be: &Backend, gate: &GateArgs, a: &PerplexityArgs) -> Result<()> {
@@ -113,6 +179,16 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &PerplexityArgs) -> Result<()> {
     );
     let bos = m.tok.bos_id().filter(|_| m.tok.add_bos());
     let first = n_ctx / 2;
+    let chunk_at = |i: usize| {
+        let mut chunk = tokens[i * n_ctx..(i + 1) * n_ctx].to_vec();
+        if let Some(b) = bos {
+            chunk[0] = b;
+        }
+        chunk
+    };
+    if a.kl_divergence {
+        return kl_divergence(be, a, m, &tokens, n_chunks, &chunk_at);
+    }
     let pb = ProgressBar::new(n_chunks as u64);
     pb.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} chunks · {msg} · ETA {eta}")
@@ -123,10 +199,7 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &PerplexityArgs) -> Result<()> {
     let t0 = Instant::now();
     for i in 0..n_chunks {
         let start = i * n_ctx;
-        let mut chunk = tokens[start..start + n_ctx].to_vec();
-        if let Some(b) = bos {
-            chunk[0] = b;
-        }
+        let chunk = chunk_at(i);
         m.llm.reset();
         let logits = pollster::block_on(m.llm.score(be, &chunk, first))?;
         let v = m.llm.config().vocab;
@@ -156,6 +229,108 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &PerplexityArgs) -> Result<()> {
     Ok(())
 }
 
+/// The scored rows' logits of chunk `chunk` (rows `first..` of it), one vocabulary row each.
+fn score(be: &Backend, llm: &mut Llm, chunk: &[u32], first: usize) -> Result<Vec<f32>> {
+    llm.reset();
+    Ok(pollster::block_on(llm.score(be, chunk, first))?)
+}
+
+/// `--kl-divergence`: each configuration of fast paths against the f32 path, chunk by chunk (both
+/// models loaded side by side, so each chunk's f32 logits are computed once per configuration and
+/// never stored whole).
+fn kl_divergence(
+    be: &Backend,
+    a: &PerplexityArgs,
+    m: crate::llm_common::Loaded,
+    tokens: &[u32],
+    n_chunks: usize,
+    chunk_at: &dyn Fn(usize) -> Vec<u32>,
+) -> Result<()> {
+    let active = m.llm.paths();
+    if active.is_empty() {
+        bail!(
+            "no fast path is active on {} (only the f32 path runs), so there is nothing to compare: \
+             --kl-divergence measures the GPU's gated fast paths (try --backend gpu)",
+            be.describe()
+        );
+    }
+    let (n_ctx, first) = (a.ctx, a.ctx / 2);
+    let load_with = |paths: PathSet| -> Result<Llm> {
+        let opts = LoadOptions {
+            context: Some(n_ctx),
+            paths,
+            ..LoadOptions::default()
+        };
+        Llm::load(be, &a.model, &opts, &mut |_| {})
+            .with_context(|| format!("loading {} on {}", a.model.display(), pills(paths)))
+    };
+    let mut base = load_with(PathSet::F32)?;
+    let v = base.config().vocab;
+    // The active set as the run uses it, then each path alone when there are several.
+    let mut configs = vec![(active, Some(m.llm))];
+    if active.len() > 1 {
+        configs.extend(active.iter().map(|p| (PathSet::F32.with(p), None)));
+    }
+    eprintln!(
+        "comparing {} configuration(s) against the f32 path over {n_chunks} chunks of {n_ctx}",
+        configs.len()
+    );
+    println!(
+        "{:<28} {:>10} {:>10} {:>8} {:>22} {:>10} {:>10}",
+        "fast paths", "PPL(f32)", "PPL(fast)", "ratio", "mean KL", "max KL", "same top1"
+    );
+    for (paths, loaded) in configs {
+        let mut test = match loaded {
+            Some(llm) => llm,
+            None => load_with(paths)?,
+        };
+        let pb = ProgressBar::new(n_chunks as u64);
+        pb.set_style(
+            ProgressStyle::with_template("{bar:30} {pos}/{len} chunks · {msg} · ETA {eta}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        pb.set_message(pills(paths));
+        let (mut nb, mut nt, mut d) = (
+            NllSums::default(),
+            NllSums::default(),
+            Divergence::default(),
+        );
+        for i in 0..n_chunks {
+            let chunk = chunk_at(i);
+            let lb = score(be, &mut base, &chunk, first)?;
+            let lt = score(be, &mut test, &chunk, first)?;
+            for j in first..n_ctx - 1 {
+                let (rb, rt) = (
+                    &lb[(j - first) * v..(j - first + 1) * v],
+                    &lt[(j - first) * v..(j - first + 1) * v],
+                );
+                let target = tokens[i * n_ctx + j + 1];
+                nb.add(nll(rb, target));
+                nt.add(nll(rt, target));
+                d.add(rb, rt);
+            }
+            pb.inc(1);
+        }
+        pb.finish_and_clear();
+        println!(
+            "{:<28} {:>10.4} {:>10.4} {:>8.5} {:>22} {:>10.3e} {:>9.2}%",
+            pills(paths),
+            nb.ppl(),
+            nt.ppl(),
+            nt.ppl() / nb.ppl(),
+            format!("{:.3e} ± {:.1e}", d.mean(), d.mean_err()),
+            d.kl_max,
+            d.same_top1_pct()
+        );
+    }
+    eprintln!(
+        "{} tokens scored per configuration on {}",
+        (n_ctx - 1 - first) * n_chunks,
+        be.describe()
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,5 +347,20 @@ mod tests {
         }
         assert!((s.ppl() - 7.0).abs() < 1e-9);
         assert_eq!(s.ppl_err(), 0.0);
+    }
+
+    #[test]
+    fn kl_divergence_is_zero_for_equal_rows_and_matches_its_definition() {
+        let mut d = Divergence::default();
+        d.add(&[1.0, 2.0, 3.0], &[1.0, 2.0, 3.0]);
+        assert_eq!(d.mean(), 0.0);
+        assert_eq!(d.same_top1, 1);
+        let (p, q) = ([0.0f32, 0.0], [0.0f32, (3.0f64).ln() as f32]);
+        d.add(&p, &q);
+        // KL(½,½ ‖ ¼,¾) = ½ ln 2 + ½ ln(2/3).
+        let want = 0.5 * 2f64.ln() + 0.5 * (2.0f64 / 3.0).ln();
+        assert!((d.kl_max - want).abs() < 1e-6, "{}", d.kl_max);
+        assert_eq!(d.same_top1, 1, "argmax 0 against argmax 1");
+        assert_eq!(d.count, 2);
     }
 }

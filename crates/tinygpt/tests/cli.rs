@@ -806,3 +806,55 @@ fn a_model_exports_to_gguf_and_hugging_face_and_both_run_and_train_on() {
         stderr(&b)
     );
 }
+
+#[test]
+fn kl_divergence_compares_the_gated_fast_paths_with_the_f32_path() {
+    if std::env::var("TINYGPT_SKIP_GPU_TESTS").is_ok_and(|v| v == "1") {
+        return;
+    }
+    let d = tmp("kld");
+    let text = perplexity_text(&d);
+    // A tiny Q8_0 model (tests/data/qwen): its quantized kernels are a fast path once gated.
+    let model =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/data/qwen/qwen2.q8_0.gguf");
+    let args = |backend: &'static str| {
+        vec![
+            "--backend".to_string(),
+            backend.into(),
+            "--low-end".into(),
+            "perplexity".into(),
+            model.to_str().unwrap().into(),
+            text.to_str().unwrap().into(),
+            "-c".into(),
+            "64".into(),
+            "--chunks".into(),
+            "3".into(),
+            "--kl-divergence".into(),
+        ]
+    };
+    let o = bin().args(args("gpu")).output().expect("the binary runs");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let rows: Vec<&str> = out.lines().skip(1).collect();
+    assert!(!rows.is_empty(), "{out}");
+    for row in &rows {
+        // fast paths .. PPL(f32) PPL(fast) ratio mean ± err max same%
+        let f: Vec<&str> = row.split_whitespace().collect();
+        let n = f.len();
+        let (ppl_base, ppl_fast): (f64, f64) =
+            (f[n - 8].parse().unwrap(), f[n - 7].parse().unwrap());
+        let ratio: f64 = f[n - 6].parse().unwrap();
+        let kl: f64 = f[n - 5].parse().unwrap();
+        let same: f64 = f[n - 1].trim_end_matches('%').parse().unwrap();
+        assert!(ppl_base > 1.0 && ppl_fast > 1.0, "{row}");
+        assert!((ratio - ppl_fast / ppl_base).abs() < 1e-3, "{row}");
+        // The gate passed these paths: their distributions stay close to the f32 path's.
+        assert!((0.0..1e-3).contains(&kl), "{row}");
+        assert!(same >= 95.0, "{row}");
+    }
+    // The CPU backend has no fast path to compare: one clear error.
+    let o = bin().args(args("cpu")).output().expect("the binary runs");
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("nothing to compare"), "{}", stderr(&o));
+    let _ = std::fs::remove_dir_all(&d);
+}
