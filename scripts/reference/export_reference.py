@@ -15,10 +15,11 @@ tokens (ids and text) and the logits at each of those steps' argmax (its top-2 g
 llama.cpp runs with its defaults (f16 KV cache, flash attention "auto"), 2 CPU threads, as a user's
 `llama-cli -m FILE` would; transformers in f32 on the CPU, eager attention.
 """
-import hashlib
 import json
 import os
 import sys
+
+from common import sha256, top2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPORT = os.path.join(ROOT, ".cache", "export")
@@ -30,24 +31,6 @@ PROMPTS = [
 N_GREEDY = 100
 GGUF = ["shakespeare.f32.gguf", "shakespeare.f16.gguf", "shakespeare.q8_0.gguf"]
 HF_FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-
-
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def top2(row):
-    import numpy as np
-
-    first = int(np.argmax(row))
-    rest = row.copy()
-    rest[first] = -np.inf
-    second = int(np.argmax(rest))
-    return [first, float(row[first]), second, float(row[second])]
 
 
 def llamacpp():

@@ -131,6 +131,22 @@ fn runner_outputs(be: &Backend, ck: &Loaded, ids: &[u32]) -> (Vec<Vec<f32>>, Vec
     (logits, greedy)
 }
 
+/// Checks `tinygpt generate`'s runner on the checkpoint against one tool's recorded prompts: the tool's
+/// ids are our character ids, the logits agree within `bound`, the greedy continuation is the same.
+fn check_runner_against(tool: &str, rec: &Value, ck: &Loaded, bound: f64) {
+    let be = cpu_backend();
+    let v = ck.config.model.vocab_size;
+    for p in prompts(rec) {
+        assert_eq!(ck.config.vocab.encode(&p.text).unwrap(), p.ids);
+        let (logits, greedy) = runner_outputs(&be, ck, &p.ids);
+        let e = nmse_rows(&p.logits, &logits, v);
+        eprintln!("generate vs {tool}, {} tokens: NMSE {e:.2e}", p.ids.len());
+        assert!(e <= bound, "NMSE {e:.3e}");
+        assert_eq!(greedy, p.greedy, "greedy continuation of {:?}", p.text);
+        assert_eq!(ck.config.vocab.decode(&greedy), p.greedy_text);
+    }
+}
+
 /// The same through the GGUF runner on the exported file.
 fn llm_outputs(be: &Backend, file: &GgufFile, ids: &[u32]) -> (Vec<Vec<f32>>, Vec<u32>) {
     let mut llm = Llm::from_gguf(be, file, &LoadOptions::default(), &mut |_| {}).unwrap();
@@ -248,29 +264,15 @@ fn gguf_exports_agree_with_llama_cpp_on_the_gpu_under_the_low_end_profile() {
 #[test]
 fn generate_on_the_checkpoint_agrees_with_llama_cpp_on_its_export() {
     let ck = bundled();
-    let be = cpu_backend();
-    let v = ck.config.model.vocab_size;
     let lc = reference("llamacpp");
     let rec = &lc["files"]["shakespeare.f32.gguf"];
     export_checked(&ck, "shakespeare.f32.gguf", rec);
-    for p in prompts(rec) {
-        assert_eq!(ck.config.vocab.encode(&p.text).unwrap(), p.ids);
-        let (logits, greedy) = runner_outputs(&be, &ck, &p.ids);
-        let e = nmse_rows(&p.logits, &logits, v);
-        eprintln!(
-            "generate vs llama.cpp, {} tokens: NMSE {e:.2e}",
-            p.ids.len()
-        );
-        assert!(e <= NMSE_F32, "NMSE {e:.3e}");
-        assert_eq!(greedy, p.greedy, "greedy continuation of {:?}", p.text);
-        assert_eq!(ck.config.vocab.decode(&greedy), p.greedy_text);
-    }
+    check_runner_against("llama.cpp", rec, &ck, NMSE_F32);
 }
 
 #[test]
 fn hf_export_is_the_directory_transformers_ran_and_agrees_with_it() {
     let ck = bundled();
-    let be = cpu_backend();
     let v = ck.config.model.vocab_size;
     let tf = reference("transformers");
     let rec = &tf["files"]["hf"];
@@ -283,19 +285,7 @@ fn hf_export_is_the_directory_transformers_ran_and_agrees_with_it() {
         );
     }
     assert_eq!(rec["n_vocab"].as_u64(), Some(v as u64));
-    for p in prompts(rec) {
-        // transformers' tokenizer gives our character ids.
-        assert_eq!(ck.config.vocab.encode(&p.text).unwrap(), p.ids);
-        let (logits, greedy) = runner_outputs(&be, &ck, &p.ids);
-        let e = nmse_rows(&p.logits, &logits, v);
-        eprintln!(
-            "generate vs transformers, {} tokens: NMSE {e:.2e}",
-            p.ids.len()
-        );
-        assert!(e <= NMSE_TRANSFORMERS, "NMSE {e:.3e}");
-        assert_eq!(greedy, p.greedy, "greedy continuation of {:?}", p.text);
-        assert_eq!(ck.config.vocab.decode(&greedy), p.greedy_text);
-    }
+    check_runner_against("transformers", rec, &ck, NMSE_TRANSFORMERS);
 }
 
 #[test]

@@ -441,7 +441,7 @@ pub struct Loaded {
     pub state: Option<TrainState>,
 }
 
-fn read(path: &Path) -> Result<Vec<u8>, CheckpointError> {
+pub(crate) fn read(path: &Path) -> Result<Vec<u8>, CheckpointError> {
     std::fs::read(path).map_err(io(path))
 }
 

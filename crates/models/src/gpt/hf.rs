@@ -22,7 +22,7 @@ use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use serde_json::{Value, json};
 
 use super::block::EPS;
-use super::checkpoint::{CheckpointConfig, CheckpointError, Loaded};
+use super::checkpoint::{CheckpointConfig, CheckpointError, Loaded, read};
 use super::config::GptConfig;
 use super::data::CharVocab;
 use super::layout::Layout;
@@ -226,13 +226,6 @@ fn invalid(path: &Path, msg: impl Into<String>) -> CheckpointError {
         path: path.to_path_buf(),
         msg: msg.into(),
     }
-}
-
-fn read(path: &Path) -> Result<Vec<u8>, CheckpointError> {
-    std::fs::read(path).map_err(|err| CheckpointError::Io {
-        path: path.to_path_buf(),
-        err,
-    })
 }
 
 /// Loads a Hugging Face GPT-2 directory (as [`to_hf`] writes it) as a TinyGPT model.

@@ -752,22 +752,18 @@ impl Loader<'_> {
     /// `{prefix}.weight`, and `{prefix}.bias` when the norms have biases.
     fn norm(&mut self, prefix: &str, with_bias: bool) -> Result<Norm> {
         let w = self.vector(&format!("{prefix}.weight"))?;
-        let b = if with_bias {
-            Some(self.vector(&format!("{prefix}.bias"))?)
-        } else {
-            None
-        };
+        let b = with_bias
+            .then(|| self.vector(&format!("{prefix}.bias")))
+            .transpose()?;
         Ok(Norm { w, b })
     }
 
     /// Layer `i`'s projection `t`, with its bias when the projections have biases.
     fn linear(&mut self, i: usize, t: &str, with_bias: bool) -> Result<Linear> {
         let w = self.matrix(&format!("blk.{i}.{t}.weight"))?;
-        let b = if with_bias {
-            Some(self.vector(&format!("blk.{i}.{t}.bias"))?)
-        } else {
-            None
-        };
+        let b = with_bias
+            .then(|| self.vector(&format!("blk.{i}.{t}.bias")))
+            .transpose()?;
         Ok(Linear { w, b })
     }
 }

@@ -308,3 +308,60 @@ pub fn check_prompt(
     eprintln!("[{} {} {name}] {fig:?}", model.key, be.kind());
     fig
 }
+
+/// Checks `llm` against transformers' recorded prompts (each with `text`, `ids`, the `logits` at
+/// every position and `greedy_ids`, as scripts/reference/gpt2_reference.py and qwen_reference.py
+/// write them): our tokenizer gives the ids, every position's logits are within NMSE 1e-5, and the
+/// greedy continuation is the same.
+pub fn check_transformers_prompts(
+    be: &Backend,
+    tok: &Tokenizer,
+    llm: &mut Llm,
+    reference: &Value,
+    what: &str,
+    add_special: bool,
+) {
+    let v = llm.config().vocab;
+    for p in reference["prompts"].as_array().expect("prompts") {
+        let ids: Vec<u32> = serde_json::from_value(p["ids"].clone()).expect("ids");
+        let text = p["text"].as_str().expect("text");
+        assert_eq!(
+            tok.encode_with(text, add_special, false),
+            ids,
+            "{what}: {text:?}"
+        );
+        let want: Vec<f32> = p["logits"]
+            .as_array()
+            .expect("logits")
+            .iter()
+            .flat_map(|r| {
+                r.as_array()
+                    .expect("row")
+                    .iter()
+                    .map(|x| x.as_f64().expect("logit") as f32)
+            })
+            .collect();
+        llm.reset();
+        let got = pollster::block_on(llm.score(be, &ids, 0)).expect("score");
+        let e = nmse(&want, &got);
+        eprintln!(
+            "[{} {what}] {} tokens: NMSE vs transformers {e:.2e}",
+            be.kind(),
+            ids.len()
+        );
+        assert!(e <= 1e-5, "{what}: NMSE {e:.3e}");
+        let greedy_want: Vec<u32> =
+            serde_json::from_value(p["greedy_ids"].clone()).expect("greedy ids");
+        let mut last = got[got.len() - v..].to_vec();
+        let mut greedy = Vec::new();
+        for _ in 0..greedy_want.len() {
+            let t = argmax(&last);
+            greedy.push(t);
+            last = llm.decode(be, t).expect("decode");
+        }
+        assert_eq!(
+            greedy, greedy_want,
+            "{what}: greedy continuation of {text:?}"
+        );
+    }
+}
