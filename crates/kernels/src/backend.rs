@@ -24,6 +24,14 @@ pub enum Backend {
     Gpu(GpuBackend),
 }
 
+/// A readback started by [`Backend::read_start`].
+pub struct PendingRead(Pending);
+
+enum Pending {
+    Ready(Vec<u32>),
+    Gpu(crate::gpu::PendingRead),
+}
+
 pub(crate) enum Store {
     Cpu(Vec<f32>),
     Gpu(GpuTensor),
@@ -179,6 +187,13 @@ impl<'a> TMut<'a> {
             offset: self.offset,
         }
     }
+    /// A shorter-lived writable view `k` elements further on.
+    pub fn shift(&mut self, k: usize) -> TMut<'_> {
+        TMut {
+            t: self.t,
+            offset: self.offset + k,
+        }
+    }
     /// A shorter-lived writable view of the same elements.
     pub fn reborrow(&mut self) -> TMut<'_> {
         TMut {
@@ -270,6 +285,23 @@ impl Backend {
         Ok(Tensor { len, dtype, store })
     }
 
+    /// A tensor of at least `len` f32 elements for an op's intermediate results, split (where it must
+    /// be) at multiples of `unit`: kept per `slot` and reused on the GPU (dispatches run in recording
+    /// order, so ops may share a slot), a fresh one on the CPU.
+    pub(crate) fn scratch(&self, slot: &'static str, len: usize, unit: usize) -> Result<Tensor> {
+        match self {
+            Backend::Cpu(_) => self.zeros(len, unit),
+            Backend::Gpu(g) => {
+                let t = g.scratch_split(slot, len, unit)?;
+                Ok(Tensor {
+                    len: t.chunks.iter().map(|c| c.len).sum(),
+                    dtype: DType::F32,
+                    store: Store::Gpu(t),
+                })
+            }
+        }
+    }
+
     /// A tensor holding `data`, split at multiples of `unit` elements.
     pub fn from_f32(&self, data: &[f32], unit: usize) -> Result<Tensor> {
         match self {
@@ -334,6 +366,34 @@ impl Backend {
                 let t = src.gpu("read", "src", len)?;
                 g.read(t, src.offset, len).await
             }
+        }
+    }
+
+    /// Starts reading `len` words of a view back without waiting: on the GPU the copy is submitted with
+    /// the work recorded so far, and [`Backend::read_finish`] waits for that work only (on the CPU the
+    /// words are read at once).
+    pub fn read_start(&self, src: TRef<'_>, len: usize) -> Result<PendingRead> {
+        match self {
+            Backend::Cpu(_) => Ok(PendingRead(Pending::Ready(
+                src.cpu_u32("read", "src", len)?.to_vec(),
+            ))),
+            Backend::Gpu(g) => {
+                let t = src.gpu("read", "src", len)?;
+                Ok(PendingRead(Pending::Gpu(g.read_start(t, src.offset, len)?)))
+            }
+        }
+    }
+
+    /// The words of a [`Backend::read_start`].
+    pub async fn read_finish(&self, p: PendingRead) -> Result<Vec<u32>> {
+        match (p.0, self) {
+            (Pending::Ready(v), _) => Ok(v),
+            (Pending::Gpu(r), Backend::Gpu(g)) => g.read_finish(r).await,
+            (Pending::Gpu(_), Backend::Cpu(_)) => Err(Error::BackendMismatch {
+                op: "read_finish",
+                expected: "cpu",
+                found: "gpu",
+            }),
         }
     }
 

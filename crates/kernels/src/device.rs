@@ -168,6 +168,7 @@ pub(crate) fn wanted_features() -> wgpu::Features {
     wgpu::Features::SHADER_F16
         | wgpu::Features::SUBGROUP
         | wgpu::Features::TIMESTAMP_QUERY
+        | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES
         | wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
 }
 

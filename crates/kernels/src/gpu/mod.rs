@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 pub use pipeline::Access;
 pub(crate) use pipeline::{Pipeline, PipelineOptions};
 pub use split::GpuTensor;
+
 pub(crate) use split::{Operand, Segment, segments};
 
 use crate::error::{Error, Result};
@@ -56,6 +57,14 @@ pub struct GpuCounters {
     pub readbacks: u64,
 }
 
+/// A readback submitted by [`GpuBackend::read_start`] and not yet collected.
+pub struct PendingRead {
+    staging: wgpu::Buffer,
+    rx: futures_channel::oneshot::Receiver<std::result::Result<(), wgpu::BufferAsyncError>>,
+    index: wgpu::SubmissionIndex,
+    len: usize,
+}
+
 struct Recorder {
     encoder: Option<wgpu::CommandEncoder>,
     pass: Option<wgpu::ComputePass<'static>>,
@@ -82,6 +91,29 @@ pub struct GpuBackend {
     counters: Cell<GpuCounters>,
     next_pipeline_id: Cell<u64>,
     scratch: RefCell<HashMap<&'static str, GpuTensor>>,
+    profiler: RefCell<Option<Profiler>>,
+}
+
+/// Timestamps around every dispatch, for `bench --profile`: what each kernel costs on the device.
+struct Profiler {
+    set: wgpu::QuerySet,
+    resolve: wgpu::Buffer,
+    staging: wgpu::Buffer,
+    /// Pipeline of each recorded dispatch of the current submit (two timestamps each).
+    names: Vec<String>,
+    /// Per kernel: dispatches and device nanoseconds.
+    totals: HashMap<String, (u64, f64)>,
+}
+
+/// Dispatches one submit can time (two timestamps each, at most 4096 queries in a set).
+const PROFILED_DISPATCHES: usize = 2048;
+
+/// What one kernel cost while profiling: its dispatches and their device time.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelTime {
+    pub kernel: String,
+    pub dispatches: u64,
+    pub micros: f64,
 }
 
 #[derive(Hash, PartialEq, Eq)]
@@ -199,6 +231,7 @@ impl GpuBackend {
             counters: Cell::default(),
             next_pipeline_id: Cell::new(0),
             scratch: RefCell::default(),
+            profiler: RefCell::default(),
         })
     }
 
@@ -302,6 +335,30 @@ impl GpuBackend {
         Ok(t)
     }
 
+    /// A scratch tensor of at least `len` elements split (where it must be) at multiples of `unit`, kept
+    /// per `slot` like [`GpuBackend::scratch`].
+    pub(crate) fn scratch_split(
+        &self,
+        slot: &'static str,
+        len: usize,
+        unit: usize,
+    ) -> Result<GpuTensor> {
+        if len * 4 <= self.max_chunk_bytes as usize {
+            return self.scratch(slot, len);
+        }
+        if let Some(t) = self.scratch.borrow().get(slot)
+            && t.chunks.iter().map(|c| c.len).sum::<usize>() >= len
+            && t.chunks
+                .iter()
+                .all(|c| c.len % unit.max(1) == 0 || c.start + c.len >= len)
+        {
+            return Ok(t.clone());
+        }
+        let t = self.alloc(len, unit)?;
+        self.scratch.borrow_mut().insert(slot, t.clone());
+        Ok(t)
+    }
+
     /// Writes `data` (4-byte words) into `t` from element `offset`. Pending dispatches are submitted
     /// first: a queued write lands before the next submit's commands, so it must not overtake work that
     /// was recorded before it.
@@ -376,6 +433,89 @@ impl GpuBackend {
         Ok(out)
     }
 
+    /// Starts reading elements `offset..offset + len` of `t` back: the copy goes into the submission of
+    /// everything recorded so far, and [`GpuBackend::read_finish`] waits for that submission only, so
+    /// work recorded and submitted after this call keeps the device busy while the host waits.
+    pub(crate) fn read_start(
+        &self,
+        t: &GpuTensor,
+        offset: usize,
+        len: usize,
+    ) -> Result<PendingRead> {
+        let size = (len.max(1) * 4) as u64;
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut rec = self.rec.borrow_mut();
+        drop(rec.pass.take());
+        let enc = rec.encoder.take().unwrap_or_else(|| {
+            self.device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor::default())
+        });
+        let end = offset + len;
+        let index = self.submit(&mut rec, enc, |enc| {
+            for c in &t.chunks {
+                let (s, e) = (offset.max(c.start), end.min(c.start + c.len));
+                if s < e {
+                    enc.copy_buffer_to_buffer(
+                        &c.buffer,
+                        ((s - c.start) * 4) as u64,
+                        &staging,
+                        ((s - offset) * 4) as u64,
+                        ((e - s) * 4) as u64,
+                    );
+                }
+            }
+        });
+        drop(rec);
+        self.collect_profile()?;
+        let (tx, rx) = futures_channel::oneshot::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+            let _ = tx.send(r);
+        });
+        let mut c = self.counters.get();
+        c.readbacks += 1;
+        self.counters.set(c);
+        self.check()?;
+        Ok(PendingRead {
+            staging,
+            rx,
+            index,
+            len,
+        })
+    }
+
+    /// The words of a [`GpuBackend::read_start`], once its submission has finished.
+    pub(crate) async fn read_finish(&self, p: PendingRead) -> Result<Vec<u32>> {
+        #[cfg(not(target_arch = "wasm32"))]
+        self.device
+            .poll(wgpu::PollType::Wait {
+                submission_index: Some(p.index),
+                timeout: None,
+            })
+            .map_err(|e| Error::Gpu(format!("waiting for the device failed: {e}")))?;
+        #[cfg(target_arch = "wasm32")]
+        let _ = p.index;
+        let mapped =
+            p.rx.await
+                .map_err(|_| Error::Gpu("readback was cancelled".into()))?;
+        self.check()?;
+        mapped.map_err(|e| Error::Gpu(format!("readback failed: {e}")))?;
+        let mut out = {
+            let view = p
+                .staging
+                .get_mapped_range(..)
+                .map_err(|e| Error::Gpu(format!("readback failed: {e}")))?;
+            bytemuck::cast_slice::<u8, u32>(&view).to_vec()
+        };
+        p.staging.unmap();
+        out.truncate(p.len);
+        Ok(out)
+    }
+
     /// Blocks until the device has finished all submitted work (native); on the web the browser drives
     /// completion, so this only checks for errors.
     pub fn wait(&self) -> Result<()> {
@@ -399,18 +539,142 @@ impl GpuBackend {
         let mut rec = self.rec.borrow_mut();
         drop(rec.pass.take());
         if let Some(enc) = rec.encoder.take() {
-            if !rec.params.is_empty() {
-                self.queue.write_buffer(&self.params_buffer, 0, &rec.params);
-            }
-            self.queue.submit([enc.finish()]);
-            rec.params.clear();
-            rec.pending = 0;
-            let mut c = self.counters.get();
-            c.submits += 1;
-            self.counters.set(c);
+            self.submit(&mut rec, enc, |_| {});
         }
         drop(rec);
+        self.collect_profile()?;
         self.check()
+    }
+
+    /// Submits `enc` with the recording's parameter block, after `extra` adds its last commands.
+    fn submit(
+        &self,
+        rec: &mut Recorder,
+        mut enc: wgpu::CommandEncoder,
+        extra: impl FnOnce(&mut wgpu::CommandEncoder),
+    ) -> wgpu::SubmissionIndex {
+        extra(&mut enc);
+        if let Some(p) = self.profiler.borrow().as_ref()
+            && !p.names.is_empty()
+        {
+            let n = 2 * p.names.len() as u32;
+            enc.resolve_query_set(&p.set, 0..n, &p.resolve, 0);
+            enc.copy_buffer_to_buffer(&p.resolve, 0, &p.staging, 0, u64::from(n) * 8);
+        }
+        if !rec.params.is_empty() {
+            self.queue.write_buffer(&self.params_buffer, 0, &rec.params);
+        }
+        let index = self.queue.submit([enc.finish()]);
+        rec.params.clear();
+        rec.pending = 0;
+        let mut c = self.counters.get();
+        c.submits += 1;
+        self.counters.set(c);
+        index
+    }
+
+    /// Starts timing every dispatch on the device (needs TIMESTAMP_QUERY_INSIDE_PASSES): each submit then
+    /// waits for the device and adds its dispatches' times to [`GpuBackend::profile`]. Off by default:
+    /// it costs a round trip per submit.
+    pub fn start_profiling(&self) -> Result<()> {
+        if !self
+            .features
+            .contains(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES)
+        {
+            return Err(Error::Gpu(
+                "this adapter cannot time dispatches (no timestamp queries inside passes)".into(),
+            ));
+        }
+        self.flush()?;
+        let n = 2 * PROFILED_DISPATCHES as u64;
+        let buffer = |usage, label| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: n * 8,
+                usage,
+                mapped_at_creation: false,
+            })
+        };
+        *self.profiler.borrow_mut() = Some(Profiler {
+            set: self.device.create_query_set(&wgpu::QuerySetDescriptor {
+                label: Some("profile"),
+                ty: wgpu::QueryType::Timestamp,
+                count: n as u32,
+            }),
+            resolve: buffer(
+                wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+                "profile resolve",
+            ),
+            staging: buffer(
+                wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                "profile staging",
+            ),
+            names: Vec::new(),
+            totals: HashMap::new(),
+        });
+        Ok(())
+    }
+
+    /// Stops timing; returns each kernel's dispatches and device time since [`GpuBackend::start_profiling`],
+    /// the costliest first.
+    pub fn profile(&self) -> Result<Vec<KernelTime>> {
+        self.flush()?;
+        let Some(p) = self.profiler.borrow_mut().take() else {
+            return Ok(Vec::new());
+        };
+        let mut v: Vec<KernelTime> = p
+            .totals
+            .into_iter()
+            .map(|(kernel, (dispatches, ns))| KernelTime {
+                kernel,
+                dispatches,
+                micros: ns / 1e3,
+            })
+            .collect();
+        v.sort_by(|a, b| b.micros.total_cmp(&a.micros));
+        Ok(v)
+    }
+
+    /// Reads the timestamps of the last submit (waiting for it) into the profile's totals.
+    fn collect_profile(&self) -> Result<()> {
+        let mut guard = self.profiler.borrow_mut();
+        let Some(p) = guard.as_mut() else {
+            return Ok(());
+        };
+        if p.names.is_empty() {
+            return Ok(());
+        }
+        let n = 2 * p.names.len();
+        let (tx, rx) = std::sync::mpsc::channel();
+        p.staging
+            .slice(..(n * 8) as u64)
+            .map_async(wgpu::MapMode::Read, move |r| {
+                let _ = tx.send(r);
+            });
+        #[cfg(not(target_arch = "wasm32"))]
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| Error::Gpu(format!("waiting for the device failed: {e}")))?;
+        rx.recv()
+            .map_err(|_| Error::Gpu("profile readback was cancelled".into()))?
+            .map_err(|e| Error::Gpu(format!("profile readback failed: {e}")))?;
+        let ticks: Vec<u64> = {
+            let view = p
+                .staging
+                .slice(..(n * 8) as u64)
+                .get_mapped_range()
+                .map_err(|e| Error::Gpu(format!("profile readback failed: {e}")))?;
+            bytemuck::cast_slice::<u8, u64>(&view).to_vec()
+        };
+        p.staging.unmap();
+        let period = f64::from(self.queue.get_timestamp_period());
+        for (i, name) in p.names.drain(..).enumerate() {
+            let ns = ticks[2 * i + 1].saturating_sub(ticks[2 * i]) as f64 * period;
+            let e = p.totals.entry(name).or_insert((0, 0.0));
+            e.0 += 1;
+            e.1 += ns;
+        }
+        Ok(())
     }
 
     /// Records one dispatch of `pipe` with `params` (the kernel's uniform block) and `buffers` (its storage
@@ -505,7 +769,21 @@ impl GpuBackend {
         let pass = rec.pass.as_mut().expect("pass was just created");
         pass.set_pipeline(&pipe.pipeline);
         pass.set_bind_group(0, &*bind_group, &[slot as u32]);
+        let mut prof = self.profiler.borrow_mut();
+        let timed = match prof.as_mut() {
+            Some(p) if p.names.len() < PROFILED_DISPATCHES => {
+                let i = 2 * p.names.len() as u32;
+                p.names.push(pipe.name.clone());
+                pass.write_timestamp(&p.set, i);
+                Some((i, &p.set))
+            }
+            _ => None,
+        };
         pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
+        if let Some((i, set)) = timed {
+            pass.write_timestamp(set, i + 1);
+        }
+        drop(prof);
         rec.pending += 1;
         let mut c = self.counters.get();
         c.dispatches += 1;

@@ -55,6 +55,13 @@ impl GpuTensor {
     pub fn num_chunks(&self) -> usize {
         self.chunks.len()
     }
+
+    /// The buffer holding elements `offset..offset + len` and the offset inside it, when one buffer
+    /// holds them all.
+    pub(crate) fn span(&self, offset: usize, len: usize) -> Option<(&wgpu::Buffer, usize)> {
+        let c = &self.chunks[self.chunk_of(offset)?];
+        (offset + len <= c.start + c.len).then_some((&c.buffer, offset - c.start))
+    }
 }
 
 /// How an operand takes part in a segmented op.

@@ -5,6 +5,7 @@ pub(crate) mod common;
 
 pub mod adamw;
 pub mod add;
+pub mod argmax;
 pub mod attention;
 pub mod cross_entropy;
 pub mod dropout;

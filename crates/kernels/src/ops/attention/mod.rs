@@ -424,5 +424,8 @@ pub fn attend(
     }
 }
 
+mod rows;
+pub use rows::{CHUNK, CacheRows, RowsShape, attend_rows};
+
 #[cfg(test)]
 mod tests;

@@ -257,3 +257,127 @@ fn grouped_query_sliding_window_softcap_decode_matches_twin() {
     // Padding between output rows is untouched.
     assert_eq!(out[3][heads * hd], 0.5);
 }
+
+/// Decode rows of several sequences sharing one cache tensor, against each row through the CPU
+/// attention: grouped heads in one and two workgroups per KV head, head sizes 64/128/256, contexts of one
+/// split and of several (merged by the second kernel), a sliding window, a soft cap, and the cache split
+/// across buffers at whole sequences.
+#[test]
+fn decode_rows_match_twin() {
+    let mut rng = SeedRng::new(93);
+    let ctx = 700;
+    for (heads, kv_heads, hd, window, softcap) in [
+        (9usize, 3usize, 64usize, 0usize, 0.0f32),
+        (4, 1, 256, 512, 0.0),
+        (8, 2, 128, 0, 30.0),
+        (14, 2, 64, 0, 0.0),
+    ] {
+        let kvd = kv_heads * hd;
+        let ld_kv = 2 * kvd + 3;
+        let seqs = 3;
+        // Rows: positions in one split, across splits, at the window's edge; two rows of one sequence.
+        let host: Vec<[u32; 2]> = vec![
+            [0, 5],
+            [ctx as u32, 300],
+            [2 * ctx as u32, 699],
+            [0, 256],
+            [ctx as u32, 0],
+        ];
+        let n = host.len();
+        let (ld_q, ld_o) = (heads * hd + 1, heads * hd + 2);
+        let q = rng.normal_vec(n * ld_q, 1.0);
+        let cache = rng.normal_vec(seqs * ctx * ld_kv, 1.0);
+        let words: Vec<u32> = host.iter().flatten().copied().collect();
+        let args = [
+            Arg::data(q, ld_q),
+            Arg::data(cache, ctx * ld_kv),
+            Arg::words(&words, 2),
+            Arg::out(n * ld_o, ld_o),
+        ];
+        let s = RowsShape {
+            heads,
+            kv_heads,
+            head_dim: hd,
+            ld_q,
+            ld_kv,
+            ld_o,
+            k_at: 1,
+            v_at: 2 + kvd,
+            window,
+            scale: 1.0 / (hd as f32).sqrt(),
+            softcap,
+        };
+        let name = format!("attend_rows {heads}/{kv_heads}x{hd} window {window} cap {softcap}");
+        let out = check_twin(
+            &name,
+            1e-10,
+            &args,
+            Some((ctx * ld_kv * 4) as u64),
+            |be, t| {
+                let [tq, tc, tt, to] = t else { unreachable!() };
+                let rows = CacheRows {
+                    table: tt.at(0),
+                    host: &host,
+                };
+                // Padding between output rows stays as it was: write it first.
+                crate::ops::fill::fill(be, to.into(), n * ld_o, 0.5)?;
+                attend_rows(be, tq.at(0), tc.at(0), rows, to.at_mut(0), s)
+            },
+        );
+        for r in 0..n {
+            assert_eq!(
+                out[3][r * ld_o + heads * hd],
+                0.5,
+                "{name}: padding after row {r}"
+            );
+        }
+        // All rows in one dispatch, plus one to merge the splits (a row is past one chunk).
+        if let Some(g) = crate::testing::gpu_backend(None) {
+            let t: Vec<_> = args
+                .iter()
+                .map(|a| {
+                    g.from_f32(a.data.as_deref().unwrap_or(&vec![0.0; a.len]), a.unit)
+                        .unwrap()
+                })
+                .collect();
+            let mut o = g.zeros(n * ld_o, ld_o).unwrap();
+            let gb = g.as_gpu().unwrap();
+            gb.sync().unwrap();
+            let before = gb.counters().dispatches;
+            let rows = CacheRows {
+                table: t[2].at(0),
+                host: &host,
+            };
+            attend_rows(&g, t[0].at(0), t[1].at(0), rows, o.at_mut(0), s).unwrap();
+            assert_eq!(gb.counters().dispatches - before, 2, "{name}: dispatches");
+        }
+    }
+}
+
+/// A row past the cache is refused, not read out of bounds.
+#[test]
+fn decode_rows_refuse_positions_past_the_cache() {
+    let be = cpu_backend();
+    let q = be.zeros(64, 64).unwrap();
+    let cache = be.zeros(10 * 128, 128).unwrap();
+    let table = be.from_u32(&[5, 5], 2).unwrap();
+    let mut out = be.zeros(64, 64).unwrap();
+    let s = RowsShape {
+        heads: 1,
+        kv_heads: 1,
+        head_dim: 64,
+        ld_q: 64,
+        ld_kv: 128,
+        ld_o: 64,
+        k_at: 0,
+        v_at: 64,
+        window: 0,
+        scale: 0.125,
+        softcap: 0.0,
+    };
+    let rows = CacheRows {
+        table: table.at(0),
+        host: &[[5, 5]],
+    };
+    assert!(attend_rows(&be, q.at(0), cache.at(0), rows, out.at_mut(0), s).is_err());
+}

@@ -24,6 +24,7 @@
 mod coop;
 mod cpu;
 mod f16;
+pub mod fused;
 mod gemv;
 pub mod quant;
 mod tiled;

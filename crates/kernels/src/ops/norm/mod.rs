@@ -127,6 +127,60 @@ pub fn norm_forward(
     }
 }
 
+/// x += RMSNorm(d) · w per row of `cols` (Gemma 3's post-norms): [`norm_forward`] then
+/// [`crate::ops::add::add_assign`] in one dispatch, with the same result.
+pub fn add_rms_norm(
+    be: &Backend,
+    mut x: TMut<'_>,
+    d: TRef<'_>,
+    w: TRef<'_>,
+    s: NormShape,
+) -> Result<()> {
+    check(&s)?;
+    let (rows, cols) = (s.rows, s.cols);
+    let n = rows * cols;
+    match be {
+        Backend::Cpu(c) => {
+            let ds = d.cpu("add_rms_norm", "d", n)?;
+            let ws = w.cpu("add_rms_norm", "w", cols)?;
+            let xs = x.cpu("add_rms_norm", "x", n)?;
+            c.install(|| {
+                xs.par_chunks_mut(cols)
+                    .zip(ds.par_chunks(cols))
+                    .for_each(|(xr, dr)| {
+                        let (_, rstd) = row_stats(NormKind::Rms, dr, s.eps);
+                        for ((xv, &dv), &wv) in xr.iter_mut().zip(dr).zip(ws) {
+                            *xv += (dv - 0.0) * rstd * wv;
+                        }
+                    })
+            });
+            Ok(())
+        }
+        Backend::Gpu(g) => {
+            let ops = [
+                Operand::rows(x.gpu("add_rms_norm", "x", n)?, x.offset(), cols),
+                Operand::rows(d.gpu("add_rms_norm", "d", n)?, d.offset(), cols),
+                Operand::whole(w.gpu("add_rms_norm", "w", cols)?, w.offset(), cols),
+            ];
+            let pipe = row_kernel(
+                g,
+                "add_rms_norm",
+                include_str!("add_norm.wgsl"),
+                &[Access::ReadWrite, Access::Read, Access::Read],
+            )?;
+            run(
+                g,
+                "add_rms_norm",
+                &pipe,
+                rows,
+                &ops,
+                &[cols as u32, s.eps.to_bits()],
+                Grid::Groups,
+            )
+        }
+    }
+}
+
 /// Gradients of [`norm_forward`]: dx into `dx` and dw into `dw`, each overwritten or added to as
 /// `dx_into` and `dw_into` say.
 #[allow(clippy::too_many_arguments)]

@@ -186,3 +186,71 @@ fn norm_backward_matches_finite_differences() {
         }
     }
 }
+
+/// x += RMSNorm(d) · w: against the twin, and on the GPU bit for bit against the norm kernel followed by
+/// add_assign.
+#[test]
+fn add_rms_norm_matches_norm_then_add() {
+    let mut rng = SeedRng::new(55);
+    for (rows, cols) in [(1usize, 640usize), (3, 576), (2, 1000)] {
+        let args = [
+            Arg::data(rng.normal_vec(rows * cols, 1.0), cols),
+            Arg::data(rng.normal_vec(rows * cols, 3.0), cols),
+            Arg::data(rng.vec(cols, 0.5, 1.5), cols),
+        ];
+        let s = NormShape {
+            rows,
+            cols,
+            eps: 1e-6,
+        };
+        check_twin(
+            "add_rms_norm",
+            1e-12,
+            &args,
+            Some((cols * 4) as u64),
+            |be, t| {
+                let [x, d, w] = t else { unreachable!() };
+                add_rms_norm(be, x.at_mut(0), d.at(0), w.at(0), s)
+            },
+        );
+        let Some(g) = crate::testing::gpu_backend(None) else {
+            continue;
+        };
+        let mut got = Vec::new();
+        for fused in [true, false] {
+            let t: Vec<_> = args
+                .iter()
+                .map(|a| g.from_f32(a.data.as_ref().unwrap(), a.unit).unwrap())
+                .collect();
+            let [mut x, d, w] = <[_; 3]>::try_from(t).ok().unwrap();
+            if fused {
+                add_rms_norm(&g, x.at_mut(0), d.at(0), w.at(0), s).unwrap();
+            } else {
+                let mut y = g.zeros(rows * cols, cols).unwrap();
+                let mut st = g.zeros(2 * rows, 1).unwrap();
+                norm_forward(
+                    &g,
+                    NormKind::Rms,
+                    d.at(0),
+                    w.at(0),
+                    y.at_mut(0),
+                    st.at_mut(0),
+                    s,
+                )
+                .unwrap();
+                crate::ops::add::add_assign(&g, x.at_mut(0), y.at(0), rows * cols, 1.0).unwrap();
+            }
+            got.push(
+                g.to_vec(&x)
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect::<Vec<_>>(),
+            );
+        }
+        assert!(
+            got[0] == got[1],
+            "add_rms_norm {rows}x{cols}: differs from norm then add"
+        );
+    }
+}

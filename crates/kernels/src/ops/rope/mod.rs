@@ -1,6 +1,9 @@
 //! Rotary position embeddings in the two layouts GGUF models use: "normal" (llama, as GGUF lays out
 //! Q and K: adjacent pairs) and NeoX (pairs half a rotation apart).
 
+mod cache;
+pub use cache::{QkNorm, RopeCacheShape, rope_into_cache};
+
 use super::common::kernel;
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};

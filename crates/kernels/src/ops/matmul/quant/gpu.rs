@@ -11,6 +11,7 @@ use super::{GpuParts, QKind};
 use crate::error::{Result, shape};
 use crate::gpu::{Access, GpuBackend, GpuTensor, Operand, Pipeline, PipelineOptions, segments};
 use crate::ops::common::PRELUDE;
+use crate::ops::glu::Activation;
 use crate::path::Fault;
 
 /// Threads per workgroup of the matmul kernels. With WORDS_PER_LANE = 16, 128 was the fastest of the
@@ -33,25 +34,141 @@ fn threads_per_row(kw: usize) -> usize {
         .clamp(MAX_R, 64)
 }
 
-/// The matmul pipeline for one variant; the WGSL file gets its constants and `xload` prepended.
+/// What a product takes in before it multiplies (see the hooks in q8.wgsl): x as it is, or a workgroup
+/// copy of the pass's rows computed from other tensors, so that op needs no dispatch of its own.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Stage {
+    /// x read from its binding.
+    Plain,
+    /// x = RMSNorm(src) · w, computed as the norm kernel computes it (the same sums in the same order),
+    /// so the product equals norm then product bit for bit on adapters that round alike.
+    RmsNorm { eps: f32 },
+    /// x = act(gate) · up, gate and up rows `ld` apart in x's binding (up from element `up`).
+    Glu {
+        act: Activation,
+        up: usize,
+        ld: usize,
+    },
+}
+
+impl Stage {
+    fn key(self) -> String {
+        match self {
+            Stage::Plain => String::new(),
+            Stage::RmsNorm { .. } => "_rms".into(),
+            Stage::Glu { act, .. } => format!("_glu{act:?}"),
+        }
+    }
+}
+
+/// Whether the product writes its outputs or adds them to what y holds (a residual connection).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Output {
+    Store,
+    Accumulate,
+}
+
+/// The hooks q8.wgsl and q4.wgsl call (see there). `k`: the row length (sizes the staged copy); `nw`:
+/// the binding of the norm weight.
+fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
+    let store = match out {
+        Output::Store => "fn store(i: u32, v: f32) { y[i] = v; }",
+        Output::Accumulate => "fn store(i: u32, v: f32) { y[i] = y[i] + v; }",
+    };
+    let body = match stage {
+        Stage::Plain => "fn prologue(lid: u32, i0: u32) {}\n\
+             fn xrow(r: u32, i0: u32) -> u32 { return p.o_x + min(i0 + r, p.m - 1u) * p.k; }\n\
+             fn xget(i: u32) -> vec4<f32> { return xload(i); }"
+            .to_string(),
+        Stage::RmsNorm { .. } => format!(
+            "@group(0) @binding({nw}) var<storage, read> nw: array<f32>;\n\
+             var<workgroup> xs: array<vec4<f32>, {xs}>;\n\
+             fn xrow(r: u32, i0: u32) -> u32 {{ return r * p.k; }}\n\
+             fn xget(i: u32) -> vec4<f32> {{ return xs[i >> 2u]; }}\n\
+             // RMSNorm of each row as the norm kernel computes it: 256 partial sums of squares (thread t\n\
+             // takes columns t, t + 256, ...) reduced by a tree; with 128 threads, thread t holds partials\n\
+             // t and t + 128, whose sum is the tree's first level. e0: the weight's offset, e1: eps bits.\n\
+             fn prologue(lid: u32, i0: u32) {{\n\
+               let inv = 1.0 / f32(p.k);\n\
+               let k4 = p.k / 4u;\n\
+               for (var r = 0u; r < R; r = r + 1u) {{\n\
+                 let b = p.o_x + min(i0 + r, p.m - 1u) * p.k;\n\
+                 var qa = 0.0;\n\
+                 var qb = 0.0;\n\
+                 for (var c = lid; c < p.k; c = c + 256u) {{ let d = x1(b + c); qa = qa + d * d; }}\n\
+                 for (var c = lid + 128u; c < p.k; c = c + 256u) {{ let d = x1(b + c); qb = qb + d * d; }}\n\
+                 red[lid] = qa + qb;\n\
+                 workgroupBarrier();\n\
+                 for (var s = 64u; s > 0u; s = s >> 1u) {{\n\
+                   if (lid < s) {{ red[lid] = red[lid] + red[lid + s]; }}\n\
+                   workgroupBarrier();\n\
+                 }}\n\
+                 let rstd = 1.0 / sqrt(red[0] * inv + bitcast<f32>(p.e1));\n\
+                 workgroupBarrier();\n\
+                 for (var c = lid; c < k4; c = c + WG) {{\n\
+                   let w = vec4<f32>(nw[p.e0 + 4u * c], nw[p.e0 + 4u * c + 1u], nw[p.e0 + 4u * c + 2u], nw[p.e0 + 4u * c + 3u]);\n\
+                   xs[r * k4 + c] = xload(b + 4u * c) * rstd * w;\n\
+                 }}\n\
+               }}\n\
+               workgroupBarrier();\n\
+             }}",
+            xs = r * k / 4
+        ),
+        Stage::Glu { act, .. } => format!(
+            "var<workgroup> xs: array<vec4<f32>, {xs}>;\n\
+             fn xrow(r: u32, i0: u32) -> u32 {{ return r * p.k; }}\n\
+             fn xget(i: u32) -> vec4<f32> {{ return xs[i >> 2u]; }}\n\
+             // The activation as the GLU kernel computes it.\n\
+             fn act(x: f32) -> f32 {{ {act} }}\n\
+             // act(gate) · up for the R rows; gate row i from p.o_x + i · e1, up row i from e0 + i · e1.\n\
+             fn prologue(lid: u32, i0: u32) {{\n\
+               let k4 = p.k / 4u;\n\
+               for (var i = lid; i < R * k4; i = i + WG) {{\n\
+                 let row = min(i0 + i / k4, p.m - 1u);\n\
+                 let c = 4u * (i % k4);\n\
+                 let g = p.o_x + row * p.e1 + c;\n\
+                 let u = p.e0 + row * p.e1 + c;\n\
+                 xs[i] = vec4<f32>(act(x1(g)) * x1(u), act(x1(g + 1u)) * x1(u + 1u),\n\
+                                   act(x1(g + 2u)) * x1(u + 2u), act(x1(g + 3u)) * x1(u + 3u));\n\
+               }}\n\
+               workgroupBarrier();\n\
+             }}",
+            xs = r * k / 4,
+            act = match act {
+                Activation::Silu => "let s = 1.0 / (1.0 + exp(-x)); return x * s;",
+                Activation::Gelu => {
+                    "let t = tanh(clamp(0.7978845608028654 * (x + 0.044715 * x * x * x), -15.0, 15.0)); \
+                     return 0.5 * x * (1.0 + t);"
+                }
+            }
+        ),
+    };
+    format!("{body}\n{store}\n")
+}
+
+/// The matmul pipeline for one variant; the WGSL file gets its constants, `xload` and the hooks prepended.
+#[allow(clippy::too_many_arguments)]
 fn matmul_pipeline(
     g: &GpuBackend,
     kind: QKind,
     tpr: usize,
     r: usize,
     xvec: bool,
+    stage: Stage,
+    out: Output,
+    k: usize,
     fault: Option<Fault>,
 ) -> Result<Rc<Pipeline>> {
-    let (name, body, bindings): (String, &str, &[Access]) = match kind {
+    let (name, body, mut bindings): (String, &str, Vec<Access>) = match kind {
         QKind::Q8 { block } => (
             format!("qmm_q8b{block}"),
             include_str!("q8.wgsl"),
-            &[Access::Read, Access::ReadWrite, Access::Read, Access::Read],
+            vec![Access::Read, Access::ReadWrite, Access::Read, Access::Read],
         ),
         QKind::Q4 => (
             "qmm_q4".to_string(),
             include_str!("q4.wgsl"),
-            &[
+            vec![
                 Access::Read,
                 Access::ReadWrite,
                 Access::Read,
@@ -60,22 +177,48 @@ fn matmul_pipeline(
             ],
         ),
     };
+    let staged = stage != Stage::Plain;
+    if matches!(stage, Stage::RmsNorm { .. }) {
+        bindings.push(Access::Read);
+    }
     let key = format!(
-        "{name}_t{tpr}_r{r}_{}{}",
+        "{name}_t{tpr}_r{r}_{}{}{}{}{}",
         if xvec { "xv4" } else { "xf32" },
+        stage.key(),
+        if staged {
+            format!("_k{k}")
+        } else {
+            String::new()
+        },
+        if out == Output::Accumulate {
+            "_acc"
+        } else {
+            ""
+        },
         fault.map_or(String::new(), |f| format!("_fault{f:?}"))
     );
-    g.pipeline(&key, bindings, PipelineOptions::default(), || {
+    let nw = bindings.len();
+    g.pipeline(&key, &bindings, PipelineOptions::default(), || {
         // x[i..i + 4] for i a multiple of 4: one 16-byte load when the view is 16-byte aligned, else four.
-        let (xt, xload) = if xvec {
-            ("vec4<f32>", "return x[i >> 2u];")
+        let (xt, xload, x1) = if xvec {
+            (
+                "vec4<f32>",
+                "return x[i >> 2u];",
+                "return x[i >> 2u][i & 3u];",
+            )
         } else {
-            ("f32", "return vec4<f32>(x[i], x[i + 1u], x[i + 2u], x[i + 3u]);")
+            (
+                "f32",
+                "return vec4<f32>(x[i], x[i + 1u], x[i + 2u], x[i + 3u]);",
+                "return x[i];",
+            )
         };
         let src = format!(
             "{PRELUDE}\nconst WG: u32 = {WG}u;\nconst TPR: u32 = {tpr}u;\nconst R: u32 = {r}u;\n\
-             const BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{}",
+             const BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n\
+             fn x1(i: u32) -> f32 {{ {x1} }}\n{}\n{}",
             kind.block(),
+            hooks(stage, out, r, k, nw),
             per_row(body, r)
         );
         plant(src, fault)
@@ -149,14 +292,10 @@ pub(super) fn qmatmul(
     if m == 0 {
         return Ok(());
     }
-    let kw = kind.words_per_row(k);
-    let tpr = threads_per_row(kw);
-    let rows_per_wg = WG / tpr;
     let max_z = g.limits.max_compute_workgroups_per_dimension as usize;
     let xy = segments(OP, m, &[Operand::rows(tx, ox, k), Operand::rows(ty, oy, n)])?;
     for xs in &xy {
         let (xb, yb) = (&xs.places[0].buffer, &xs.places[1].buffer);
-        let xvec = xs.places[0].offset % 4 == 0;
         // Passes: full groups of MAX_R rows of x (several per dispatch, along z), then the remainder
         // with the smallest power-of-two R that holds it (its extra rows repeat the last one, unwritten).
         let mut passes = Vec::with_capacity(2);
@@ -177,34 +316,121 @@ pub(super) fn qmatmul(
             passes.push((row, rem, rem.next_power_of_two(), 1));
         }
         for (i0, rows, r, z) in passes {
-            let pipe = matmul_pipeline(g, kind, tpr, r, xvec, fault)?;
-            let x_off = xs.places[0].offset + i0 * k;
-            let y_off = xs.places[1].offset + i0 * n;
-            for ws in &w.segs {
-                let nseg = ws.len();
-                let mut grid = fold(g, nseg.div_ceil(rows_per_wg));
-                grid[2] = z as u32;
-                let (sp, qp) = (&ws.places[0], &ws.places[1]);
-                let mut params = vec![
-                    nseg as u32,
-                    kw as u32,
-                    rows as u32,
-                    k as u32,
-                    n as u32,
-                    x_off as u32,
-                    (y_off + ws.start) as u32,
-                    sp.offset as u32,
-                    qp.offset as u32,
-                ];
-                let mut bufs = vec![xb, yb, &sp.buffer];
-                if let Some(mp) = ws.places.get(2) {
-                    params.push(mp.offset as u32);
-                    bufs.push(&mp.buffer);
-                }
-                bufs.push(&qp.buffer);
-                g.dispatch(&pipe, &params, &bufs, grid)?;
-            }
+            let x = (xb, xs.places[0].offset + i0 * k);
+            let y = (yb, xs.places[1].offset + i0 * n);
+            let v = Variant {
+                kind,
+                r,
+                stage: Stage::Plain,
+                out: Output::Store,
+                fault,
+            };
+            dispatch(g, &v, x, y, None, w, [rows, n, k, n], z)?;
         }
+    }
+    Ok(())
+}
+
+/// Most rows one staged product takes (one pass over the weights).
+pub(crate) const MAX_STAGED_ROWS: usize = MAX_R;
+
+/// Whether [`qmatmul_staged`] can run `m` rows of `k`: one pass of rows, and their workgroup copy (with
+/// the reduction buffer) inside the device's workgroup memory.
+pub(crate) fn staged_fits(g: &GpuBackend, m: usize, k: usize) -> bool {
+    let r = m.next_power_of_two();
+    (1..=MAX_STAGED_ROWS).contains(&m)
+        && k.is_multiple_of(4)
+        && (r * k + r * WG) * 4 <= g.limits.max_compute_workgroup_storage_size as usize
+}
+
+/// y (+)= stage(x) · Wᵀ for `m` rows in one pass over the weights ([`staged_fits`] must hold): x, y and
+/// the norm weight each in one buffer (views: buffer and element offset), y rows `ldy` apart.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qmatmul_staged(
+    g: &GpuBackend,
+    x: (&wgpu::Buffer, usize),
+    y: (&wgpu::Buffer, usize),
+    norm_w: Option<(&wgpu::Buffer, usize)>,
+    w: &GpuParts,
+    kind: QKind,
+    stage: Stage,
+    out: Output,
+    [m, n, k, ldy]: [usize; 4],
+    fault: Option<Fault>,
+) -> Result<()> {
+    let v = Variant {
+        kind,
+        r: m.next_power_of_two(),
+        stage,
+        out,
+        fault,
+    };
+    dispatch(g, &v, x, y, norm_w, w, [m, n, k, ldy], 1)
+}
+
+/// One kernel variant.
+struct Variant {
+    kind: QKind,
+    r: usize,
+    stage: Stage,
+    out: Output,
+    fault: Option<Fault>,
+}
+
+/// Records the product of `rows` rows of x (R per workgroup, `z` groups of R along z) with every weight
+/// segment: one dispatch per segment, each writing its columns of y.
+#[allow(clippy::too_many_arguments)]
+fn dispatch(
+    g: &GpuBackend,
+    v: &Variant,
+    (xb, x_off): (&wgpu::Buffer, usize),
+    (yb, y_off): (&wgpu::Buffer, usize),
+    norm_w: Option<(&wgpu::Buffer, usize)>,
+    w: &GpuParts,
+    [rows, _n, k, ldy]: [usize; 4],
+    z: usize,
+) -> Result<()> {
+    let kw = v.kind.words_per_row(k);
+    let tpr = threads_per_row(kw);
+    let rows_per_wg = WG / tpr;
+    let xvec = x_off.is_multiple_of(4)
+        && match v.stage {
+            Stage::Glu { up, ld, .. } => up.is_multiple_of(4) && ld.is_multiple_of(4),
+            _ => true,
+        };
+    let pipe = matmul_pipeline(g, v.kind, tpr, v.r, xvec, v.stage, v.out, k, v.fault)?;
+    let extra = match v.stage {
+        Stage::Plain => [0, 0, 0],
+        Stage::RmsNorm { eps } => [norm_w.map_or(0, |(_, o)| o as u32), eps.to_bits(), 0],
+        Stage::Glu { up, ld, .. } => [up as u32, ld as u32, 0],
+    };
+    for ws in &w.segs {
+        let nseg = ws.len();
+        let mut grid = fold(g, nseg.div_ceil(rows_per_wg));
+        grid[2] = z as u32;
+        let (sp, qp) = (&ws.places[0], &ws.places[1]);
+        let mut params = vec![
+            nseg as u32,
+            kw as u32,
+            rows as u32,
+            k as u32,
+            ldy as u32,
+            x_off as u32,
+            (y_off + ws.start) as u32,
+            sp.offset as u32,
+            qp.offset as u32,
+        ];
+        let mut bufs = vec![xb, yb, &sp.buffer];
+        if let Some(mp) = ws.places.get(2) {
+            params.push(mp.offset as u32);
+            bufs.push(&mp.buffer);
+        }
+        bufs.push(&qp.buffer);
+        params.extend_from_slice(&extra);
+        if let (Stage::RmsNorm { .. }, Some((nb, _))) = (v.stage, norm_w) {
+            bufs.push(nb);
+        }
+        g.dispatch(&pipe, &params, &bufs, grid)?;
     }
     Ok(())
 }

@@ -23,7 +23,7 @@ pub mod cpu;
 mod cpu_avx2;
 #[cfg(target_arch = "x86_64")]
 mod cpu_avx512;
-mod gpu;
+pub(crate) mod gpu;
 
 use std::ops::Range;
 
@@ -356,6 +356,14 @@ fn fits_u32(op: &'static str, vals: &[usize]) -> Result<()> {
 }
 
 impl QMatrix {
+    /// The blocks on the GPU, when it holds them so.
+    pub(crate) fn gpu_parts(&self) -> Option<&GpuParts> {
+        match &self.store {
+            QStore::Gpu(p) => Some(p),
+            _ => None,
+        }
+    }
+
     /// The dequantized f32 matrix, when the GPU holds it so (the quantized kernels not in the path set).
     pub(crate) fn dense(&self) -> Option<&Tensor> {
         match &self.store {

@@ -19,7 +19,14 @@
 // products are summed in f32 and that sub-total is multiplied by its block's scale once; the TPR lanes of
 // a row then sum their partials in workgroup memory (a tree) and lane i writes y row i.
 // Workgroup z takes rows z·R .. z·R + R of x; rows past p.m repeat the last one and are not written.
-struct Params { n: u32, kw: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, o_s: u32, o_q: u32 }
+//
+// gpu.rs also prepends the hooks that let a decode product take in its neighbours: `prologue` (run first
+// by every thread), `xrow`/`xget` (where row $r of x starts, and x[i..i + 4]) and `store` (write or
+// accumulate an output). The plain variant reads x from its binding; the staged variants fill a
+// workgroup copy of the R rows first (RMSNorm of x, or act(gate) · up), so the neighbour op needs no
+// dispatch of its own. e0..e2 are the staged variants' parameters.
+struct Params { n: u32, kw: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, o_s: u32, o_q: u32,
+                e0: u32, e1: u32, e2: u32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<XT>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
@@ -43,15 +50,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let lane = lid % TPR;
   let row = group_index(wid, nwg) * (WG / TPR) + lid / TPR;
   let i0 = wid.z * R;
+  prologue(lid, i0);
   var acc$r = 0.0;
   if (row < p.n) {
-    let x$r = p.o_x + min(i0 + $r, p.m - 1u) * p.k;
+    let x$r = xrow($r, i0);
     let qrow = p.o_q + row * p.kw;
     let srow = p.o_s + row * (p.kw / WPB);
     for (var w = lane; w < p.kw; w += TPR) {
       let s = scales[srow + w / WPB];
       let q = sext(quants[qrow + w]);
-      acc$r = fma(s, dot(q, xload(x$r + 4u * w)), acc$r);
+      acc$r = fma(s, dot(q, xget(x$r + 4u * w)), acc$r);
     }
   }
   red[$r * WG + lid] = acc$r;
@@ -63,6 +71,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     workgroupBarrier();
   }
   if (lane < R && row < p.n && i0 + lane < p.m) {
-    y[p.o_y + (i0 + lane) * p.ldy + row] = red[lane * WG + lid - lane];
+    store(p.o_y + (i0 + lane) * p.ldy + row, red[lane * WG + lid - lane]);
   }
 }

@@ -1,0 +1,248 @@
+//! Attention of a decode pass: one query row per sequence (a prompt's last token, or each sequence of a
+//! server's batch), every sequence's keys and values in one shared cache tensor, all rows in one
+//! dispatch (two past [`CHUNK`] positions: the splits, then their merge).
+//!
+//! ```text
+//!   cache (one per layer):  row base_s + j = [k | v] of sequence s at position j
+//!   table (per query row):  [base, pos]  — the row's sequence's first cache row, and its position
+//! ```
+
+use super::{DecodeShape, attend};
+use crate::backend::{Backend, TMut, TRef};
+use crate::error::{Error, Result};
+use crate::gpu::Access;
+use crate::ops::common::kernel;
+
+/// Positions one workgroup scores (attend_rows.wgsl's CHUNK): contexts up to this take one dispatch.
+pub const CHUNK: usize = 256;
+/// Query heads one workgroup serves (attend_rows.wgsl's GMAX).
+const GMAX: usize = 4;
+
+/// Where each row of a decode pass reads the KV cache.
+#[derive(Clone, Copy)]
+pub struct CacheRows<'a> {
+    /// Per row two u32 words: the cache row holding its sequence's position 0, and its position.
+    pub table: TRef<'a>,
+    /// The same words on the host (they size the dispatch and are checked against the cache).
+    pub host: &'a [[u32; 2]],
+}
+
+/// Heads and layouts of a decode pass's attention.
+#[derive(Clone, Copy, Debug)]
+pub struct RowsShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Row strides of the queries, of the cache and of the output.
+    pub ld_q: usize,
+    pub ld_kv: usize,
+    pub ld_o: usize,
+    /// Where keys and values start inside a cache row.
+    pub k_at: usize,
+    pub v_at: usize,
+    /// Positions a query sees (0: all).
+    pub window: usize,
+    pub scale: f32,
+    pub softcap: f32,
+}
+
+/// out[r] = softmax(scale · q[r] · Kᵀ) · V over row r's sequence, positions (pos − window, pos], for
+/// every row of `rows`; grouped-query heads share their KV head.
+pub fn attend_rows(
+    be: &Backend,
+    q: TRef<'_>,
+    cache: TRef<'_>,
+    rows: CacheRows<'_>,
+    mut out: TMut<'_>,
+    s: RowsShape,
+) -> Result<()> {
+    let n = rows.host.len();
+    let bad = |msg: String| {
+        Err(Error::Shape {
+            op: "attend_rows",
+            msg,
+        })
+    };
+    if s.kv_heads == 0 || s.head_dim == 0 || !s.heads.is_multiple_of(s.kv_heads) {
+        return bad(format!(
+            "heads {} must be a multiple of kv_heads {}",
+            s.heads, s.kv_heads
+        ));
+    }
+    let width = s.kv_heads * s.head_dim;
+    if s.k_at + width > s.ld_kv || s.v_at + width > s.ld_kv {
+        return bad(format!(
+            "keys at {} and values at {} do not fit cache rows of {}",
+            s.k_at, s.v_at, s.ld_kv
+        ));
+    }
+    let cache_rows = (cache.tensor().len() - cache.offset()) / s.ld_kv;
+    if let Some(r) = rows
+        .host
+        .iter()
+        .find(|r| (r[0] as usize + r[1] as usize) >= cache_rows)
+    {
+        return bad(format!(
+            "row at cache row {} + position {} is past the cache's {cache_rows} rows",
+            r[0], r[1]
+        ));
+    }
+    let shape = |pos: usize| DecodeShape {
+        rows: 1,
+        heads: s.heads,
+        kv_heads: s.kv_heads,
+        head_dim: s.head_dim,
+        ld_q: s.ld_q,
+        ld_kv: s.ld_kv,
+        ld_o: s.ld_o,
+        q_pos0: pos,
+        kv_len: pos + 1,
+        window: s.window,
+        scale: s.scale,
+        softcap: s.softcap,
+    };
+    let one_by_one = |out: &mut TMut<'_>| -> Result<()> {
+        for (r, &[base, pos]) in rows.host.iter().enumerate() {
+            let at = cache.offset() + base as usize * s.ld_kv;
+            let (k, v) = (
+                cache.tensor().at(at + s.k_at),
+                cache.tensor().at(at + s.v_at),
+            );
+            let o = out.shift(r * s.ld_o);
+            attend(be, q.shift(r * s.ld_q), k, v, o, shape(pos as usize))?;
+        }
+        Ok(())
+    };
+    let g = match be {
+        // The twin: each row through the CPU attention.
+        Backend::Cpu(_) => return one_by_one(&mut out),
+        Backend::Gpu(g) => g,
+    };
+    if n == 0 {
+        return Ok(());
+    }
+    if !s.head_dim.is_multiple_of(4) || s.head_dim > 256 || 256 % (s.head_dim / 4) != 0 {
+        return one_by_one(&mut out);
+    }
+    let span_q = (n - 1) * s.ld_q + s.heads * s.head_dim;
+    let span_o = (n - 1) * s.ld_o + s.heads * s.head_dim;
+    let (Some((bq, oq)), Some((bo, oo)), Some((bt, ot))) = (
+        q.gpu("attend_rows", "q", span_q)?.span(q.offset(), span_q),
+        out.gpu("attend_rows", "out", span_o)?
+            .span(out.offset(), span_o),
+        rows.table
+            .gpu("attend_rows", "table", 2 * n)?
+            .span(rows.table.offset(), 2 * n),
+    ) else {
+        return one_by_one(&mut out);
+    };
+    let seen = |pos: u32| {
+        let pos = pos as usize;
+        if s.window > 0 {
+            (pos + 1).min(s.window)
+        } else {
+            pos + 1
+        }
+    };
+    let n_split = rows
+        .host
+        .iter()
+        .map(|r| seen(r[1]).div_ceil(CHUNK))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let groups = (s.heads / s.kv_heads).div_ceil(GMAX);
+    let wgs = n * s.kv_heads * groups;
+    let max = g.limits.max_compute_workgroups_per_dimension as usize;
+    if wgs > max || n_split > max {
+        return one_by_one(&mut out);
+    }
+    let part = if n_split > 1 {
+        Some(g.scratch("attend_rows_part", n * s.heads * n_split * (s.head_dim + 2))?)
+    } else {
+        None
+    };
+    let dummy = g.scratch("dummy", 1)?;
+    let pipe = kernel(
+        g,
+        "attend_rows",
+        include_str!("attend_rows.wgsl"),
+        &[
+            Access::Read,
+            Access::Read,
+            Access::Read,
+            Access::ReadWrite,
+            Access::ReadWrite,
+        ],
+    )?;
+    let ct = cache.gpu("attend_rows", "cache", cache_rows * s.ld_kv)?;
+    for c in &ct.chunks {
+        // The cache rows of this buffer (chunks split at whole sequences), if any row reads them.
+        let first = c.start.max(cache.offset());
+        let (lo, hi) = (
+            (first - cache.offset()).div_ceil(s.ld_kv),
+            (c.start + c.len).saturating_sub(cache.offset()) / s.ld_kv,
+        );
+        if !rows
+            .host
+            .iter()
+            .any(|r| (lo..hi).contains(&(r[0] as usize)))
+        {
+            continue;
+        }
+        let o_kv = cache.offset() + lo * s.ld_kv - c.start;
+        let params = [
+            n as u32,
+            s.heads as u32,
+            s.kv_heads as u32,
+            s.head_dim as u32,
+            s.ld_q as u32,
+            s.ld_kv as u32,
+            s.ld_o as u32,
+            s.window as u32,
+            s.scale.to_bits(),
+            s.softcap.to_bits(),
+            oq as u32,
+            (o_kv + s.k_at) as u32,
+            (o_kv + s.v_at) as u32,
+            oo as u32,
+            ot as u32,
+            lo as u32,
+            hi as u32,
+            n_split as u32,
+            0,
+            groups as u32,
+        ];
+        let pb = &part.as_ref().unwrap_or(&dummy).chunks[0].buffer;
+        g.dispatch(
+            &pipe,
+            &params,
+            &[bq, &c.buffer, bt, bo, pb],
+            [wgs as u32, n_split as u32, 1],
+        )?;
+    }
+    if let Some(part) = part {
+        let pipe = kernel(
+            g,
+            "attend_combine",
+            include_str!("attend_combine.wgsl"),
+            &[Access::Read, Access::ReadWrite],
+        )?;
+        let params = [
+            (n * s.heads) as u32,
+            s.heads as u32,
+            s.head_dim as u32,
+            s.ld_o as u32,
+            n_split as u32,
+            0,
+            oo as u32,
+        ];
+        g.dispatch(
+            &pipe,
+            &params,
+            &[&part.chunks[0].buffer, bo],
+            g.grid(n * s.heads),
+        )?;
+    }
+    Ok(())
+}

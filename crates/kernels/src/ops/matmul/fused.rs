@@ -1,0 +1,380 @@
+//! Decode products with their neighbours folded in.
+//!
+//! A decode step is bound by how many dispatches it records (each costs microseconds on the fastest GPUs,
+//! whatever its size), so the small ops around a projection ride inside it: the RMSNorm before a
+//! projection, the GLU before the down projection, the residual addition after an output projection.
+//! [`matmul_fused`] computes exactly what the separate ops compute, in their order (norm, then product,
+//! then addition); where no fused kernel applies — the CPU backend, f32 weights (the canonical path),
+//! rows too long for workgroup memory, tensors split across buffers — it runs those ops one by one.
+//!
+//! ```text
+//!   input:  Rows(x)                 x
+//!           RmsNorm { x, w, eps }   x / rms(x) · w           (per row, as ops::norm computes it)
+//!           Glu { act, gate, up }   act(gate) · up           (as ops::glu computes it)
+//!   output: Store                   y  = input · Wᵀ
+//!           Accumulate              y += input · Wᵀ          (as ops::add::add_assign adds)
+//! ```
+
+use super::quant::gpu::{Stage, qmatmul_staged, staged_fits};
+use super::{Gemm, RowMode, Weights, matmul};
+use crate::backend::{Backend, TMut, TRef};
+use crate::error::{Result, shape};
+use crate::ops::add::add_assign;
+use crate::ops::glu::{Activation, glu};
+use crate::ops::norm::{NormKind, NormShape, norm_forward};
+use crate::path::{PathId, PathSet};
+
+pub use super::quant::gpu::Output;
+
+/// What a fused product multiplies: m rows of k.
+#[derive(Clone, Copy)]
+pub enum Input<'a> {
+    /// x as it is, rows contiguous.
+    Rows(TRef<'a>),
+    /// RMSNorm(x) · w per row (x's rows contiguous, w of k elements).
+    RmsNorm { x: TRef<'a>, w: TRef<'a>, eps: f32 },
+    /// act(gate) · up, element by element; row i of gate (and of up) starts `ld` elements after row i − 1.
+    Glu {
+        act: Activation,
+        gate: TRef<'a>,
+        up: TRef<'a>,
+        ld: usize,
+    },
+}
+
+/// y (+)= input · Wᵀ: `m` rows of `k` through the N x K matrix `w` into `m` contiguous rows of y, with
+/// the ops around it fused into the product where a fused kernel applies. With [`RowMode::Independent`]
+/// each row is computed as it would be alone (the fused kernels always do).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_fused<'w>(
+    be: &Backend,
+    paths: PathSet,
+    mode: RowMode,
+    input: Input<'_>,
+    w: impl Into<Weights<'w>>,
+    mut y: TMut<'_>,
+    [m, n, k]: [usize; 3],
+    out: Output,
+) -> Result<()> {
+    let w = w.into();
+    if m == 0 {
+        return Ok(());
+    }
+    if let Input::Glu { ld, .. } = input
+        && m > 1
+        && ld < k
+    {
+        return Err(shape(
+            "matmul_fused",
+            format!("GLU rows {ld} apart overlap rows of {k}"),
+        ));
+    }
+    if let Some(done) = try_staged(be, paths, input, w, &mut y, [m, n, k], out) {
+        return done;
+    }
+    // The ops one by one, through scratch tensors.
+    let staged_x;
+    let x = match input {
+        Input::Rows(x) => x,
+        Input::RmsNorm { x, w: nw, eps } => {
+            let mut t = be.scratch("fused_in", m * k, k)?;
+            let mut stats = be.scratch("fused_stats", 2 * m, 1)?;
+            let shape = NormShape {
+                rows: m,
+                cols: k,
+                eps,
+            };
+            norm_forward(
+                be,
+                NormKind::Rms,
+                x,
+                nw,
+                t.at_mut(0),
+                stats.at_mut(0),
+                shape,
+            )?;
+            staged_x = t;
+            staged_x.at(0)
+        }
+        Input::Glu { act, gate, up, ld } => {
+            let mut t = be.scratch("fused_in", m * k, k)?;
+            if m == 1 || ld == k {
+                glu(be, act, gate, up, t.at_mut(0), m * k)?;
+            } else {
+                for i in 0..m {
+                    glu(
+                        be,
+                        act,
+                        gate.shift(i * ld),
+                        up.shift(i * ld),
+                        t.at_mut(i * k),
+                        k,
+                    )?;
+                }
+            }
+            staged_x = t;
+            staged_x.at(0)
+        }
+    };
+    let g = Gemm {
+        rows: mode,
+        ..Gemm::nt(m, n, k)
+    };
+    match out {
+        Output::Store => matmul(be, paths, x, w, y, &g),
+        Output::Accumulate => {
+            let mut t = be.scratch("fused_out", m * n, n)?;
+            matmul(be, paths, x, w, t.at_mut(0), &g)?;
+            add_assign(be, y, t.at(0), m * n, 1.0)
+        }
+    }
+}
+
+/// The fused kernel, when one applies: quantized blocks on the GPU with the quantized path held, rows
+/// that fit workgroup memory, every operand in one buffer. None: run the ops one by one.
+fn try_staged(
+    be: &Backend,
+    paths: PathSet,
+    input: Input<'_>,
+    w: Weights<'_>,
+    y: &mut TMut<'_>,
+    [m, n, k]: [usize; 3],
+    out: Output,
+) -> Option<Result<()>> {
+    let (Backend::Gpu(g), Weights::Quant(q)) = (be, w) else {
+        return None;
+    };
+    let parts = q.gpu_parts()?;
+    if !paths.has(PathId::QuantMatmul) || q.rows() != n || q.cols() != k || !staged_fits(g, m, k) {
+        return None;
+    }
+    let yb = y
+        .gpu("matmul_fused", "y", m * n)
+        .ok()?
+        .span(y.offset(), m * n)?;
+    let (x, norm_w, stage) = match input {
+        // A plain product is already one dispatch; only the output may differ.
+        Input::Rows(x) => (
+            x.gpu("matmul_fused", "x", m * k)
+                .ok()?
+                .span(x.offset(), m * k)?,
+            None,
+            Stage::Plain,
+        ),
+        Input::RmsNorm { x, w: nw, eps } => (
+            x.gpu("matmul_fused", "x", m * k)
+                .ok()?
+                .span(x.offset(), m * k)?,
+            Some(nw.gpu("matmul_fused", "w", k).ok()?.span(nw.offset(), k)?),
+            Stage::RmsNorm { eps },
+        ),
+        Input::Glu { act, gate, up, ld } => {
+            // gate and up in one buffer: the kernel reads both through x's binding.
+            let span = |t: TRef<'_>| (m - 1) * ld + k + t.offset();
+            let (lo, hi) = (gate.offset().min(up.offset()), span(gate).max(span(up)));
+            if !std::ptr::eq(gate.tensor(), up.tensor()) {
+                return None;
+            }
+            let (buf, at) = gate.tensor().gpu()?.span(lo, hi - lo)?;
+            let base = |t: TRef<'_>| at + t.offset() - lo;
+            (
+                (buf, base(gate)),
+                None,
+                Stage::Glu {
+                    act,
+                    up: base(up),
+                    ld,
+                },
+            )
+        }
+    };
+    if stage == Stage::Plain && out == Output::Store {
+        return None;
+    }
+    Some(qmatmul_staged(
+        g,
+        x,
+        yb,
+        norm_w,
+        parts,
+        q.kind(),
+        stage,
+        out,
+        [m, n, k, n],
+        paths.fault(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Tensor;
+    use crate::ops::matmul::quant::{QMatrix, quantize_q4, quantize_q8_32};
+    use crate::quant::Q8Matrix;
+    use crate::testing::{Arg, SeedRng, assert_nmse, check_twin, gpu_backend};
+
+    /// The three block layouts of one random matrix.
+    fn matrices(rng: &mut SeedRng, n: usize, k: usize) -> Vec<crate::ops::matmul::QuantSource> {
+        let w = rng.normal_vec(n * k, 0.05);
+        let q8 = quantize_q8_32(&w, n, k);
+        // Q6_K's layout: 16-value blocks.
+        let q16 = Q8Matrix {
+            block: 16,
+            scales: (0..n * k / 16).map(|i| q8.scales[i / 2] * 0.5).collect(),
+            ..q8.clone()
+        };
+        vec![q8.into(), q16.into(), quantize_q4(&w, n, k).into()]
+    }
+
+    fn inputs(act: usize) -> Activation {
+        [Activation::Silu, Activation::Gelu][act]
+    }
+
+    /// Tensor order of every case: x (for GLU: [gate | up] rows), norm weight, y.
+    fn run_case(
+        be: &Backend,
+        t: &mut [Tensor],
+        w: &QMatrix,
+        which: usize,
+        out: Output,
+        m: usize,
+        one_by_one: bool,
+    ) -> Result<()> {
+        let (n, k) = (w.rows(), w.cols());
+        let paths = PathSet::of(&[PathId::QuantMatmul]);
+        let [x, nw, y] = t else { unreachable!() };
+        let input = match which {
+            0 => Input::Rows(x.at(0)),
+            1 => Input::RmsNorm {
+                x: x.at(0),
+                w: nw.at(0),
+                eps: 1e-6,
+            },
+            a => Input::Glu {
+                act: inputs(a - 2),
+                gate: x.at(1),
+                up: x.at(1 + k),
+                ld: 2 * k + 3,
+            },
+        };
+        if !one_by_one {
+            return matmul_fused(
+                be,
+                paths,
+                RowMode::Shared,
+                input,
+                w,
+                y.at_mut(0),
+                [m, n, k],
+                out,
+            );
+        }
+        // The ops one by one, as the model ran them before they were fused.
+        let mut xin = be.zeros(m * k, k)?;
+        let mut stats = be.zeros(2 * m, 1)?;
+        match input {
+            Input::Rows(x) => crate::ops::fill::copy(be, x, xin.at_mut(0), m * k)?,
+            Input::RmsNorm { x, w: nw, eps } => {
+                let shape = NormShape {
+                    rows: m,
+                    cols: k,
+                    eps,
+                };
+                norm_forward(
+                    be,
+                    NormKind::Rms,
+                    x,
+                    nw,
+                    xin.at_mut(0),
+                    stats.at_mut(0),
+                    shape,
+                )?
+            }
+            Input::Glu { act, gate, up, ld } => {
+                for i in 0..m {
+                    glu(
+                        be,
+                        act,
+                        gate.shift(i * ld),
+                        up.shift(i * ld),
+                        xin.at_mut(i * k),
+                        k,
+                    )?;
+                }
+            }
+        }
+        let mut prod = be.zeros(m * n, n)?;
+        matmul(be, paths, xin.at(0), w, prod.at_mut(0), &Gemm::nt(m, n, k))?;
+        match out {
+            Output::Store => crate::ops::fill::copy(be, prod.at(0), y.at_mut(0), m * n),
+            Output::Accumulate => add_assign(be, y.at_mut(0), prod.at(0), m * n, 1.0),
+        }
+    }
+
+    /// Every input, output and layout, fused on the GPU against the CPU twin (itself the ops one by one)
+    /// and, on the same GPU, against the ops one by one; with split tensors the ops run one by one.
+    #[test]
+    fn fused_products_match_the_ops_one_by_one() {
+        let mut rng = SeedRng::new(41);
+        for (n, k) in [(33, 576), (65, 640), (40, 1536), (9, 4096)] {
+            let srcs = matrices(&mut rng, n, k);
+            for which in 0..4 {
+                for out in [Output::Store, Output::Accumulate] {
+                    for m in [1usize, 3, 8] {
+                        let x_len = if which >= 2 {
+                            m * (2 * k + 3) + 1
+                        } else {
+                            m * k
+                        };
+                        let x = rng.normal_vec(x_len, 1.0);
+                        let nw = rng.vec(k, 0.5, 1.5);
+                        let y = rng.vec(m * n, -1.0, 1.0);
+                        let args = [
+                            Arg::data(x, if which >= 2 { 1 } else { k }),
+                            Arg::data(nw, k),
+                            Arg::data(y, n),
+                        ];
+                        let name = format!("fused n={n} k={k} input {which} {out:?} m={m}");
+                        let unit = Some((k as u64) * 8);
+                        let want = check_twin(&name, 1e-11, &args, unit, |be, t| {
+                            for src in &srcs {
+                                let w = QMatrix::upload(
+                                    be,
+                                    src.clone(),
+                                    PathSet::of(&[PathId::QuantMatmul]),
+                                )?;
+                                run_case(be, t, &w, which, out, m, false)?;
+                            }
+                            Ok(())
+                        });
+                        // On the GPU: fused against one by one, both on the quantized kernels.
+                        let Some(g) = gpu_backend(None) else { continue };
+                        let mut got = Vec::new();
+                        for one in [false, true] {
+                            let mut t: Vec<Tensor> = args
+                                .iter()
+                                .map(|a| g.from_f32(a.data.as_ref().unwrap(), a.unit).unwrap())
+                                .collect();
+                            for src in &srcs {
+                                let w = QMatrix::upload(
+                                    &g,
+                                    src.clone(),
+                                    PathSet::of(&[PathId::QuantMatmul]),
+                                )
+                                .unwrap();
+                                run_case(&g, &mut t, &w, which, out, m, one).unwrap();
+                            }
+                            got.push(g.to_vec(&t[2]).unwrap());
+                        }
+                        assert_eq!(
+                            got[1].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            got[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            "{name}: fused vs one by one"
+                        );
+                        assert_nmse(&format!("{name}: gpu vs cpu"), &want[2], &got[0], 1e-11);
+                    }
+                }
+            }
+        }
+    }
+}
