@@ -54,6 +54,11 @@ impl Sampler {
         }
     }
 
+    /// Whether it always picks the most likely token.
+    pub fn is_greedy(&self) -> bool {
+        self.cfg.temperature == 0.0
+    }
+
     fn uniform(&mut self) -> f64 {
         // SplitMix64.
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);

@@ -575,7 +575,7 @@ fn batched_decoding_matches_each_sequence_alone() {
             let mut seqs: Vec<_> = prompts
                 .iter()
                 .map(|p| {
-                    let mut sq = llm.new_sequence(be).unwrap();
+                    let mut sq = llm.new_sequence().unwrap();
                     llm.feed_sequence(be, &mut sq, p).unwrap();
                     sq
                 })
@@ -594,6 +594,81 @@ fn batched_decoding_matches_each_sequence_alone() {
                 }
             }
             assert!(seqs.iter().all(|sq| sq.position() >= 3));
+        }
+    }
+}
+
+/// Generation as `run` does it — on a GPU with the quantized path, greedy picks stay on the device and
+/// each pass is recorded before the host sees the token before — gives the tokens of the plain loop
+/// (decode, read the logits, argmax on the host) and leaves the sequence at the same position, whether
+/// it stops at the token limit, on an end-of-generation token or because the caller says so.
+#[test]
+fn generation_on_the_device_matches_the_host_loop() {
+    use tinygpt_models::llm::{Finish, generate};
+    use tinygpt_models::sampler::{Sampler, SamplerConfig, argmax};
+    let mut backends = vec![(cpu_backend(), PathSet::F32)];
+    if let Some(g) = gpu_backend(None) {
+        backends.push((g, PathSet::of(&[PathId::QuantMatmul])));
+    }
+    for s in [LLAMA, GEMMA3] {
+        let (q, _) = quantized_and_dense(&s, &mixed_types);
+        for (be, paths) in &backends {
+            let mut llm = load_with(be, &q, 512, *paths);
+            // The plain loop: 12 tokens.
+            llm.reset();
+            let mut logits = llm.prefill(be, &PROMPT).unwrap();
+            let mut want = Vec::new();
+            for _ in 0..12 {
+                let id = argmax(&logits);
+                want.push(id);
+                logits = llm.decode(be, id).unwrap();
+            }
+            let greedy = || {
+                Sampler::new(SamplerConfig {
+                    temperature: 0.0,
+                    ..Default::default()
+                })
+            };
+            // (max tokens, end-of-generation id, stop after) -> tokens handed over, finish, position.
+            let eog = want[6];
+            let first_eog = want.iter().position(|&t| t == eog).unwrap();
+            for (max_new, eog, stop_after, finish, n) in [
+                (10, None, None, Finish::MaxTokens, 10),
+                (12, Some(eog), None, Finish::EndOfGeneration, first_eog),
+                (12, None, Some(4), Finish::Stopped, 4),
+                (1, None, None, Finish::MaxTokens, 1),
+            ] {
+                llm.reset();
+                llm.feed(be, &PROMPT).unwrap();
+                let mut got = Vec::new();
+                let g = pollster::block_on(generate(
+                    be,
+                    &mut llm,
+                    &mut greedy(),
+                    max_new,
+                    |id| Some(id) == eog,
+                    async |id| -> Result<bool, LlmError> {
+                        got.push(id);
+                        Ok(Some(got.len()) != stop_after)
+                    },
+                ))
+                .unwrap();
+                let what = format!("{} on {} ({max_new}, {eog:?}, {stop_after:?})", s.arch, be.kind());
+                assert_eq!(got, want[..n], "{what}: tokens");
+                assert_eq!((g.finish, g.tokens), (finish, n), "{what}");
+                // Fed: the prompt and every token but the last (an end-of-generation token never).
+                let fed = if finish == Finish::EndOfGeneration { n } else { n - 1 };
+                assert_eq!(llm.position(), PROMPT.len() + fed, "{what}: position");
+                assert_eq!(g.passes, fed, "{what}: passes");
+                // The sequence goes on from there exactly as the plain loop's.
+                let next = llm.decode(be, want[fed]).unwrap();
+                llm.reset();
+                let mut l2 = llm.prefill(be, &PROMPT).unwrap();
+                for &t in &want[..=fed] {
+                    l2 = llm.decode(be, t).unwrap();
+                }
+                assert!(next == l2, "{what}: the sequence continues differently");
+            }
         }
     }
 }

@@ -38,6 +38,10 @@ pub struct LlmBenchArgs {
     /// Timed repetitions (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
+    /// Then time every kernel of the prompt and of the decode passes on the device (GPU adapters with
+    /// timestamp queries inside passes) and print where the time goes.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 #[derive(Args, Debug)]
@@ -482,21 +486,48 @@ fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet) -> Result<()> {
     );
     let mut rng = SeedRng::new(3);
     let prompt: Vec<u32> = (0..a.prompt).map(|_| rng.below(cfg.vocab) as u32).collect();
+    // Decoding as `run --temperature 0` does it (the next token picked on the device where it can be),
+    // `n` passes after the prompt.
+    let decode = |llm: &mut Llm| -> Result<usize> {
+        let mut greedy =
+            tinygpt_models::sampler::Sampler::new(tinygpt_models::sampler::SamplerConfig {
+                temperature: 0.0,
+                ..Default::default()
+            });
+        let g = pollster::block_on(tinygpt_models::llm::generate(
+            be,
+            llm,
+            &mut greedy,
+            a.n + 1,
+            |_| false,
+            async |_| -> Result<bool> { Ok(true) },
+        ))?;
+        Ok(g.passes)
+    };
     // Warm-up: every pipeline built once.
-    llm.prefill(be, &prompt)?;
-    llm.decode(be, 1)?;
+    llm.feed(be, &prompt)?;
+    decode(&mut llm)?;
     let (mut pp, mut tg) = (Vec::new(), Vec::new());
+    let mut per_token = None;
     for _ in 0..a.reps.max(1) {
         llm.reset();
         let t = Instant::now();
-        let mut logits = llm.prefill(be, &prompt)?;
+        llm.feed(be, &prompt)?;
+        be.sync()?;
         pp.push(a.prompt as f64 / t.elapsed().as_secs_f64());
+        let c0 = be.as_gpu().map(|g| g.counters());
         let t = Instant::now();
-        for _ in 0..a.n {
-            let next = tinygpt_models::sampler::argmax(&logits);
-            logits = llm.decode(be, next)?;
+        let passes = decode(&mut llm)?;
+        tg.push(passes as f64 / t.elapsed().as_secs_f64());
+        if let (Some(g), Some(c0)) = (be.as_gpu(), c0) {
+            let c = g.counters();
+            let per = |x: u64, y: u64| (x - y) as f64 / passes.max(1) as f64;
+            per_token = Some((
+                per(c.dispatches, c0.dispatches),
+                per(c.submits, c0.submits),
+                per(c.readbacks, c0.readbacks),
+            ));
         }
-        tg.push(a.n as f64 / t.elapsed().as_secs_f64());
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -511,5 +542,37 @@ fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet) -> Result<()> {
         a.reps.max(1),
         pills(llm.paths())
     );
+    if let Some((d, s, r)) = per_token {
+        println!("per decoded token: {d:.1} dispatches, {s:.2} submits, {r:.2} readbacks");
+    }
+    if let (true, Some(g)) = (a.profile, be.as_gpu()) {
+        llm.reset();
+        g.start_profiling()?;
+        llm.feed(be, &prompt)?;
+        print_profile(&g.profile()?, "prompt pass", 1);
+        g.start_profiling()?;
+        let passes = decode(&mut llm)?;
+        print_profile(&g.profile()?, "decoded token", passes);
+    }
     Ok(())
+}
+
+/// Each kernel's device time per unit of work (`per` units), the costliest first.
+fn print_profile(times: &[tinygpt_kernels::gpu::KernelTime], unit: &str, per: usize) {
+    let per = per.max(1) as f64;
+    let total: f64 = times.iter().map(|t| t.micros).sum();
+    println!(
+        "device time per {unit}: {:.1} µs in {:.1} dispatches (each timed alone: the sum of kernel times)",
+        total / per,
+        times.iter().map(|t| t.dispatches as f64).sum::<f64>() / per
+    );
+    for t in times {
+        println!(
+            "  {:>9.1} µs {:>5.1}% {:>7.1}x  {}",
+            t.micros / per,
+            100.0 * t.micros / total.max(1e-9),
+            t.dispatches as f64 / per,
+            t.kernel
+        );
+    }
 }

@@ -14,7 +14,7 @@ use tinygpt_kernels::Backend;
 use tinygpt_kernels::gate::pills;
 use tinygpt_kernels::ops::matmul::quant::cpu::CpuIsa;
 use tinygpt_models::gating::GgufGate;
-use tinygpt_models::llm::{Llm, LlmConfig, LoadOptions};
+use tinygpt_models::llm::{Finish, Llm, LlmConfig, LoadOptions};
 
 use crate::gates::GateArgs;
 use tinygpt_models::sampler::{Sampler, SamplerConfig};
@@ -278,33 +278,36 @@ pub fn generate(
         ..Timings::default()
     };
     let t = Instant::now();
-    let mut logits = llm.prefill(be, new_ids)?;
+    llm.feed(be, new_ids)?;
+    if let Some(g) = be.as_gpu() {
+        // The prompt's time includes its work on the device.
+        g.sync()?;
+    }
     tm.prompt_secs = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let mut out = Vec::new();
     let mut text = tok.stream_decoder(false);
-    let stop = loop {
-        if out.len() >= max_new {
-            break Stop::MaxTokens;
-        }
-        let id = sampler.sample(&logits);
-        if tok.is_eog(id) {
-            break Stop::EndOfGeneration;
-        }
-        out.push(id);
-        emit(&text.push(id)?)?;
-        if out.len() >= max_new {
-            break Stop::MaxTokens;
-        }
-        if llm.position() >= llm.context() {
-            break Stop::ContextFull;
-        }
-        logits = llm.decode(be, id)?;
-        tm.decode_passes += 1;
-    };
+    let g = pollster::block_on(tinygpt_models::llm::generate(
+        be,
+        llm,
+        sampler,
+        max_new,
+        |id| tok.is_eog(id),
+        async |id| -> Result<bool> {
+            out.push(id);
+            emit(&text.push(id)?)?;
+            Ok(true)
+        },
+    ))?;
     emit(&text.finish())?;
     tm.decode_secs = t.elapsed().as_secs_f64();
+    tm.decode_passes = g.passes;
     tm.generated_tokens = out.len();
+    let stop = match g.finish {
+        Finish::EndOfGeneration => Stop::EndOfGeneration,
+        Finish::ContextFull => Stop::ContextFull,
+        Finish::MaxTokens | Finish::Stopped => Stop::MaxTokens,
+    };
     Ok((out, stop, tm))
 }
 

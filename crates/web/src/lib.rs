@@ -715,35 +715,43 @@ impl Session {
             let t0 = Instant::now();
             c.llm.feed(be, &ids[keep..]).map_err(js_err)?;
             c.cached.extend_from_slice(&ids[keep..]);
-            let mut logits = c.llm.read_logits(be).await.map_err(js_err)?;
             let prompt_secs = t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
             let mut sampler = Sampler::new(sc);
             let mut text = c.tok.stream_decoder(false);
             let mut reply = String::new();
-            let mut made = 0usize;
-            let mut finish = "length";
-            while made < max_tokens {
-                let id = sampler.sample(&logits);
-                if c.tok.is_eog(id) {
-                    finish = "stop";
-                    break;
-                }
-                made += 1;
-                let piece = text.push(id).map_err(js_err)?;
-                reply.push_str(&piece);
-                call(&on_text, piece);
-                if made >= max_tokens || c.llm.position() >= c.llm.context() || stop.get() {
-                    finish = if stop.get() { "stopped" } else { "length" };
-                    break;
-                }
-                c.llm.feed(be, &[id]).map_err(js_err)?;
-                c.cached.push(id);
-                logits = c.llm.read_logits(be).await.map_err(js_err)?;
-                if made.is_multiple_of(8) {
-                    yield_now().await;
-                }
-            }
+            let mut made = Vec::new();
+            let tok = &c.tok;
+            let g = tinygpt_models::llm::generate(
+                be,
+                &mut c.llm,
+                &mut sampler,
+                max_tokens,
+                |id| tok.is_eog(id),
+                async |id| -> Result<bool, tinygpt_models::llm::LlmError> {
+                    made.push(id);
+                    let piece = text
+                        .push(id)
+                        .map_err(|e| tinygpt_models::llm::LlmError::Options(e.to_string()))?;
+                    reply.push_str(&piece);
+                    call(&on_text, piece);
+                    if made.len().is_multiple_of(8) {
+                        yield_now().await;
+                    }
+                    Ok(!stop.get())
+                },
+            )
+            .await
+            .map_err(js_err)?;
+            // Every token but the last was fed (an end-of-generation token never).
+            let fed = c.llm.position() - c.cached.len();
+            c.cached.extend_from_slice(&made[..fed]);
+            let finish = match g.finish {
+                tinygpt_models::llm::Finish::EndOfGeneration => "stop",
+                tinygpt_models::llm::Finish::Stopped => "stopped",
+                _ => "length",
+            };
+            let made = made.len();
             let tail = text.finish();
             reply.push_str(&tail);
             call(&on_text, tail);

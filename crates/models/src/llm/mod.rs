@@ -15,11 +15,13 @@
 
 mod config;
 mod error;
+mod generate;
 mod kv_cache;
 mod model;
 mod weights;
 
 pub use config::{Arch, LayerAttention, LlmConfig};
 pub use error::{LlmError, Result};
-pub use model::{DEFAULT_CONTEXT, Llm, LoadOptions, MemoryReport, Sequence};
+pub use generate::{Finish, Generated, generate};
+pub use model::{DEFAULT_CONTEXT, Feed, Llm, LoadOptions, MemoryReport, Sequence};
 pub use weights::LoadProgress;

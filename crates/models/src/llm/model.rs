@@ -17,26 +17,40 @@
 //! holds `[q | k | v]`. With one row (decoding) every member is already contiguous; with several rows
 //! the members that must be contiguous (the norms take packed rows) are copied out first.
 //!
-//! A pass may carry rows of several sequences ([`Sequence`], each with its own KV cache and position):
-//! the products, norms and activations run once over all rows (the weights are read once for every
-//! sequence), and only RoPE, the cache writes and attention run per sequence. That is how a server
-//! decodes all of its active requests in one pass ([`Llm::decode_batch`]).
+//! Two kinds of pass share the model's weights and KV cache:
+//!
+//! - a **prompt pass** ([`Llm::feed`]) takes m tokens of one sequence in one batched pass;
+//! - a **decode pass** ([`Llm::decode_step`]) takes one token of each of up to `parallel` sequences
+//!   ([`Sequence`], each a slot of the shared cache with its own position) and is built for the fewest
+//!   dispatches: the norm before each projection, the GLU before the down projection and the residual
+//!   addition after the output projections ride inside the quantized products
+//!   ([`matmul_fused`]); RoPE, the Q/K norms and the cache writes are one op ([`rope_into_cache`]);
+//!   attention is one op for every sequence ([`attend_rows`]). A llama layer is five dispatches and an
+//!   attention. The next tokens can be picked on the device ([`Llm::pick_greedy`]) and fed to the next
+//!   pass from there, so the host never waits on the device in between ([`Llm::read_picks`]).
+//!
+//! Every op of a decode pass computes each row as it would alone, so a sequence's numbers do not depend
+//! on which others share its pass.
 
 use tinygpt_formats::GgufFile;
 use tinygpt_kernels::ops::add::add_assign;
-use tinygpt_kernels::ops::attention::{DecodeShape, attend};
+use tinygpt_kernels::ops::argmax::argmax_rows;
+use tinygpt_kernels::ops::attention::{CacheRows, DecodeShape, RowsShape, attend, attend_rows};
 use tinygpt_kernels::ops::fill::copy;
 use tinygpt_kernels::ops::gelu::gelu;
 use tinygpt_kernels::ops::glu::glu;
+use tinygpt_kernels::ops::matmul::fused::{Input, Output};
 use tinygpt_kernels::ops::matmul::{Gemm, RowMode, matmul};
-use tinygpt_kernels::ops::norm::{NormKind, NormShape, norm_forward};
-use tinygpt_kernels::ops::rope::{RopeShape, rope, rope_table};
-use tinygpt_kernels::{Backend, DType, PathSet, TMut, TRef, Tensor};
+use tinygpt_kernels::ops::norm::{NormKind, NormShape, add_rms_norm, norm_forward};
+use tinygpt_kernels::ops::rope::{
+    QkNorm, RopeCacheShape, RopeShape, rope, rope_into_cache, rope_table,
+};
+use tinygpt_kernels::{Backend, DType, PathSet, PendingRead, TMut, TRef, Tensor};
 
 use super::config::{LayerAttention, LlmConfig};
 use super::error::{LlmError, Result};
-use super::kv_cache::KvCache;
-use super::weights::{LayerWeights, LoadProgress, Norm, Rows, Slot, Weights, add_bias};
+use super::kv_cache::KvPool;
+use super::weights::{LayerWeights, Linear, LoadProgress, Norm, Rows, Slot, Weights, add_bias};
 
 /// How to set a model up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,7 +62,8 @@ pub struct LoadOptions {
     /// The fast paths the model runs on (what the numerics gate passed; default: the f32 path). On a GPU
     /// without the quantized kernels in the set, quantized weights are held dequantized.
     pub paths: PathSet,
-    /// Most sequences one [`Llm::decode_batch`] pass decodes (sizes the logits buffer).
+    /// Most sequences one decode pass takes. With more than one, the cache holds that many sequences
+    /// besides the model's own ([`Llm::new_sequence`]).
     pub parallel: usize,
 }
 
@@ -84,10 +99,12 @@ impl MemoryReport {
 
 /// Buffers of one forward pass, for up to `batch` token rows.
 struct Scratch {
-    /// Token ids (u32).
+    /// Token ids (u32): a pass's input, and the tokens [`Llm::pick_greedy`] picks.
     ids: Tensor,
     /// Each row's position (u32), for learned positions.
     pos_ids: Tensor,
+    /// A decode pass's cache rows: [first cache row of its sequence, position] per row (u32).
+    rows: Tensor,
     /// `batch` ones: the left operand of bias additions (see [`add_bias`]).
     ones: Tensor,
     /// The residual stream [batch, d].
@@ -101,7 +118,7 @@ struct Scratch {
     /// Members of `proj` copied out as contiguous rows.
     split_a: Tensor,
     split_b: Tensor,
-    /// Normed and rotated queries [batch, q_dim] (Gemma).
+    /// Normed and rotated queries [batch, q_dim] (Gemma; every model in a decode pass).
     qn: Tensor,
     /// Attention output [batch, q_dim].
     att: Tensor,
@@ -123,6 +140,7 @@ impl Scratch {
         Ok(Scratch {
             ids: be.zeros_typed(batch, batch, DType::U32)?,
             pos_ids: be.zeros_typed(batch, batch, DType::U32)?,
+            rows: be.zeros_typed(2 * parallel, 2 * parallel, DType::U32)?,
             ones: be.from_f32(&vec![1.0; batch], batch)?,
             x: z(batch, d)?,
             xn: z(batch, d)?,
@@ -130,7 +148,7 @@ impl Scratch {
             proj: z(batch, (qd + 2 * kvd).max(2 * ff))?,
             split_a: z(batch, split)?,
             split_b: z(batch, split)?,
-            qn: if cfg.qk_norm { z(batch, qd)? } else { z(1, 1)? },
+            qn: z(batch, qd)?,
             att: z(batch, qd)?,
             out: z(batch, d)?,
             act: z(batch, ff)?,
@@ -143,6 +161,7 @@ impl Scratch {
         [
             &self.ids,
             &self.pos_ids,
+            &self.rows,
             &self.ones,
             &self.x,
             &self.xn,
@@ -163,11 +182,13 @@ impl Scratch {
     }
 }
 
-/// One sequence's state: its KV cache and the positions it holds. A model holds one of its own (the
-/// single-sequence methods of [`Llm`] use it); [`Llm::new_sequence`] makes more for batched decoding.
+/// One sequence's state: its slot of the model's KV cache and the positions it holds. A model holds one
+/// of its own (the single-sequence methods of [`Llm`] use it); [`Llm::new_sequence`] hands out the others.
+#[derive(Debug)]
 pub struct Sequence {
-    cache: KvCache,
+    slot: usize,
     pos: usize,
+    context: usize,
 }
 
 impl Sequence {
@@ -178,7 +199,7 @@ impl Sequence {
 
     /// Positions the cache holds.
     pub fn context(&self) -> usize {
-        self.cache.context
+        self.context
     }
 
     /// Forgets every position.
@@ -191,28 +212,37 @@ impl Sequence {
         self.pos = self.pos.min(n);
     }
 
-    /// Bytes its cache holds.
-    pub fn bytes(&self) -> u64 {
-        self.cache.bytes()
-    }
-
     /// Checks that `tokens` fit after what the sequence holds and are in the vocabulary.
     fn check(&self, tokens: &[u32], vocab: usize) -> Result<()> {
         if tokens.is_empty() {
             return Err(LlmError::Options("no tokens to feed".into()));
         }
-        if tokens.len() > self.cache.context - self.pos {
-            return Err(LlmError::ContextFull {
-                tokens: tokens.len(),
-                used: self.pos,
-                limit: self.cache.context,
-            });
-        }
+        self.check_room(tokens.len())?;
         if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
             return Err(LlmError::TokenOutOfRange { id, vocab });
         }
         Ok(())
     }
+
+    fn check_room(&self, n: usize) -> Result<()> {
+        if n > self.context - self.pos {
+            return Err(LlmError::ContextFull {
+                tokens: n,
+                used: self.pos,
+                limit: self.context,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The tokens a decode pass feeds.
+#[derive(Clone, Copy, Debug)]
+pub enum Feed<'a> {
+    /// One id per sequence, from the host.
+    Ids(&'a [u32]),
+    /// The ids the last [`Llm::pick_greedy`] left on the device, one per sequence.
+    Picked,
 }
 
 /// The model's weights and the buffers of one pass.
@@ -232,18 +262,16 @@ struct Core {
     paths: PathSet,
     /// Logits of every row of a pass ([`Llm::score`]), made on first use.
     scored: Option<Tensor>,
+    /// Every sequence's keys and values.
+    pool: KvPool,
+    /// Rows of the last decode pass (sizes the logits and picks to read).
+    last_rows: usize,
 }
 
 /// A GGUF model loaded on a backend, with its own sequence's KV cache.
 pub struct Llm {
     core: Core,
     seq: Sequence,
-}
-
-/// The rows of one sequence in a pass: `rows` tokens at the sequence's next positions.
-struct Seg<'a> {
-    seq: &'a mut Sequence,
-    rows: usize,
 }
 
 impl Llm {
@@ -308,7 +336,13 @@ impl Llm {
         }
         let batch = opts.batch.min(context).max(opts.parallel);
         let w = Weights::load(be, file, &cfg, progress, release_pages, opts.paths)?;
-        let cache = KvCache::new(be, cfg.n_layer, context, 2 * cfg.kv_dim())?;
+        // The model's own sequence, and with several, that many more for a server's batch.
+        let slots = if opts.parallel > 1 {
+            opts.parallel + 1
+        } else {
+            1
+        };
+        let pool = KvPool::new(be, cfg.n_layer, slots, context, 2 * cfg.kv_dim())?;
         let mut keys: Vec<(u32, u32)> = Vec::new();
         let mut ropes = Vec::new();
         let mut layer_rope = Vec::with_capacity(cfg.n_layer);
@@ -328,6 +362,8 @@ impl Llm {
             layer_rope.push(i);
         }
         let s = Scratch::new(be, &cfg, batch, opts.parallel)?;
+        let mut pool = pool;
+        pool.taken[0] = true;
         Ok(Llm {
             core: Core {
                 cfg,
@@ -340,8 +376,14 @@ impl Llm {
                 parallel: opts.parallel,
                 paths: opts.paths,
                 scored: None,
+                pool,
+                last_rows: 0,
             },
-            seq: Sequence { cache, pos: 0 },
+            seq: Sequence {
+                slot: 0,
+                pos: 0,
+                context,
+            },
         })
     }
 
@@ -374,34 +416,49 @@ impl Llm {
         self.seq.truncate(n);
     }
 
-    /// Most sequences one [`Llm::decode_batch`] takes.
+    /// Most sequences one decode pass takes.
     pub fn parallel(&self) -> usize {
         self.core.parallel
     }
 
-    /// A new sequence with its own KV cache of the model's context (empty).
-    pub fn new_sequence(&self, be: &Backend) -> Result<Sequence> {
-        let cfg = &self.core.cfg;
+    /// A new sequence with its own slot of the KV cache (empty), one of the `parallel` the model was
+    /// loaded with; [`Llm::free_sequence`] gives the slot back.
+    pub fn new_sequence(&mut self) -> Result<Sequence> {
+        let p = &mut self.core.pool;
+        let Some(slot) = p.taken.iter().position(|t| !t) else {
+            return Err(LlmError::Options(format!(
+                "all {} sequences of the KV cache are in use (load with a larger `parallel`)",
+                p.taken.len().saturating_sub(1)
+            )));
+        };
+        p.taken[slot] = true;
         Ok(Sequence {
-            cache: KvCache::new(be, cfg.n_layer, self.core.context, 2 * cfg.kv_dim())?,
+            slot,
             pos: 0,
+            context: p.context,
         })
+    }
+
+    /// Gives a sequence's slot back for a later [`Llm::new_sequence`].
+    pub fn free_sequence(&mut self, seq: Sequence) {
+        if seq.slot != 0 {
+            self.core.pool.taken[seq.slot] = false;
+        }
     }
 
     /// Bytes one more sequence's KV cache takes.
     pub fn sequence_bytes(&self) -> u64 {
-        self.seq.bytes()
+        self.core.pool.slot_bytes()
     }
 
     pub fn memory(&self) -> MemoryReport {
         let c = &self.core;
         MemoryReport {
             weights: c.w.bytes(),
-            kv_cache: self.seq.cache.bytes(),
+            kv_cache: c.pool.bytes(),
             scratch: c.s.bytes() + c.ropes.iter().map(Tensor::bytes).sum::<u64>(),
         }
     }
-
     /// The kernel layout of each projection, for reports: ("qkv", "q4 fused") etc.
     pub fn layouts(&self) -> Vec<(String, String)> {
         let fused = |f: &super::weights::Fused| {
@@ -446,7 +503,8 @@ impl Llm {
         self.core.feed(be, &mut self.seq, tokens)
     }
 
-    /// [`Llm::feed`] for another sequence (a prompt, or any tokens after what it holds).
+    /// [`Llm::feed`] for another sequence (a prompt, or any tokens after what it holds). Its logits go
+    /// to row 0 of [`Llm::read_logits_batch`].
     pub fn feed_sequence(
         &mut self,
         be: &Backend,
@@ -456,27 +514,62 @@ impl Llm {
         self.core.feed(be, seq, tokens)
     }
 
-    /// Records one pass feeding one token to each sequence (at most [`Llm::parallel`]): the weights
-    /// are read once for all of them. Row i of the logits ([`Llm::read_logits_batch`]) follows
-    /// `steps[i]`'s token.
-    pub fn decode_batch(&mut self, be: &Backend, steps: &mut [(&mut Sequence, u32)]) -> Result<()> {
+    /// Records one decode pass feeding one token to each of `seqs` (at most [`Llm::parallel`]; the
+    /// model's own sequence with `seqs` empty): the weights are read once for all of them. Row i of the
+    /// logits ([`Llm::read_logits_batch`]) follows sequence i's token.
+    pub fn decode_step(
+        &mut self,
+        be: &Backend,
+        seqs: &mut [&mut Sequence],
+        feed: Feed<'_>,
+    ) -> Result<()> {
+        if seqs.is_empty() {
+            return self.core.decode(be, &mut [&mut self.seq], feed);
+        }
+        self.core.decode(be, seqs, feed)
+    }
+
+    /// Records picking each row's most likely token of the last pass (the first of equal maxima, as
+    /// [`crate::sampler::argmax`]) on the device: the next [`Feed::Picked`] pass reads them there, and
+    /// [`Llm::read_picks`] brings them to the host. Models that soft-cap their logits read them instead
+    /// ([`Llm::picks_on_device`] says which).
+    pub fn pick_greedy(&mut self, be: &Backend) -> Result<()> {
         let c = &mut self.core;
-        if steps.is_empty() || steps.len() > c.parallel {
-            return Err(LlmError::Options(format!(
-                "a decode pass takes 1 to {} sequences, not {}",
-                c.parallel,
-                steps.len()
-            )));
+        if !c.picks_on_device() {
+            return Err(LlmError::Options(
+                "this model caps its logits: pick from read_logits".into(),
+            ));
         }
-        for (seq, t) in steps.iter() {
-            seq.check(std::slice::from_ref(t), c.cfg.vocab)?;
+        let rows = c.last_rows.max(1);
+        argmax_rows(be, c.s.logits.at(0), c.s.ids.at_mut(0), rows, c.cfg.vocab)?;
+        Ok(())
+    }
+
+    /// Whether [`Llm::pick_greedy`] picks what the host's argmax of [`Llm::read_logits`] would.
+    pub fn picks_on_device(&self) -> bool {
+        self.core.picks_on_device()
+    }
+
+    /// Starts bringing the last [`Llm::pick_greedy`]'s ids to the host; work recorded after this call
+    /// keeps the device busy while the host waits in [`Llm::finish_picks`].
+    pub fn read_picks(&self, be: &Backend) -> Result<PendingRead> {
+        let c = &self.core;
+        Ok(be.read_start(c.s.ids.at(0), c.last_rows.max(1))?)
+    }
+
+    /// The ids of a [`Llm::read_picks`], one per row of its pass.
+    pub async fn finish_picks(&self, be: &Backend, p: PendingRead) -> Result<Vec<u32>> {
+        Ok(be.read_finish(p).await?)
+    }
+
+    /// Records one decode pass feeding one token to each sequence (at most [`Llm::parallel`]).
+    pub fn decode_batch(&mut self, be: &Backend, steps: &mut [(&mut Sequence, u32)]) -> Result<()> {
+        let ids: Vec<u32> = steps.iter().map(|(_, t)| *t).collect();
+        let mut seqs: Vec<&mut Sequence> = steps.iter_mut().map(|(s, _)| &mut **s).collect();
+        if seqs.is_empty() {
+            return Err(LlmError::Options("a decode pass needs a sequence".into()));
         }
-        let tokens: Vec<u32> = steps.iter().map(|(_, t)| *t).collect();
-        let mut segs: Vec<Seg<'_>> = steps
-            .iter_mut()
-            .map(|(seq, _)| Seg { seq, rows: 1 })
-            .collect();
-        c.forward(be, &tokens, &mut segs)
+        self.core.decode(be, &mut seqs, Feed::Ids(&ids))
     }
 
     /// Feeds `tokens` (after what the cache holds) and returns the logits after each of the tokens
@@ -491,26 +584,11 @@ impl Llm {
             let start = i * c.batch;
             let f = from.saturating_sub(start);
             if f >= chunk.len() {
-                c.forward(
-                    be,
-                    chunk,
-                    &mut [Seg {
-                        seq: &mut self.seq,
-                        rows: chunk.len(),
-                    }],
-                )?;
+                c.forward(be, chunk, &mut self.seq, None)?;
                 continue;
             }
-            c.forward_scored(
-                be,
-                chunk,
-                &mut [Seg {
-                    seq: &mut self.seq,
-                    rows: chunk.len(),
-                }],
-                Some(f),
-            )?;
-            let t = c.scored.as_ref().expect("made by forward_scored");
+            c.forward(be, chunk, &mut self.seq, Some(f))?;
+            let t = c.scored.as_ref().expect("made by forward");
             let rows = be.read_f32(t.at(0), (chunk.len() - f) * v).await?;
             out.extend_from_slice(&rows);
         }
@@ -526,7 +604,7 @@ impl Llm {
         Ok(self.core.read_logits(be, 1).await?.swap_remove(0))
     }
 
-    /// The logits of each of the first `n` sequences of the last [`Llm::decode_batch`].
+    /// The logits of each of the first `n` rows of the last decode pass.
     pub async fn read_logits_batch(&self, be: &Backend, n: usize) -> Result<Vec<Vec<f32>>> {
         self.core.read_logits(be, n).await
     }
@@ -541,21 +619,24 @@ impl Llm {
     /// Feeds one token and returns the logits after it.
     #[cfg(not(target_arch = "wasm32"))]
     pub fn decode(&mut self, be: &Backend, token: u32) -> Result<Vec<f32>> {
-        self.prefill(be, &[token])
+        self.decode_step(be, &mut [], Feed::Ids(&[token]))?;
+        pollster::block_on(self.read_logits(be))
     }
 }
 
 impl Core {
+    /// Prompt passes of at most the batch.
     fn feed(&mut self, be: &Backend, seq: &mut Sequence, tokens: &[u32]) -> Result<()> {
         seq.check(tokens, self.cfg.vocab)?;
         for chunk in tokens.chunks(self.batch) {
-            let mut segs = [Seg {
-                seq: &mut *seq,
-                rows: chunk.len(),
-            }];
-            self.forward(be, chunk, &mut segs)?;
+            self.forward(be, chunk, seq, None)?;
         }
+        self.last_rows = 1;
         Ok(())
+    }
+
+    fn picks_on_device(&self) -> bool {
+        self.cfg.final_softcap == 0.0
     }
 
     async fn read_logits(&self, be: &Backend, n: usize) -> Result<Vec<Vec<f32>>> {
@@ -580,19 +661,13 @@ impl Core {
             .collect())
     }
 
-    /// One pass over `tokens`, split among `segs` in order (one segment of any length, or several of
-    /// one row each).
-    fn forward(&mut self, be: &Backend, tokens: &[u32], segs: &mut [Seg<'_>]) -> Result<()> {
-        self.forward_scored(be, tokens, segs, None)
-    }
-
-    /// [`Core::forward`]; with `scored_from = Some(f)` (one segment) the logits of rows f.. go to
-    /// `scored` instead of the last row's to `logits`.
-    fn forward_scored(
+    /// One prompt pass over `tokens` of `seq`; with `scored_from = Some(f)` the logits of rows f.. go
+    /// to `scored` instead of the last row's to `logits`.
+    fn forward(
         &mut self,
         be: &Backend,
         tokens: &[u32],
-        segs: &mut [Seg<'_>],
+        seq: &mut Sequence,
         scored_from: Option<usize>,
     ) -> Result<()> {
         if scored_from.is_some() && self.scored.is_none() {
@@ -608,19 +683,9 @@ impl Core {
             context,
             paths,
             scored,
+            pool,
             ..
         } = self;
-        let mut spans = Vec::with_capacity(segs.len());
-        let mut row0 = 0;
-        for g in segs.iter() {
-            spans.push(Span {
-                row0,
-                rows: g.rows,
-                pos0: g.seq.pos,
-            });
-            row0 += g.rows;
-        }
-        debug_assert!(segs.len() == 1 || segs.iter().all(|g| g.rows == 1));
         let pass = Pass {
             be,
             paths: *paths,
@@ -628,41 +693,30 @@ impl Core {
             m: tokens.len(),
             batch: *batch,
             context: *context,
-            mode: if spans.len() > 1 {
-                RowMode::Independent
-            } else {
-                RowMode::Shared
-            },
-            spans,
+            mode: RowMode::Shared,
+            pos0: seq.pos,
         };
         let d = cfg.d_model;
         be.write_u32(s.ids.at_mut(0), tokens)?;
         w.embed
             .get_rows(be, s.ids.at(0), s.x.at_mut(0), pass.m, cfg.embed_scale)?;
         if let Some(pos) = &w.pos_embd {
-            let ids: Vec<u32> = pass
-                .spans
-                .iter()
-                .flat_map(|sp| sp.pos0..sp.pos0 + sp.rows)
-                .map(|p| p as u32)
-                .collect();
+            let ids: Vec<u32> = (seq.pos..seq.pos + pass.m).map(|p| p as u32).collect();
             be.write_u32(s.pos_ids.at_mut(0), &ids)?;
             pos.get_rows(be, s.pos_ids.at(0), s.out.at_mut(0), pass.m, 1.0)?;
             add_assign(be, s.x.at_mut(0), s.out.at(0), pass.m * d, 1.0)?;
         }
+        let at = pool.base(seq.slot) * pool.width;
         for (l, lw) in w.layers.iter().enumerate() {
             let rope = layer_rope.get(l).map(|&i| &ropes[i]);
-            let mut caches: Vec<&mut Tensor> =
-                segs.iter_mut().map(|g| &mut g.seq.cache.kv[l]).collect();
-            pass.attention(lw, &cfg.layers[l], s, &mut caches, rope)?;
+            let cache = pool.kv[l].at_mut(at);
+            pass.attention(lw, &cfg.layers[l], s, cache, rope)?;
             pass.feed_forward(lw, s)?;
         }
-        // Only each sequence's last position's logits are needed: one row for one sequence, every row
-        // when each sequence has one.
+        // Only the last position's logits are needed, or those of every row from `scored_from`.
         let (first, rows) = match scored_from {
             Some(f) => (f, pass.m - f),
-            None if segs.len() == 1 => (pass.m - 1, 1),
-            None => (0, pass.m),
+            None => (pass.m - 1, 1),
         };
         let last = s.x.at(first * d);
         pass.norm(last, &w.output_norm, &mut s.xn, &mut s.stats, rows, &s.ones)?;
@@ -675,21 +729,97 @@ impl Core {
             _ => s.logits.at_mut(0),
         };
         w.head().matmul(be, head_rows, s.xn.at(0), out)?;
-        for g in segs.iter_mut() {
-            g.seq.pos += g.rows;
-        }
+        seq.pos += pass.m;
         Ok(())
     }
-}
 
-/// Where one sequence's rows lie in a pass.
-#[derive(Clone, Copy, Debug)]
-struct Span {
-    /// First row of the pass that belongs to it.
-    row0: usize,
-    rows: usize,
-    /// Its position of that first row.
-    pos0: usize,
+    /// One decode pass: a token for each of `seqs`, every op over all rows at once.
+    fn decode(&mut self, be: &Backend, seqs: &mut [&mut Sequence], feed: Feed<'_>) -> Result<()> {
+        let m = seqs.len();
+        if m == 0 || m > self.parallel {
+            return Err(LlmError::Options(format!(
+                "a decode pass takes 1 to {} sequences, not {m}",
+                self.parallel
+            )));
+        }
+        match feed {
+            Feed::Ids(ids) => {
+                if ids.len() != m {
+                    return Err(LlmError::Options(format!(
+                        "{} ids for {m} sequences",
+                        ids.len()
+                    )));
+                }
+                for (seq, id) in seqs.iter().zip(ids) {
+                    seq.check(std::slice::from_ref(id), self.cfg.vocab)?;
+                }
+            }
+            Feed::Picked => {
+                if self.last_rows != m {
+                    return Err(LlmError::Options(format!(
+                        "the last pass picked {} tokens, not {m}",
+                        self.last_rows
+                    )));
+                }
+                for seq in seqs.iter() {
+                    seq.check_room(1)?;
+                }
+            }
+        }
+        let Core {
+            cfg,
+            w,
+            ropes,
+            layer_rope,
+            s,
+            batch,
+            context,
+            paths,
+            pool,
+            ..
+        } = self;
+        let table: Vec<[u32; 2]> = seqs
+            .iter()
+            .map(|q| [pool.base(q.slot) as u32, q.pos as u32])
+            .collect();
+        let pass = Pass {
+            be,
+            paths: *paths,
+            cfg,
+            m,
+            batch: *batch,
+            context: *context,
+            mode: RowMode::Independent,
+            pos0: 0,
+        };
+        let d = cfg.d_model;
+        if let Feed::Ids(ids) = feed {
+            be.write_u32(s.ids.at_mut(0), ids)?;
+        }
+        let words: Vec<u32> = table.iter().flatten().copied().collect();
+        be.write_u32(s.rows.at_mut(0), &words)?;
+        w.embed
+            .get_rows(be, s.ids.at(0), s.x.at_mut(0), m, cfg.embed_scale)?;
+        if let Some(pos) = &w.pos_embd {
+            let ids: Vec<u32> = table.iter().map(|r| r[1]).collect();
+            be.write_u32(s.pos_ids.at_mut(0), &ids)?;
+            pos.get_rows(be, s.pos_ids.at(0), s.out.at_mut(0), m, 1.0)?;
+            add_assign(be, s.x.at_mut(0), s.out.at(0), m * d, 1.0)?;
+        }
+        for (l, lw) in w.layers.iter().enumerate() {
+            let rope = layer_rope.get(l).map(|&i| &ropes[i]);
+            pass.decode_attention(lw, &cfg.layers[l], s, &mut pool.kv[l], &table, rope)?;
+            pass.decode_feed_forward(lw, s)?;
+        }
+        let input = pass.normed(&w.output_norm, &s.x, &mut s.xn, &mut s.stats, &s.ones)?;
+        w.head()
+            .fused(be, pass.rows(), input, s.logits.at_mut(0), Output::Store)?;
+        for q in seqs.iter_mut() {
+            q.pos += 1;
+        }
+        self.last_rows = m;
+        Ok(())
+    }
 }
 
 /// The fixed inputs of one forward pass.
@@ -703,11 +833,11 @@ struct Pass<'a> {
     batch: usize,
     /// Positions of the cache and the RoPE tables.
     context: usize,
-    /// Each sequence's rows, in order.
-    spans: Vec<Span>,
     /// Independent when the rows belong to different sequences: each sequence's numbers must not
     /// depend on which others share its pass.
     mode: RowMode,
+    /// A prompt pass's first position (its rows follow on).
+    pos0: usize,
 }
 
 impl Pass<'_> {
@@ -776,15 +906,37 @@ impl Pass<'_> {
         Ok(())
     }
 
-    /// Rotates the `span`'s rows of `x` (`x` views its first row).
-    fn rope(&self, x: TMut<'_>, span: Span, table: &Tensor, heads: usize, ld: usize) -> Result<()> {
+    /// What a product reading norm(x) takes: the norm itself, fused into the product, for RMSNorm
+    /// without a bias; otherwise x normed into `xn` first.
+    fn normed<'t>(
+        &self,
+        n: &'t Norm,
+        x: &'t Tensor,
+        xn: &'t mut Tensor,
+        stats: &mut Tensor,
+        ones: &Tensor,
+    ) -> Result<Input<'t>> {
+        if self.cfg.norm == NormKind::Rms && n.b.is_none() {
+            return Ok(Input::RmsNorm {
+                x: x.at(0),
+                w: (&n.w).into(),
+                eps: self.cfg.norm_eps,
+            });
+        }
+        self.norm(x.at(0), n, xn, stats, self.m, ones)?;
+        let xn: &'t Tensor = xn;
+        Ok(Input::Rows(xn.at(0)))
+    }
+
+    /// Rotates the pass's rows of `x` (`x` views its first row).
+    fn rope(&self, x: TMut<'_>, table: &Tensor, heads: usize, ld: usize) -> Result<()> {
         let shape = RopeShape {
-            rows: span.rows,
+            rows: self.m,
             heads,
             head_dim: self.cfg.head_dim,
             n_rot: self.cfg.n_rot,
             ld,
-            pos0: span.pos0,
+            pos0: self.pos0,
             layout: self.cfg.rope_layout,
             inverse: false,
         };
@@ -811,12 +963,47 @@ impl Pass<'_> {
         Ok(())
     }
 
+    /// x += [post_norm](input · Wᵀ + b): the addition rides inside the product when there is neither a
+    /// post-norm nor a bias.
+    fn residual_fused(
+        &self,
+        input: Input<'_>,
+        lin: &Linear,
+        post_norm: Option<&Tensor>,
+        x: &mut Tensor,
+        out: &mut Tensor,
+        ones: &Tensor,
+    ) -> Result<()> {
+        let (be, m, d) = (self.be, self.m, self.cfg.d_model);
+        if post_norm.is_none() && lin.b.is_none() {
+            return lin
+                .w
+                .fused(be, self.rows(), input, x.at_mut(0), Output::Accumulate);
+        }
+        lin.w
+            .fused(be, self.rows(), input, out.at_mut(0), Output::Store)?;
+        if let Some(b) = &lin.b {
+            add_bias(be, ones.at(0), b, out.at_mut(0), m, d)?;
+        }
+        let shape = NormShape {
+            rows: m,
+            cols: d,
+            eps: self.cfg.norm_eps,
+        };
+        match post_norm {
+            Some(w) => add_rms_norm(be, x.at_mut(0), out.at(0), w.into(), shape)?,
+            None => add_assign(be, x.at_mut(0), out.at(0), m * d, 1.0)?,
+        }
+        Ok(())
+    }
+
+    /// A prompt pass's attention sublayer; `cache` views the sequence's position 0.
     fn attention(
         &self,
         lw: &LayerWeights,
         la: &LayerAttention,
         s: &mut Scratch,
-        caches: &mut [&mut Tensor],
+        mut cache: TMut<'_>,
         rope: Option<&Tensor>,
     ) -> Result<()> {
         let (be, cfg, m) = (self.be, self.cfg, self.m);
@@ -846,24 +1033,22 @@ impl Pass<'_> {
         let kv_together = lw.k_norm.is_none() && follows(k, v, kvd);
         // A cache row holds one position's [k | v].
         let row = 2 * kvd;
-        let spans = &self.spans;
+        let at = self.pos0 * row;
 
         // Queries: normed per head into `qn` then rotated (Gemma), or rotated where they are.
         let (q_src, q_slot) = match &lw.q_norm {
             Some(nw) => {
                 let src = contiguous(be, &s.proj, q, qd, m, &mut s.split_a, &s.one)?;
                 self.rms_norm(src, nw, s.qn.at_mut(0), &mut s.stats, m * n_head, hd)?;
-                for sp in spans.iter().filter(|_| rope.is_some()) {
-                    let table = rope.expect("filtered");
-                    self.rope(s.qn.at_mut(sp.row0 * qd), *sp, table, n_head, qd)?;
+                if let Some(table) = rope {
+                    self.rope(s.qn.at_mut(0), table, n_head, qd)?;
                 }
                 (&s.qn, Slot { offset: 0, ld: qd })
             }
             None => {
                 let heads = if qk_together { n_head + n_kv } else { n_head };
-                for sp in spans.iter().filter(|_| rope.is_some()) {
-                    let x = s.proj.at_mut(q.offset + sp.row0 * q.ld);
-                    self.rope(x, *sp, rope.expect("filtered"), heads, q.ld)?;
+                if let Some(table) = rope {
+                    self.rope(s.proj.at_mut(q.offset), table, heads, q.ld)?;
                 }
                 (&s.proj, q)
             }
@@ -874,64 +1059,52 @@ impl Pass<'_> {
             Some(nw) => {
                 let src = contiguous(be, &s.proj, k, kvd, m, &mut s.split_b, &s.one)?;
                 if m == 1 {
-                    let at = spans[0].pos0 * row;
-                    self.rms_norm(src, nw, caches[0].at_mut(at), &mut s.stats, n_kv, hd)?;
+                    self.rms_norm(src, nw, cache.shift(at), &mut s.stats, n_kv, hd)?;
                 } else {
                     // The norm writes packed rows; cache rows are [k | v].
                     self.rms_norm(src, nw, s.split_a.at_mut(0), &mut s.stats, m * n_kv, hd)?;
-                    for (sp, cache) in spans.iter().zip(caches.iter_mut()) {
-                        let (from, to) = (s.split_a.at(sp.row0 * kvd), cache.at_mut(sp.pos0 * row));
-                        copy_rows(be, from, kvd, to, row, sp.rows, kvd, &s.one)?;
-                    }
+                    copy_rows(
+                        be,
+                        s.split_a.at(0),
+                        kvd,
+                        cache.shift(at),
+                        row,
+                        m,
+                        kvd,
+                        &s.one,
+                    )?;
                 }
             }
             None => {
                 let width = if kv_together { 2 * kvd } else { kvd };
-                for (sp, cache) in spans.iter().zip(caches.iter_mut()) {
-                    let (from, to) = (
-                        s.proj.at(k.offset + sp.row0 * k.ld),
-                        cache.at_mut(sp.pos0 * row),
-                    );
-                    copy_rows(be, from, k.ld, to, row, sp.rows, width, &s.one)?;
-                }
+                let from = s.proj.at(k.offset);
+                copy_rows(be, from, k.ld, cache.shift(at), row, m, width, &s.one)?;
             }
         }
-        for (sp, cache) in spans.iter().zip(caches.iter_mut()) {
-            let at = sp.pos0 * row;
-            if let (false, Some(table)) = (qk_together, rope) {
-                self.rope(cache.at_mut(at), *sp, table, n_kv, row)?;
-            }
-            if !kv_together {
-                let from = s.proj.at(v.offset + sp.row0 * v.ld);
-                copy_rows(
-                    be,
-                    from,
-                    v.ld,
-                    cache.at_mut(at + kvd),
-                    row,
-                    sp.rows,
-                    kvd,
-                    &s.one,
-                )?;
-            }
-            let shape = DecodeShape {
-                rows: sp.rows,
-                heads: n_head,
-                kv_heads: n_kv,
-                head_dim: hd,
-                ld_q: q_slot.ld,
-                ld_kv: row,
-                ld_o: qd,
-                q_pos0: sp.pos0,
-                kv_len: sp.pos0 + sp.rows,
-                window: la.window,
-                scale: cfg.attn_scale,
-                softcap: 0.0,
-            };
-            let (keys, values) = (cache.at(0), cache.at(kvd));
-            let query = q_src.at(q_slot.offset + sp.row0 * q_slot.ld);
-            attend(be, query, keys, values, s.att.at_mut(sp.row0 * qd), shape)?;
+        if let (false, Some(table)) = (qk_together, rope) {
+            self.rope(cache.shift(at), table, n_kv, row)?;
         }
+        if !kv_together {
+            let from = s.proj.at(v.offset);
+            copy_rows(be, from, v.ld, cache.shift(at + kvd), row, m, kvd, &s.one)?;
+        }
+        let shape = DecodeShape {
+            rows: m,
+            heads: n_head,
+            kv_heads: n_kv,
+            head_dim: hd,
+            ld_q: q_slot.ld,
+            ld_kv: row,
+            ld_o: qd,
+            q_pos0: self.pos0,
+            kv_len: self.pos0 + m,
+            window: la.window,
+            scale: cfg.attn_scale,
+            softcap: 0.0,
+        };
+        let (keys, values) = (cache.as_ref(), cache.as_ref().shift(kvd));
+        let query = q_src.at(q_slot.offset);
+        attend(be, query, keys, values, s.att.at_mut(0), shape)?;
         lw.wo
             .apply(be, self.rows(), s.att.at(0), s.out.at_mut(0), s.ones.at(0))?;
         self.residual(lw.post_attn_norm.as_ref(), s)
@@ -965,6 +1138,180 @@ impl Pass<'_> {
         lw.down
             .apply(be, self.rows(), s.act.at(0), s.out.at_mut(0), s.ones.at(0))?;
         self.residual(lw.post_ffn_norm.as_ref(), s)
+    }
+
+    /// A decode pass's attention sublayer: the Q/K/V product (norm fused in), norms, RoPE and cache
+    /// writes in one op, attention over every row's sequence in one op, the output product with the
+    /// residual addition.
+    fn decode_attention(
+        &self,
+        lw: &LayerWeights,
+        la: &LayerAttention,
+        s: &mut Scratch,
+        cache: &mut Tensor,
+        table: &[[u32; 2]],
+        rope: Option<&Tensor>,
+    ) -> Result<()> {
+        let (be, cfg, m) = (self.be, self.cfg, self.m);
+        let (hd, qd, kvd) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
+        let input = self.normed(&lw.attn_norm, &s.x, &mut s.xn, &mut s.stats, &s.ones)?;
+        lw.qkv.apply_fused(
+            be,
+            self.rows(),
+            input,
+            &mut s.proj,
+            self.batch,
+            s.ones.at(0),
+        )?;
+        let [q, k, v] = [0, 1, 2].map(|i| lw.qkv.slot(i, self.batch));
+        let norm = match (&lw.q_norm, &lw.k_norm) {
+            (Some(qw), Some(kw)) => Some(QkNorm {
+                q: qw.into(),
+                k: kw.into(),
+                eps: cfg.norm_eps,
+            }),
+            _ => None,
+        };
+        let (tab, positions) = match rope {
+            Some(t) => (t, self.context),
+            None => (&s.one, self.context),
+        };
+        let shape = RopeCacheShape {
+            heads: cfg.n_head,
+            kv_heads: cfg.n_kv_head,
+            head_dim: hd,
+            n_rot: if rope.is_some() { cfg.n_rot } else { 0 },
+            layout: cfg.rope_layout,
+            ld_in: q.ld,
+            q_at: q.offset,
+            k_at: k.offset,
+            v_at: v.offset,
+            ld_q: qd,
+            ld_kv: 2 * kvd,
+        };
+        let all = CacheRows {
+            table: s.rows.at(0),
+            host: table,
+        };
+        if m == 1 || (q.ld == k.ld && k.ld == v.ld) {
+            rope_into_cache(
+                be,
+                s.proj.at(0),
+                s.qn.at_mut(0),
+                cache.at_mut(0),
+                all,
+                tab.at(0),
+                positions,
+                norm,
+                shape,
+            )?;
+        } else {
+            // Members of different products lie in rows of different lengths: one row at a time.
+            for r in 0..m {
+                let one = CacheRows {
+                    table: s.rows.at(2 * r),
+                    host: &table[r..r + 1],
+                };
+                let shape = RopeCacheShape {
+                    q_at: q.offset + r * q.ld,
+                    k_at: k.offset + r * k.ld,
+                    v_at: v.offset + r * v.ld,
+                    ..shape
+                };
+                rope_into_cache(
+                    be,
+                    s.proj.at(0),
+                    s.qn.at_mut(r * qd),
+                    cache.at_mut(0),
+                    one,
+                    tab.at(0),
+                    positions,
+                    norm,
+                    shape,
+                )?;
+            }
+        }
+        let shape = RowsShape {
+            heads: cfg.n_head,
+            kv_heads: cfg.n_kv_head,
+            head_dim: hd,
+            ld_q: qd,
+            ld_kv: 2 * kvd,
+            ld_o: qd,
+            k_at: 0,
+            v_at: kvd,
+            window: la.window,
+            scale: cfg.attn_scale,
+            softcap: 0.0,
+        };
+        attend_rows(be, s.qn.at(0), cache.at(0), all, s.att.at_mut(0), shape)?;
+        let Scratch {
+            att, x, out, ones, ..
+        } = s;
+        self.residual_fused(
+            Input::Rows(att.at(0)),
+            &lw.wo,
+            lw.post_attn_norm.as_ref(),
+            x,
+            out,
+            ones,
+        )
+    }
+
+    /// A decode pass's feed-forward sublayer: gate and up (norm fused in), then down with the GLU fused
+    /// in front and the residual addition behind.
+    fn decode_feed_forward(&self, lw: &LayerWeights, s: &mut Scratch) -> Result<()> {
+        let (be, cfg, m) = (self.be, self.cfg, self.m);
+        let ff = cfg.n_ff;
+        let input = self.normed(&lw.ffn_norm, &s.x, &mut s.xn, &mut s.stats, &s.ones)?;
+        lw.gate_up.apply_fused(
+            be,
+            self.rows(),
+            input,
+            &mut s.proj,
+            self.batch,
+            s.ones.at(0),
+        )?;
+        let Scratch {
+            proj,
+            split_a,
+            split_b,
+            act,
+            one,
+            x,
+            out,
+            ones,
+            ..
+        } = s;
+        let input = if cfg.gated_ffn {
+            let (g, u) = (
+                lw.gate_up.slot(0, self.batch),
+                lw.gate_up.slot(1, self.batch),
+            );
+            if m == 1 || g.ld == u.ld {
+                Input::Glu {
+                    act: cfg.activation,
+                    gate: proj.at(g.offset),
+                    up: proj.at(u.offset),
+                    ld: g.ld,
+                }
+            } else {
+                let gate = contiguous(be, proj, g, ff, m, split_a, one)?;
+                let up = contiguous(be, proj, u, ff, m, split_b, one)?;
+                Input::Glu {
+                    act: cfg.activation,
+                    gate,
+                    up,
+                    ld: ff,
+                }
+            }
+        } else {
+            // The one member fills the group: m packed rows of ff.
+            let up = lw.gate_up.slot(0, self.batch);
+            gelu(be, proj.at(up.offset), act.at_mut(0), m * ff)?;
+            Input::Rows(act.at(0))
+        };
+        self.residual_fused(input, &lw.down, lw.post_ffn_norm.as_ref(), x, out, ones)
     }
 }
 

@@ -13,6 +13,7 @@ use std::collections::HashSet;
 
 use tinygpt_formats::{GgmlType, GgufFile, KernelWeights};
 use tinygpt_kernels::ops::embedding::{EmbedShape, embedding};
+use tinygpt_kernels::ops::matmul::fused::{Input, Output, matmul_fused};
 use tinygpt_kernels::ops::matmul::{Gemm, QKind, QMatrix, RowMode, get_rows, matmul};
 use tinygpt_kernels::{Backend, PathSet, TMut, TRef, Tensor};
 
@@ -53,6 +54,32 @@ impl Matrix {
             Matrix::Quant(q) => q.rows(),
             Matrix::Dense { rows, .. } => *rows,
         }
+    }
+
+    /// K, the input features.
+    pub fn cols(&self) -> usize {
+        match self {
+            Matrix::Quant(q) => q.cols(),
+            Matrix::Dense { cols, .. } => *cols,
+        }
+    }
+
+    /// y (+)= input · Wᵀ for the `r.m` rows, with the ops around the product fused into it where a
+    /// fused kernel applies (see [`matmul_fused`]).
+    pub fn fused(
+        &self,
+        be: &Backend,
+        r: Rows,
+        input: Input<'_>,
+        y: TMut<'_>,
+        out: Output,
+    ) -> Result<()> {
+        let shape = [r.m, self.rows(), self.cols()];
+        match self {
+            Matrix::Quant(q) => matmul_fused(be, r.paths, r.mode, input, q, y, shape, out)?,
+            Matrix::Dense { t, .. } => matmul_fused(be, r.paths, r.mode, input, t, y, shape, out)?,
+        }
+        Ok(())
     }
 
     /// Bytes held on the backend.
@@ -331,6 +358,28 @@ impl Fused {
         let mut base = 0;
         for (g, bias) in self.groups.iter().zip(&self.biases) {
             g.matmul(be, r, x, out.at_mut(base))?;
+            if let Some(b) = bias {
+                add_bias(be, ones, b, out.at_mut(base), r.m, g.rows())?;
+            }
+            base += batch * g.rows();
+        }
+        Ok(())
+    }
+
+    /// [`Fused::apply`] with the input computed on the way in (a norm of x, fused into each product
+    /// where the layout allows).
+    pub fn apply_fused(
+        &self,
+        be: &Backend,
+        r: Rows,
+        input: Input<'_>,
+        out: &mut Tensor,
+        batch: usize,
+        ones: TRef<'_>,
+    ) -> Result<()> {
+        let mut base = 0;
+        for (g, bias) in self.groups.iter().zip(&self.biases) {
+            g.fused(be, r, input, out.at_mut(base), Output::Store)?;
             if let Some(b) = bias {
                 add_bias(be, ones, b, out.at_mut(base), r.m, g.rows())?;
             }

@@ -249,7 +249,8 @@ impl Decoder for LlmDecoder {
     type Seq = Sequence;
 
     fn new_seq(&mut self, be: &Backend) -> anyhow::Result<Sequence> {
-        Ok(self.0.new_sequence(be)?)
+        let _ = be;
+        Ok(self.0.new_sequence()?)
     }
 
     fn start(
