@@ -653,11 +653,19 @@ fn generation_on_the_device_matches_the_host_loop() {
                     },
                 ))
                 .unwrap();
-                let what = format!("{} on {} ({max_new}, {eog:?}, {stop_after:?})", s.arch, be.kind());
+                let what = format!(
+                    "{} on {} ({max_new}, {eog:?}, {stop_after:?})",
+                    s.arch,
+                    be.kind()
+                );
                 assert_eq!(got, want[..n], "{what}: tokens");
                 assert_eq!((g.finish, g.tokens), (finish, n), "{what}");
                 // Fed: the prompt and every token but the last (an end-of-generation token never).
-                let fed = if finish == Finish::EndOfGeneration { n } else { n - 1 };
+                let fed = if finish == Finish::EndOfGeneration {
+                    n
+                } else {
+                    n - 1
+                };
                 assert_eq!(llm.position(), PROMPT.len() + fed, "{what}: position");
                 assert_eq!(g.passes, fed, "{what}: passes");
                 // The sequence goes on from there exactly as the plain loop's.

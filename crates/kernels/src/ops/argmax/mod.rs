@@ -28,6 +28,7 @@ pub fn argmax_rows(
             }
             Ok(())
         }
+        Backend::Gpu(g) if cols > SPAN => long_rows(g, x, out, rows, cols),
         Backend::Gpu(g) => {
             let tx = x.gpu("argmax", "x", rows * cols)?;
             let to = out.gpu("argmax", "out", rows)?;
@@ -44,6 +45,59 @@ pub fn argmax_rows(
             run(g, "argmax", &pipe, rows, &ops, &[cols as u32], Grid::Groups)
         }
     }
+}
+
+/// Elements of a row one workgroup of the first stage takes (argmax_partial.wgsl's SPAN): longer rows (a
+/// vocabulary's logits) spread over that many workgroups, then one per row reduces their results.
+const SPAN: usize = 4096;
+
+/// Rows longer than [`SPAN`]: blocks in parallel, then one workgroup per row; x and out each in one
+/// buffer (else the one-workgroup kernel, segment by segment).
+fn long_rows(
+    g: &crate::gpu::GpuBackend,
+    x: TRef<'_>,
+    out: TMut<'_>,
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
+    let (Some((bx, ox)), Some((bo, oo))) = (
+        x.gpu("argmax", "x", rows * cols)?
+            .span(x.offset(), rows * cols),
+        out.gpu("argmax", "out", rows)?.span(out.offset(), rows),
+    ) else {
+        let tx = x.gpu("argmax", "x", rows * cols)?;
+        let to = out.gpu("argmax", "out", rows)?;
+        let pipe = kernel(
+            g,
+            "argmax",
+            include_str!("argmax.wgsl"),
+            &[Access::Read, Access::ReadWrite],
+        )?;
+        let ops = [
+            Operand::rows(tx, x.offset(), cols),
+            Operand::rows(to, out.offset(), 1),
+        ];
+        return run(g, "argmax", &pipe, rows, &ops, &[cols as u32], Grid::Groups);
+    };
+    let blocks = cols.div_ceil(SPAN);
+    let part = g.scratch("argmax_part", 2 * rows * blocks)?;
+    let pb = &part.chunks[0].buffer;
+    let pipe = kernel(
+        g,
+        "argmax_partial",
+        include_str!("argmax_partial.wgsl"),
+        &[Access::Read, Access::ReadWrite],
+    )?;
+    let params = [rows as u32, cols as u32, ox as u32, blocks as u32];
+    g.dispatch(&pipe, &params, &[bx, pb], [blocks as u32, rows as u32, 1])?;
+    let pipe = kernel(
+        g,
+        "argmax_final",
+        include_str!("argmax_final.wgsl"),
+        &[Access::Read, Access::ReadWrite],
+    )?;
+    let params = [rows as u32, blocks as u32, oo as u32];
+    g.dispatch(&pipe, &params, &[pb, bo], [rows as u32, 1, 1])
 }
 
 /// The CPU twin of one row: the first index whose value is larger than every earlier one's.

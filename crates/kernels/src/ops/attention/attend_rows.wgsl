@@ -3,13 +3,15 @@
 // its keys and values are cache rows base .. base + pos (position pos is the row's own, written just
 // before) and that it sees positions first ..= pos (first > 0 with a sliding window).
 //
-// Work split: one workgroup per (row, KV head, up to GMAX of the query heads that share it) and split of
-// the positions (CHUNK per split, along y), so the K and V rows are read once for the group's heads
-// and long contexts spread over many workgroups (flash decoding):
+// Flash decoding: one workgroup per (row, KV head, up to GMAX of the query heads that share it, split of
+// CHUNK positions, along y), so K and V rows are read once for the group's heads and even short contexts
+// spread over many workgroups; every step is a few loads deep (a decode step is bound by latency):
 //
-//   scores   thread t takes position lo + t: GMAX dot products with the queries in workgroup memory
-//   softmax  max and sum over the workgroup for the GMAX heads at once (vec4 trees)
-//   values   lane = lid % (head_dim / 4) takes 4 dimensions, lid / (head_dim / 4) every NJ-th position
+//   scores   8 threads per position, each a strided quarter.. eighth of the dot products (coalesced
+//            16-byte loads), summed by a 3-level tree
+//   softmax  max and sum over the CHUNK positions for the GMAX heads at once (vec4 trees)
+//   values   lane = lid % (head_dim / 4) takes 4 dimensions, lid / (head_dim / 4) every NJ-th position,
+//            then the NJ partial sums are added
 //
 // With one split the row's output is written normalised; with several, each split writes its partial
 // (max, sum of exponentials, unnormalised output) and attend_combine.wgsl merges them.
@@ -18,43 +20,20 @@ struct Params { rows: u32, heads: u32, kv_heads: u32, head_dim: u32, ld_q: u32, 
                 o_tab: u32, lo_row: u32, hi_row: u32, n_split: u32, o_part: u32, groups: u32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> q: array<f32>;
-@group(0) @binding(2) var<storage, read> kv: array<f32>;
+@group(0) @binding(2) var<storage, read> kv: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> tab: array<u32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read_write> part: array<f32>;
 
 const WG: u32 = 256u;
-const CHUNK: u32 = 256u;
+const CHUNK: u32 = 32u;
+const TPP: u32 = 8u;                               // threads per position in the scores (WG / CHUNK)
 const GMAX: u32 = 4u;
 var<workgroup> qs: array<vec4<f32>, 256>;          // GMAX heads x head_dim / 4 (head_dim <= 256)
-var<workgroup> ps: array<vec4<f32>, CHUNK>;        // the GMAX heads' probabilities of one position
+var<workgroup> ps: array<vec4<f32>, CHUNK>;        // the GMAX heads' scores, then probabilities
 var<workgroup> red: array<vec4<f32>, WG>;
 var<workgroup> wbase: u32;
 var<workgroup> wpos: u32;
-
-fn tree_max(v: vec4<f32>, lid: u32) -> vec4<f32> {
-  red[lid] = v;
-  workgroupBarrier();
-  for (var s = WG / 2u; s > 0u; s = s >> 1u) {
-    if (lid < s) { red[lid] = max(red[lid], red[lid + s]); }
-    workgroupBarrier();
-  }
-  let r = red[0];
-  workgroupBarrier();
-  return r;
-}
-
-fn tree_sum(v: vec4<f32>, lid: u32) -> vec4<f32> {
-  red[lid] = v;
-  workgroupBarrier();
-  for (var s = WG / 2u; s > 0u; s = s >> 1u) {
-    if (lid < s) { red[lid] = red[lid] + red[lid + s]; }
-    workgroupBarrier();
-  }
-  let r = red[0];
-  workgroupBarrier();
-  return r;
-}
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -82,45 +61,75 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let lo = first + wid.y * CHUNK;
   let hi = min(lo + CHUNK, pos + 1u);
   let hd4 = p.head_dim / 4u;
+  let stride = p.head_dim + 2u;
   if (lo >= hi) {
     // An empty split (rows of a batch differ in length): nothing to merge.
     if (lid < nh) {
-      let at = p.o_part + ((r * p.heads + h0 + lid) * p.n_split + wid.y) * (p.head_dim + 2u);
+      let at = p.o_part + ((r * p.heads + h0 + lid) * p.n_split + wid.y) * stride;
       part[at] = bitcast<f32>(0xff800000u);
       part[at + 1u] = 0.0;
     }
     return;
   }
+  let ld4 = p.ld_kv / 4u;
+  let row0 = base + lo - p.lo_row;
   for (var i = lid; i < nh * hd4; i = i + WG) {
     let g = i / hd4;
-    let c = 4u * (i % hd4);
-    let qb = p.o_q + r * p.ld_q + (h0 + g) * p.head_dim + c;
+    let qb = p.o_q + r * p.ld_q + (h0 + g) * p.head_dim + 4u * (i % hd4);
     qs[i] = vec4<f32>(q[qb], q[qb + 1u], q[qb + 2u], q[qb + 3u]);
   }
   workgroupBarrier();
 
-  // Scores of position lo + lid for the nh heads (-inf past the split, so they weigh nothing).
-  let ninf = bitcast<f32>(0xff800000u);
-  var sc = vec4<f32>(ninf);
-  let j = lo + lid;
-  if (j < hi) {
-    let kb = p.o_k + (base + j - p.lo_row) * p.ld_kv + kvh * p.head_dim;
-    var acc = vec4<f32>(0.0);
-    for (var c = 0u; c < hd4; c = c + 1u) {
-      let k4 = vec4<f32>(kv[kb + 4u * c], kv[kb + 4u * c + 1u], kv[kb + 4u * c + 2u], kv[kb + 4u * c + 3u]);
+  // Scores: position lo + j, threads j·TPP .. j·TPP + TPP − 1, each dimensions t, t + TPP, ... (vec4s).
+  let j = lid / TPP;
+  let t = lid % TPP;
+  var acc = vec4<f32>(0.0);
+  if (lo + j < hi) {
+    let kb = p.o_k / 4u + (row0 + j) * ld4 + kvh * hd4;
+    for (var c = t; c < hd4; c = c + TPP) {
+      let k4 = kv[kb + c];
       acc.x = acc.x + dot(qs[c], k4);
-      if (nh > 1u) { acc.y = acc.y + dot(qs[hd4 + c], k4); }
-      if (nh > 2u) { acc.z = acc.z + dot(qs[2u * hd4 + c], k4); }
-      if (nh > 3u) { acc.w = acc.w + dot(qs[3u * hd4 + c], k4); }
+      acc.y = acc.y + dot(qs[hd4 + c], k4);
+      acc.z = acc.z + dot(qs[2u * hd4 + c], k4);
+      acc.w = acc.w + dot(qs[3u * hd4 + c], k4);
     }
-    sc = acc * p.scale;
-    if (p.softcap > 0.0) { sc = p.softcap * tanh(clamp(sc / p.softcap, vec4<f32>(-15.0), vec4<f32>(15.0))); }
   }
-  let m = tree_max(sc, lid);
-  var e = vec4<f32>(0.0);
-  if (j < hi) { e = exp(sc - m); }
-  ps[lid] = e;
-  let l = tree_sum(e, lid);
+  red[lid] = acc;
+  workgroupBarrier();
+  for (var s = TPP / 2u; s > 0u; s = s >> 1u) {
+    if (t < s) { red[lid] = red[lid] + red[lid + s]; }
+    workgroupBarrier();
+  }
+  let ninf = bitcast<f32>(0xff800000u);
+  if (lid < CHUNK) {
+    var sc = red[lid * TPP] * p.scale;
+    if (p.softcap > 0.0) { sc = p.softcap * tanh(clamp(sc / p.softcap, vec4<f32>(-15.0), vec4<f32>(15.0))); }
+    if (lo + lid >= hi) { sc = vec4<f32>(ninf); }
+    ps[lid] = sc;
+  }
+  workgroupBarrier();
+  // Softmax over the chunk: max, then exponentials and their sum (trees over CHUNK positions).
+  if (lid < CHUNK) { red[lid] = ps[lid]; }
+  workgroupBarrier();
+  for (var s = CHUNK / 2u; s > 0u; s = s >> 1u) {
+    if (lid < s) { red[lid] = max(red[lid], red[lid + s]); }
+    workgroupBarrier();
+  }
+  let m = red[0];
+  workgroupBarrier();
+  if (lid < CHUNK) {
+    var e = vec4<f32>(0.0);
+    if (lo + lid < hi) { e = exp(ps[lid] - m); }
+    ps[lid] = e;
+    red[lid] = e;
+  }
+  workgroupBarrier();
+  for (var s = CHUNK / 2u; s > 0u; s = s >> 1u) {
+    if (lid < s) { red[lid] = red[lid] + red[lid + s]; }
+    workgroupBarrier();
+  }
+  let l = red[0];
+  workgroupBarrier();
 
   // Values: lane takes dimensions 4·lane .. 4·lane + 3; its position group every NJ-th position.
   let nj = WG / hd4;
@@ -132,8 +141,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   var a3 = vec4<f32>(0.0);
   if (jg < nj) {
     for (var jj = jg; jj < hi - lo; jj = jj + nj) {
-      let vb = p.o_v + (base + lo + jj - p.lo_row) * p.ld_kv + kvh * p.head_dim + 4u * lane;
-      let v4 = vec4<f32>(kv[vb], kv[vb + 1u], kv[vb + 2u], kv[vb + 3u]);
+      let v4 = kv[p.o_v / 4u + (row0 + jj) * ld4 + kvh * hd4 + lane];
       let w = ps[jj];
       a0 = a0 + w.x * v4;
       a1 = a1 + w.y * v4;
@@ -150,7 +158,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     workgroupBarrier();
     if (jg == 0u) {
       var s = red[lane];
-      for (var t = 1u; t < nj; t = t + 1u) { s = s + red[t * hd4 + lane]; }
+      for (var u = 1u; u < nj; u = u + 1u) { s = s + red[u * hd4 + lane]; }
       let h = h0 + g;
       if (p.n_split == 1u) {
         let ob = p.o_out + r * p.ld_o + h * p.head_dim + 4u * lane;
@@ -160,7 +168,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         out[ob + 2u] = o.z;
         out[ob + 3u] = o.w;
       } else {
-        let at = p.o_part + ((r * p.heads + h) * p.n_split + wid.y) * (p.head_dim + 2u);
+        let at = p.o_part + ((r * p.heads + h) * p.n_split + wid.y) * stride;
         if (lane == 0u) {
           part[at] = m[g];
           part[at + 1u] = l[g];

@@ -425,7 +425,10 @@ pub fn attend(
 }
 
 mod rows;
-pub use rows::{CHUNK, CacheRows, RowsShape, attend_rows};
+pub use rows::{
+    Attended, CHUNK, CacheRows, RowsShape, attend_rows, attend_rows_split, merge_splits, split_len,
+    splits,
+};
 
 #[cfg(test)]
 mod tests;

@@ -14,7 +14,7 @@ use crate::gpu::Access;
 use crate::ops::common::kernel;
 
 /// Positions one workgroup scores (attend_rows.wgsl's CHUNK): contexts up to this take one dispatch.
-pub const CHUNK: usize = 256;
+pub const CHUNK: usize = 32;
 /// Query heads one workgroup serves (attend_rows.wgsl's GMAX).
 const GMAX: usize = 4;
 
@@ -46,6 +46,34 @@ pub struct RowsShape {
     pub softcap: f32,
 }
 
+/// Where [`attend_rows_split`] left its result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attended {
+    /// In `out`.
+    Written,
+    /// As `n_split` partial results per (row, head) in `part`, for [`merge_splits`] (or a product that
+    /// merges them on its way in: `ops::matmul::fused::Input::Merge`).
+    Split { n_split: usize },
+}
+
+/// Elements of [`attend_rows_split`]'s partial results: per (row, head, split) the split's maximum, its sum
+/// of exponentials and its unnormalised output.
+pub fn split_len(rows: usize, heads: usize, head_dim: usize, n_split: usize) -> usize {
+    rows * heads * n_split * (head_dim + 2)
+}
+
+/// Splits of [`CHUNK`] positions the longest row of `rows` takes.
+pub fn splits(rows: &[[u32; 2]], window: usize) -> usize {
+    rows.iter()
+        .map(|r| {
+            let seen = r[1] as usize + 1;
+            if window > 0 { seen.min(window) } else { seen }.div_ceil(CHUNK)
+        })
+        .max()
+        .unwrap_or(1)
+        .max(1)
+}
+
 /// out[r] = softmax(scale · q[r] · Kᵀ) · V over row r's sequence, positions (pos − window, pos], for
 /// every row of `rows`; grouped-query heads share their KV head.
 pub fn attend_rows(
@@ -53,9 +81,23 @@ pub fn attend_rows(
     q: TRef<'_>,
     cache: TRef<'_>,
     rows: CacheRows<'_>,
-    mut out: TMut<'_>,
+    out: TMut<'_>,
     s: RowsShape,
 ) -> Result<()> {
+    attend_rows_split(be, q, cache, rows, out, None, s).map(|_| ())
+}
+
+/// [`attend_rows`], leaving the merge of a split context to the caller when `part` is given and holds
+/// the partial results ([`split_len`]) of at most `max_split` splits; otherwise the result is written.
+pub fn attend_rows_split(
+    be: &Backend,
+    q: TRef<'_>,
+    cache: TRef<'_>,
+    rows: CacheRows<'_>,
+    mut out: TMut<'_>,
+    keep: Option<(TMut<'_>, usize)>,
+    s: RowsShape,
+) -> Result<Attended> {
     let n = rows.host.len();
     let bad = |msg: String| {
         Err(Error::Shape {
@@ -101,7 +143,7 @@ pub fn attend_rows(
         scale: s.scale,
         softcap: s.softcap,
     };
-    let one_by_one = |out: &mut TMut<'_>| -> Result<()> {
+    let one_by_one = |out: &mut TMut<'_>| -> Result<Attended> {
         for (r, &[base, pos]) in rows.host.iter().enumerate() {
             let at = cache.offset() + base as usize * s.ld_kv;
             let (k, v) = (
@@ -111,7 +153,7 @@ pub fn attend_rows(
             let o = out.shift(r * s.ld_o);
             attend(be, q.shift(r * s.ld_q), k, v, o, shape(pos as usize))?;
         }
-        Ok(())
+        Ok(Attended::Written)
     };
     let g = match be {
         // The twin: each row through the CPU attention.
@@ -119,9 +161,13 @@ pub fn attend_rows(
         Backend::Gpu(g) => g,
     };
     if n == 0 {
-        return Ok(());
+        return Ok(Attended::Written);
     }
-    if !s.head_dim.is_multiple_of(4) || s.head_dim > 256 || 256 % (s.head_dim / 4) != 0 {
+    // The kernel reads the cache as 16-byte vectors and splits 256 threads over a head's vectors.
+    let vec4 = [s.ld_kv, s.k_at, s.v_at, cache.offset()]
+        .iter()
+        .all(|v| v.is_multiple_of(4));
+    if !vec4 || !s.head_dim.is_multiple_of(4) || s.head_dim > 256 || 256 % (s.head_dim / 4) != 0 {
         return one_by_one(&mut out);
     }
     let span_q = (n - 1) * s.ld_q + s.heads * s.head_dim;
@@ -136,33 +182,34 @@ pub fn attend_rows(
     ) else {
         return one_by_one(&mut out);
     };
-    let seen = |pos: u32| {
-        let pos = pos as usize;
-        if s.window > 0 {
-            (pos + 1).min(s.window)
-        } else {
-            pos + 1
-        }
-    };
-    let n_split = rows
-        .host
-        .iter()
-        .map(|r| seen(r[1]).div_ceil(CHUNK))
-        .max()
-        .unwrap_or(1)
-        .max(1);
+    let n_split = splits(rows.host, s.window);
     let groups = (s.heads / s.kv_heads).div_ceil(GMAX);
     let wgs = n * s.kv_heads * groups;
     let max = g.limits.max_compute_workgroups_per_dimension as usize;
     if wgs > max || n_split > max {
         return one_by_one(&mut out);
     }
-    let part = if n_split > 1 {
-        Some(g.scratch("attend_rows_part", n * s.heads * n_split * (s.head_dim + 2))?)
+    let len = split_len(n, s.heads, s.head_dim, n_split);
+    // The caller's tensor for the partial results, when it asked for them and they fit.
+    let kept = match &keep {
+        Some((t, max)) if n_split > 1 && n_split <= *max => t
+            .gpu("attend_rows", "part", len)
+            .ok()
+            .and_then(|g| g.span(t.offset(), len))
+            .map(|(b, o)| (b.clone(), o)),
+        _ => None,
+    };
+    let scratch = if n_split > 1 && kept.is_none() {
+        Some(g.scratch("attend_rows_part", len)?)
     } else {
         None
     };
     let dummy = g.scratch("dummy", 1)?;
+    let (pb, po) = match (&kept, &scratch) {
+        (Some((b, o)), _) => (b.clone(), *o),
+        (None, Some(t)) => (t.chunks[0].buffer.clone(), 0),
+        (None, None) => (dummy.chunks[0].buffer.clone(), 0),
+    };
     let pipe = kernel(
         g,
         "attend_rows",
@@ -210,39 +257,114 @@ pub fn attend_rows(
             lo as u32,
             hi as u32,
             n_split as u32,
-            0,
+            po as u32,
             groups as u32,
         ];
-        let pb = &part.as_ref().unwrap_or(&dummy).chunks[0].buffer;
         g.dispatch(
             &pipe,
             &params,
-            &[bq, &c.buffer, bt, bo, pb],
+            &[bq, &c.buffer, bt, bo, &pb],
             [wgs as u32, n_split as u32, 1],
         )?;
     }
-    if let Some(part) = part {
-        let pipe = kernel(
+    if kept.is_some() {
+        return Ok(Attended::Split { n_split });
+    }
+    if let Some(part) = scratch {
+        merge_gpu(
             g,
-            "attend_combine",
-            include_str!("attend_combine.wgsl"),
-            &[Access::Read, Access::ReadWrite],
-        )?;
-        let params = [
-            (n * s.heads) as u32,
-            s.heads as u32,
-            s.head_dim as u32,
-            s.ld_o as u32,
-            n_split as u32,
-            0,
-            oo as u32,
-        ];
-        g.dispatch(
-            &pipe,
-            &params,
-            &[&part.chunks[0].buffer, bo],
-            g.grid(n * s.heads),
+            (&part.chunks[0].buffer, 0),
+            (bo, oo),
+            n,
+            s.heads,
+            s.head_dim,
+            s.ld_o,
+            n_split,
         )?;
     }
-    Ok(())
+    Ok(Attended::Written)
+}
+
+/// out[r, h] = the merge of row r's, head h's `n_split` partial results in `part` (see [`Attended`]):
+/// Σ_s e^(m_s − M) o_s / Σ_s e^(m_s − M) l_s, M the largest split maximum, splits with l_s = 0 skipped.
+#[allow(clippy::too_many_arguments)]
+pub fn merge_splits(
+    be: &Backend,
+    part: TRef<'_>,
+    mut out: TMut<'_>,
+    rows: usize,
+    heads: usize,
+    head_dim: usize,
+    ld_o: usize,
+    n_split: usize,
+) -> Result<()> {
+    let len = split_len(rows, heads, head_dim, n_split);
+    let span_o = if rows == 0 {
+        0
+    } else {
+        (rows - 1) * ld_o + heads * head_dim
+    };
+    match be {
+        Backend::Cpu(_) => {
+            let ps = part.cpu("merge_splits", "part", len)?;
+            let os = out.cpu("merge_splits", "out", span_o)?;
+            let stride = head_dim + 2;
+            for r in 0..rows {
+                for h in 0..heads {
+                    let b = &ps[(r * heads + h) * n_split * stride..][..n_split * stride];
+                    let live = || b.chunks(stride).filter(|c| c[1] > 0.0);
+                    let mx = live().fold(f32::NEG_INFINITY, |m, c| m.max(c[0]));
+                    let den: f32 = live().map(|c| (c[0] - mx).exp() * c[1]).sum();
+                    for d in 0..head_dim {
+                        let acc: f32 = live().map(|c| (c[0] - mx).exp() * c[2 + d]).sum();
+                        os[r * ld_o + h * head_dim + d] = acc / den;
+                    }
+                }
+            }
+            Ok(())
+        }
+        Backend::Gpu(g) => {
+            let (Some(p), Some(o)) = (
+                part.gpu("merge_splits", "part", len)?
+                    .span(part.offset(), len),
+                out.gpu("merge_splits", "out", span_o)?
+                    .span(out.offset(), span_o),
+            ) else {
+                return Err(Error::Shape {
+                    op: "merge_splits",
+                    msg: "the partial results and the output must each lie in one buffer".into(),
+                });
+            };
+            merge_gpu(g, p, o, rows, heads, head_dim, ld_o, n_split)
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn merge_gpu(
+    g: &crate::gpu::GpuBackend,
+    (bp, op): (&wgpu::Buffer, usize),
+    (bo, oo): (&wgpu::Buffer, usize),
+    rows: usize,
+    heads: usize,
+    head_dim: usize,
+    ld_o: usize,
+    n_split: usize,
+) -> Result<()> {
+    let pipe = kernel(
+        g,
+        "attend_combine",
+        include_str!("attend_combine.wgsl"),
+        &[Access::Read, Access::ReadWrite],
+    )?;
+    let params = [
+        (rows * heads) as u32,
+        heads as u32,
+        head_dim as u32,
+        ld_o as u32,
+        n_split as u32,
+        op as u32,
+        oo as u32,
+    ];
+    g.dispatch(&pipe, &params, &[bp, bo], g.grid(rows * heads))
 }

@@ -427,7 +427,7 @@ pub fn run(
         (Backend::Gpu(gb), Weights::Quant(q), Kernel::Quant) => {
             let tx = a.gpu("matmul", "A", ea)?;
             let ty = c.gpu("matmul", "C", ec)?;
-            q.gpu_matmul(gb, (tx, a.offset()), (ty, c.offset()), g.m, fault)
+            q.gpu_matmul(gb, (tx, a.offset()), (ty, c.offset()), g.m, g.rows, fault)
         }
         (Backend::Gpu(_), Weights::Quant(q), k) => match q.dense() {
             Some(t) => run(be, Choice { kernel: k, fault }, a, t.into(), c, g),

@@ -1,9 +1,17 @@
 //! Dispatch of the WGSL quantized kernels: variant choice, the split-buffer loops, parameter blocks.
 //!
-//! One `qmatmul` is one dispatch in the usual case (x, y and the weights each in one buffer, m ≤ 8 or a
-//! multiple of 8). Split tensors multiply it: x/y are cut by rows of x where either changes buffer, the
-//! weights by the row ranges stored with the matrix, and every pair of pieces is one dispatch writing its
-//! block of y (y's leading dimension stays N; the piece's first column goes into y's offset).
+//! Two kernel families serve x · Wᵀ:
+//!
+//! - **gemv** (gemv_q8.wgsl, gemv_q4.wgsl): a few rows of x, built for latency (each lane loads 16-byte
+//!   quant vectors ahead of everything else). Decode passes run on it, with the ops around a product
+//!   folded in ([`Stage`], [`Output`]); it computes every row alone, so batched decoding gives each
+//!   sequence the numbers it would get alone.
+//! - **tiled rows** (q8.wgsl, q4.wgsl): up to 8 rows of x per pass over the weights, for prompts.
+//!
+//! One product is one dispatch in the usual case (x, y and the weights each in one buffer). Split
+//! tensors multiply it: x/y are cut by rows of x where either changes buffer, the weights by the row
+//! ranges stored with the matrix, and every pair of pieces is one dispatch writing its block of y (y's
+//! leading dimension stays N; the piece's first column goes into y's offset).
 
 use std::rc::Rc;
 
@@ -23,6 +31,11 @@ const MAX_R: usize = 8;
 /// Quant words each lane aims to take per row: fewer lanes per row mean shorter reductions and more rows
 /// per workgroup, more words per lane more loads in flight per lane.
 const WORDS_PER_LANE: usize = 16;
+/// Quant vectors (16 bytes) each gemv lane aims to load: enough loads in flight per lane, few lanes to
+/// sum per row.
+const GEMV_VECTORS_PER_LANE: usize = 3;
+/// Most quant vectors one gemv lane holds (longer rows take the tiled kernel).
+const GEMV_MAX_VECTORS: usize = 8;
 /// Threads per workgroup of the row-lookup kernels (one workgroup per token).
 const GET_ROWS_WG: usize = 64;
 
@@ -32,6 +45,25 @@ fn threads_per_row(kw: usize) -> usize {
     kw.div_ceil(WORDS_PER_LANE)
         .next_power_of_two()
         .clamp(MAX_R, 64)
+}
+
+/// The gemv shape of rows of `k` values: (vectors per row, threads per row, vectors per lane), when the
+/// gemv kernel takes it (whole 16-byte vectors per row, at most GEMV_MAX_VECTORS per lane).
+fn gemv_shape(kind: QKind, k: usize) -> Option<(usize, usize, usize)> {
+    let per_vector = match kind {
+        QKind::Q8 { .. } => 16,
+        QKind::Q4 => 32,
+    };
+    if k == 0 || !k.is_multiple_of(per_vector) {
+        return None;
+    }
+    let kw4 = k / per_vector;
+    let tpr = kw4
+        .div_ceil(GEMV_VECTORS_PER_LANE)
+        .next_power_of_two()
+        .clamp(MAX_R, 64);
+    let ni = kw4.div_ceil(tpr);
+    (ni <= GEMV_MAX_VECTORS).then_some((kw4, tpr, ni))
 }
 
 /// What a product takes in before it multiplies (see the hooks in q8.wgsl): x as it is, or a workgroup
@@ -49,6 +81,16 @@ pub(crate) enum Stage {
         up: usize,
         ld: usize,
     },
+    /// x = the merge of an attention's split partial results in x's binding (see
+    /// `ops::attention::Attended`), as attend_combine.wgsl merges them.
+    Merge {
+        n_split: usize,
+        heads: usize,
+        head_dim: usize,
+    },
+    /// x' = x + RMSNorm(d) · pw (a post-normed sublayer output joining the residual stream, as
+    /// add_norm.wgsl adds it), written once to its own buffer; then x = RMSNorm(x') · w.
+    ResidualNorm { eps: f32 },
 }
 
 impl Stage {
@@ -57,6 +99,8 @@ impl Stage {
             Stage::Plain => String::new(),
             Stage::RmsNorm { .. } => "_rms".into(),
             Stage::Glu { act, .. } => format!("_glu{act:?}"),
+            Stage::Merge { .. } => "_merge".into(),
+            Stage::ResidualNorm { .. } => "_resnorm".into(),
         }
     }
 }
@@ -76,7 +120,9 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
         Output::Accumulate => "fn store(i: u32, v: f32) { y[i] = y[i] + v; }",
     };
     let body = match stage {
-        Stage::Plain => "fn prologue(lid: u32, i0: u32) {}\n\
+        Stage::Merge { .. } => merge_hooks(r, k),
+        Stage::ResidualNorm { .. } => residual_hooks(r, k, nw),
+        Stage::Plain => "fn prologue(lid: u32, i0: u32, wg: u32) {}\n\
              fn xrow(r: u32, i0: u32) -> u32 { return p.o_x + min(i0 + r, p.m - 1u) * p.k; }\n\
              fn xget(i: u32) -> vec4<f32> { return xload(i); }"
             .to_string(),
@@ -88,7 +134,7 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
              // RMSNorm of each row as the norm kernel computes it: 256 partial sums of squares (thread t\n\
              // takes columns t, t + 256, ...) reduced by a tree; with 128 threads, thread t holds partials\n\
              // t and t + 128, whose sum is the tree's first level. e0: the weight's offset, e1: eps bits.\n\
-             fn prologue(lid: u32, i0: u32) {{\n\
+             fn prologue(lid: u32, i0: u32, wg: u32) {{\n\
                let inv = 1.0 / f32(p.k);\n\
                let k4 = p.k / 4u;\n\
                for (var r = 0u; r < R; r = r + 1u) {{\n\
@@ -121,7 +167,7 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
              // The activation as the GLU kernel computes it.\n\
              fn act(x: f32) -> f32 {{ {act} }}\n\
              // act(gate) · up for the R rows; gate row i from p.o_x + i · e1, up row i from e0 + i · e1.\n\
-             fn prologue(lid: u32, i0: u32) {{\n\
+             fn prologue(lid: u32, i0: u32, wg: u32) {{\n\
                let k4 = p.k / 4u;\n\
                for (var i = lid; i < R * k4; i = i + WG) {{\n\
                  let row = min(i0 + i / k4, p.m - 1u);\n\
@@ -146,26 +192,166 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
     format!("{body}\n{store}\n")
 }
 
+/// The residual-norm stage's hooks (see [`Stage::ResidualNorm`]): bindings nw (norm weights), dd (the
+/// sublayer output), pw (post-norm weights), xn (x', written by workgroup 0); e0: w's offset, e1: eps
+/// bits, e2: d's offset, e3: pw's offset, e4: x''s offset (rows of k).
+fn residual_hooks(r: usize, k: usize, nw: usize) -> String {
+    format!(
+        "@group(0) @binding({nw}) var<storage, read> nw: array<f32>;\n\
+         @group(0) @binding({b1}) var<storage, read> dd: array<f32>;\n\
+         @group(0) @binding({b2}) var<storage, read> pw: array<f32>;\n\
+         @group(0) @binding({b3}) var<storage, read_write> xn: array<f32>;\n\
+         var<workgroup> xs: array<vec4<f32>, {xs}>;\n\
+         fn xrow(r: u32, i0: u32) -> u32 {{ return r * p.k; }}\n\
+         fn xget(i: u32) -> vec4<f32> {{ return xs[i >> 2u]; }}\n\
+         // The norm kernels' sum: 256 partials (t, t + 256, ...) reduced by a tree; two per thread here.\n\
+         fn tree(qa: f32, qb: f32, lid: u32) -> f32 {{\n\
+           red[lid] = qa + qb;\n\
+           workgroupBarrier();\n\
+           for (var s = 64u; s > 0u; s = s >> 1u) {{\n\
+             if (lid < s) {{ red[lid] = red[lid] + red[lid + s]; }}\n\
+             workgroupBarrier();\n\
+           }}\n\
+           let t = red[0];\n\
+           workgroupBarrier();\n\
+           return t;\n\
+         }}\n\
+         fn staged(r: u32, c: u32) -> f32 {{ return xs[r * (p.k / 4u) + c / 4u][c % 4u]; }}\n\
+         fn prologue(lid: u32, i0: u32, wg: u32) {{\n\
+           let inv = 1.0 / f32(p.k);\n\
+           let k4 = p.k / 4u;\n\
+           let eps = bitcast<f32>(p.e1);\n\
+           for (var r = 0u; r < R; r = r + 1u) {{\n\
+             let row = min(i0 + r, p.m - 1u);\n\
+             let b = p.o_x + row * p.k;\n\
+             let db = p.e2 + row * p.k;\n\
+             var qa = 0.0;\n\
+             var qb = 0.0;\n\
+             for (var c = lid; c < p.k; c = c + 256u) {{ let v = dd[db + c]; qa = qa + v * v; }}\n\
+             for (var c = lid + 128u; c < p.k; c = c + 256u) {{ let v = dd[db + c]; qb = qb + v * v; }}\n\
+             let r1 = 1.0 / sqrt(tree(qa, qb, lid) * inv + eps);\n\
+             for (var c = lid; c < k4; c = c + WG) {{\n\
+               let dv = vec4<f32>(dd[db + 4u * c], dd[db + 4u * c + 1u], dd[db + 4u * c + 2u], dd[db + 4u * c + 3u]);\n\
+               let w = vec4<f32>(pw[p.e3 + 4u * c], pw[p.e3 + 4u * c + 1u], pw[p.e3 + 4u * c + 2u], pw[p.e3 + 4u * c + 3u]);\n\
+               xs[r * k4 + c] = xload(b + 4u * c) + dv * r1 * w;\n\
+             }}\n\
+             workgroupBarrier();\n\
+             if (wg == 0u) {{\n\
+               for (var c = lid; c < p.k; c = c + WG) {{ xn[p.e4 + row * p.k + c] = staged(r, c); }}\n\
+             }}\n\
+             qa = 0.0;\n\
+             qb = 0.0;\n\
+             for (var c = lid; c < p.k; c = c + 256u) {{ let v = staged(r, c); qa = qa + v * v; }}\n\
+             for (var c = lid + 128u; c < p.k; c = c + 256u) {{ let v = staged(r, c); qb = qb + v * v; }}\n\
+             let r2 = 1.0 / sqrt(tree(qa, qb, lid) * inv + eps);\n\
+             for (var c = lid; c < k4; c = c + WG) {{\n\
+               let w = vec4<f32>(nw[p.e0 + 4u * c], nw[p.e0 + 4u * c + 1u], nw[p.e0 + 4u * c + 2u], nw[p.e0 + 4u * c + 3u]);\n\
+               xs[r * k4 + c] = xs[r * k4 + c] * r2 * w;\n\
+             }}\n\
+             workgroupBarrier();\n\
+           }}\n\
+         }}",
+        xs = r * k / 4,
+        b1 = nw + 1,
+        b2 = nw + 2,
+        b3 = nw + 3
+    )
+}
+
+/// Most heads a merging stage takes (its per-head statistics live in workgroup memory).
+pub(crate) const MERGE_MAX_HEADS: usize = 64;
+
+/// The merging stage's hooks (see [`Stage::Merge`]): e0 splits, e1 heads, e2 head_dim.
+fn merge_hooks(r: usize, k: usize) -> String {
+    format!(
+        "var<workgroup> xs: array<vec4<f32>, {xs}>;\n\
+         var<workgroup> mh: array<vec2<f32>, {mh}>;\n\
+         fn xrow(r: u32, i0: u32) -> u32 {{ return r * p.k; }}\n\
+         fn xget(i: u32) -> vec4<f32> {{ return xs[i >> 2u]; }}\n\
+         // Row r's head h starts its splits at part_at(r, h); a split holds (max, sum, output).\n\
+         fn part_at(r: u32, h: u32) -> u32 {{ return p.o_x + (r * p.e1 + h) * p.e0 * (p.e2 + 2u); }}\n\
+         fn merged(b: u32, d: u32, mx: f32, den: f32) -> f32 {{\n\
+           let stride = p.e2 + 2u;\n\
+           var acc = 0.0;\n\
+           for (var s = 0u; s < p.e0; s = s + 1u) {{\n\
+             if (x1(b + s * stride + 1u) > 0.0) {{ acc = acc + exp(x1(b + s * stride) - mx) * x1(b + s * stride + 2u + d); }}\n\
+           }}\n\
+           return acc / den;\n\
+         }}\n\
+         fn prologue(lid: u32, i0: u32, wg: u32) {{\n\
+           let stride = p.e2 + 2u;\n\
+           for (var i = lid; i < R * p.e1; i = i + WG) {{\n\
+             let b = part_at(min(i0 + i / p.e1, p.m - 1u), i % p.e1);\n\
+             var mx = bitcast<f32>(0xff800000u);\n\
+             for (var s = 0u; s < p.e0; s = s + 1u) {{\n\
+               if (x1(b + s * stride + 1u) > 0.0) {{ mx = max(mx, x1(b + s * stride)); }}\n\
+             }}\n\
+             var den = 0.0;\n\
+             for (var s = 0u; s < p.e0; s = s + 1u) {{\n\
+               let l = x1(b + s * stride + 1u);\n\
+               if (l > 0.0) {{ den = den + exp(x1(b + s * stride) - mx) * l; }}\n\
+             }}\n\
+             mh[i] = vec2<f32>(mx, den);\n\
+           }}\n\
+           workgroupBarrier();\n\
+           let k4 = p.k / 4u;\n\
+           for (var i = lid; i < R * k4; i = i + WG) {{\n\
+             let r = i / k4;\n\
+             let row = min(i0 + r, p.m - 1u);\n\
+             var v = vec4<f32>(0.0);\n\
+             for (var j = 0u; j < 4u; j = j + 1u) {{\n\
+               let e = 4u * (i % k4) + j;\n\
+               let h = e / p.e2;\n\
+               let st = mh[r * p.e1 + h];\n\
+               v[j] = merged(part_at(row, h), e % p.e2, st.x, st.y);\n\
+             }}\n\
+             xs[i] = v;\n\
+           }}\n\
+           workgroupBarrier();\n\
+         }}",
+        xs = r * k / 4,
+        mh = r * MERGE_MAX_HEADS
+    )
+}
+
 /// The matmul pipeline for one variant; the WGSL file gets its constants, `xload` and the hooks prepended.
+/// `ni`: vectors per lane of the gemv family (None: the tiled family).
 #[allow(clippy::too_many_arguments)]
 fn matmul_pipeline(
     g: &GpuBackend,
     kind: QKind,
     tpr: usize,
     r: usize,
+    ni: Option<usize>,
     xvec: bool,
     stage: Stage,
     out: Output,
     k: usize,
     fault: Option<Fault>,
 ) -> Result<Rc<Pipeline>> {
-    let (name, body, mut bindings): (String, &str, Vec<Access>) = match kind {
-        QKind::Q8 { block } => (
+    let (name, body, mut bindings): (String, &str, Vec<Access>) = match (kind, ni) {
+        (QKind::Q8 { block }, Some(ni)) => (
+            format!("gemv_q8b{block}_i{ni}"),
+            include_str!("gemv_q8.wgsl"),
+            vec![Access::Read, Access::ReadWrite, Access::Read, Access::Read],
+        ),
+        (QKind::Q4, Some(ni)) => (
+            format!("gemv_q4_i{ni}"),
+            include_str!("gemv_q4.wgsl"),
+            vec![
+                Access::Read,
+                Access::ReadWrite,
+                Access::Read,
+                Access::Read,
+                Access::Read,
+            ],
+        ),
+        (QKind::Q8 { block }, None) => (
             format!("qmm_q8b{block}"),
             include_str!("q8.wgsl"),
             vec![Access::Read, Access::ReadWrite, Access::Read, Access::Read],
         ),
-        QKind::Q4 => (
+        (QKind::Q4, None) => (
             "qmm_q4".to_string(),
             include_str!("q4.wgsl"),
             vec![
@@ -178,8 +364,14 @@ fn matmul_pipeline(
         ),
     };
     let staged = stage != Stage::Plain;
-    if matches!(stage, Stage::RmsNorm { .. }) {
-        bindings.push(Access::Read);
+    // The stage's own bindings follow the kernel's (storage bindings are numbered from 1).
+    let nw = bindings.len() + 1;
+    match stage {
+        Stage::RmsNorm { .. } => bindings.push(Access::Read),
+        Stage::ResidualNorm { .. } => {
+            bindings.extend([Access::Read, Access::Read, Access::Read, Access::ReadWrite])
+        }
+        _ => {}
     }
     let key = format!(
         "{name}_t{tpr}_r{r}_{}{}{}{}{}",
@@ -197,7 +389,6 @@ fn matmul_pipeline(
         },
         fault.map_or(String::new(), |f| format!("_fault{f:?}"))
     );
-    let nw = bindings.len();
     g.pipeline(&key, &bindings, PipelineOptions::default(), || {
         // x[i..i + 4] for i a multiple of 4: one 16-byte load when the view is 16-byte aligned, else four.
         let (xt, xload, x1) = if xvec {
@@ -213,13 +404,21 @@ fn matmul_pipeline(
                 "return x[i];",
             )
         };
+        // The K = 2048 fault of the gemv family (see `plant`), before its lines are repeated.
+        let body = match fault {
+            Some(Fault::BlockIndexAtK2048) => body.replace(
+                "scales[srow + w$i / VPB]",
+                "scales[srow + (w$i / VPB) % 64u]",
+            ),
+            _ => body.to_string(),
+        };
         let src = format!(
             "{PRELUDE}\nconst WG: u32 = {WG}u;\nconst TPR: u32 = {tpr}u;\nconst R: u32 = {r}u;\n\
              const BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n\
              fn x1(i: u32) -> f32 {{ {x1} }}\n{}\n{}",
             kind.block(),
             hooks(stage, out, r, k, nw),
-            per_row(body, r)
+            repeat_lines(&repeat_lines(&body, "$i", ni.unwrap_or(1)), "$r", r)
         );
         plant(src, fault)
     })
@@ -251,13 +450,14 @@ fn plant(src: String, fault: Option<Fault>) -> String {
     }
 }
 
-/// Repeats each line of `body` that holds `$r` once per row of x, with `$r` replaced by 0 .. r.
-fn per_row(body: &str, r: usize) -> String {
+/// Repeats each line of `body` that holds `var` (`$r`: once per row of x; `$i`: once per quant vector of
+/// a lane) `n` times, with `var` replaced by 0 .. n.
+fn repeat_lines(body: &str, var: &str, n: usize) -> String {
     let mut out = String::with_capacity(body.len() * 2);
     for line in body.lines() {
-        if line.contains("$r") {
-            for i in 0..r {
-                out.push_str(&line.replace("$r", &i.to_string()));
+        if line.contains(var) {
+            for i in 0..n {
+                out.push_str(&line.replace(var, &i.to_string()));
                 out.push('\n');
             }
         } else {
@@ -276,6 +476,8 @@ fn fold(g: &GpuBackend, n: usize) -> [u32; 3] {
     [n.div_ceil(ny) as u32, ny as u32, 1]
 }
 
+/// y = x · Wᵀ for `m` rows: the gemv family for a few rows (decode), and for every row of a batch whose
+/// rows must not share work (`independent`); the tiled family for prompts.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn qmatmul(
     g: &GpuBackend,
@@ -283,9 +485,8 @@ pub(super) fn qmatmul(
     (ty, oy): (&GpuTensor, usize),
     w: &GpuParts,
     kind: QKind,
-    m: usize,
-    n: usize,
-    k: usize,
+    [m, n, k]: [usize; 3],
+    independent: bool,
     fault: Option<Fault>,
 ) -> Result<()> {
     const OP: &str = "qmatmul";
@@ -296,61 +497,111 @@ pub(super) fn qmatmul(
     let xy = segments(OP, m, &[Operand::rows(tx, ox, k), Operand::rows(ty, oy, n)])?;
     for xs in &xy {
         let (xb, yb) = (&xs.places[0].buffer, &xs.places[1].buffer);
-        // Passes: full groups of MAX_R rows of x (several per dispatch, along z), then the remainder
-        // with the smallest power-of-two R that holds it (its extra rows repeat the last one, unwritten).
-        let mut passes = Vec::with_capacity(2);
-        let (full, rem) = if xs.len() <= MAX_R {
-            (0, xs.len())
-        } else {
-            (xs.len() / MAX_R, xs.len() % MAX_R)
-        };
-        let mut row = 0;
-        let mut left = full;
-        while left > 0 {
-            let z = left.min(max_z);
-            passes.push((row, z * MAX_R, MAX_R, z));
-            row += z * MAX_R;
-            left -= z;
-        }
-        if rem > 0 {
-            passes.push((row, rem, rem.next_power_of_two(), 1));
-        }
-        for (i0, rows, r, z) in passes {
-            let x = (xb, xs.places[0].offset + i0 * k);
-            let y = (yb, xs.places[1].offset + i0 * n);
+        let (x0, y0) = (xs.places[0].offset, xs.places[1].offset);
+        let rows = xs.len();
+        if let Some((_, _, ni)) = gemv_shape(kind, k).filter(|_| rows <= MAX_R || independent) {
+            let r = rows.next_power_of_two().min(MAX_R);
             let v = Variant {
                 kind,
                 r,
+                ni: Some(ni),
                 stage: Stage::Plain,
                 out: Output::Store,
                 fault,
             };
-            dispatch(g, &v, x, y, None, w, [rows, n, k, n], z)?;
+            for (i0, z) in passes(rows, r, max_z) {
+                let part = (rows - i0).min(z * r);
+                dispatch(
+                    g,
+                    &v,
+                    (xb, x0 + i0 * k),
+                    (yb, y0 + i0 * n),
+                    &[],
+                    w,
+                    [part, n, k, n],
+                    z,
+                )?;
+            }
+            continue;
+        }
+        // Tiled passes: full groups of MAX_R rows of x (several per dispatch, along z), then the
+        // remainder with the smallest power-of-two R that holds it (its extra rows repeat the last one,
+        // unwritten).
+        let full = if rows <= MAX_R {
+            0
+        } else {
+            rows / MAX_R * MAX_R
+        };
+        let mut groups: Vec<(usize, usize, usize)> = passes(full, MAX_R, max_z)
+            .map(|(i0, z)| (i0, z * MAX_R, MAX_R))
+            .collect();
+        if rows > full {
+            groups.push((full, rows - full, (rows - full).next_power_of_two()));
+        }
+        for (i0, part, r) in groups {
+            let v = Variant {
+                kind,
+                r,
+                ni: None,
+                stage: Stage::Plain,
+                out: Output::Store,
+                fault,
+            };
+            let z = part.div_ceil(r);
+            dispatch(
+                g,
+                &v,
+                (xb, x0 + i0 * k),
+                (yb, y0 + i0 * n),
+                &[],
+                w,
+                [part, n, k, n],
+                z,
+            )?;
         }
     }
     Ok(())
 }
 
-/// Most rows one staged product takes (one pass over the weights).
-pub(crate) const MAX_STAGED_ROWS: usize = MAX_R;
-
-/// Whether [`qmatmul_staged`] can run `m` rows of `k`: one pass of rows, and their workgroup copy (with
-/// the reduction buffer) inside the device's workgroup memory.
-pub(crate) fn staged_fits(g: &GpuBackend, m: usize, k: usize) -> bool {
-    let r = m.next_power_of_two();
-    (1..=MAX_STAGED_ROWS).contains(&m)
-        && k.is_multiple_of(4)
-        && (r * k + r * WG) * 4 <= g.limits.max_compute_workgroup_storage_size as usize
+/// Dispatches of `rows` rows, R per workgroup along z, at most `max_z` groups each: (first row, groups).
+fn passes(rows: usize, r: usize, max_z: usize) -> impl Iterator<Item = (usize, usize)> {
+    let step = r * max_z;
+    (0..rows)
+        .step_by(step.max(1))
+        .map(move |i0| (i0, (rows - i0).min(step).div_ceil(r)))
 }
 
-/// y (+)= stage(x) · Wᵀ for `m` rows in one pass over the weights ([`staged_fits`] must hold): x, y and
-/// the norm weight each in one buffer (views: buffer and element offset), y rows `ldy` apart.
+/// Rows of x per gemv pass for `m` rows of `k` with a staged input: the most (a power of two, at most
+/// MAX_R) whose workgroup copy, with the reduction buffer, fits the device's workgroup memory.
+fn staged_rows(g: &GpuBackend, m: usize, k: usize) -> Option<usize> {
+    let limit = g.limits.max_compute_workgroup_storage_size as usize;
+    let mut r = m.next_power_of_two().min(MAX_R);
+    while r >= 1 {
+        // The copy of x, the reduction buffer, and a merging stage's per-head statistics.
+        if (r * k + r * WG + 2 * r * MERGE_MAX_HEADS) * 4 <= limit {
+            return Some(r);
+        }
+        r /= 2;
+    }
+    None
+}
+
+/// Whether [`qmatmul_staged`] can run `m` rows of `k` of this layout: the gemv family takes the rows, and
+/// at least one row's workgroup copy fits.
+pub(crate) fn staged_fits(g: &GpuBackend, kind: QKind, m: usize, k: usize) -> bool {
+    m > 0 && k.is_multiple_of(4) && gemv_shape(kind, k).is_some() && staged_rows(g, m, k).is_some()
+}
+
+/// y (+)= stage(x) · Wᵀ for `m` rows on the gemv family ([`staged_fits`] must hold): x, y and the
+/// stage's own bindings (`extra`: RMSNorm: its weight; residual norm: the norm weight, the sublayer
+/// output, the post-norm weight, x') each in one buffer (views: buffer and element offset), y rows
+/// `ldy` apart.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn qmatmul_staged(
     g: &GpuBackend,
-    x: (&wgpu::Buffer, usize),
-    y: (&wgpu::Buffer, usize),
-    norm_w: Option<(&wgpu::Buffer, usize)>,
+    (xb, x0): (&wgpu::Buffer, usize),
+    (yb, y0): (&wgpu::Buffer, usize),
+    extra: &[(&wgpu::Buffer, usize)],
     w: &GpuParts,
     kind: QKind,
     stage: Stage,
@@ -358,20 +609,64 @@ pub(crate) fn qmatmul_staged(
     [m, n, k, ldy]: [usize; 4],
     fault: Option<Fault>,
 ) -> Result<()> {
+    let (Some((_, _, ni)), Some(r)) = (gemv_shape(kind, k), staged_rows(g, m, k)) else {
+        return Err(shape(
+            "qmatmul",
+            format!("{m} rows of {k} do not fit a staged product"),
+        ));
+    };
     let v = Variant {
         kind,
-        r: m.next_power_of_two(),
+        r,
+        ni: Some(ni),
         stage,
         out,
         fault,
     };
-    dispatch(g, &v, x, y, norm_w, w, [m, n, k, ldy], 1)
+    // A GLU input's rows are `ld` apart, a merged input's rows its heads' splits, a normed one's k;
+    // y's ldy apart.
+    let x_rows = match stage {
+        Stage::Glu { ld, .. } => ld,
+        Stage::Merge {
+            n_split,
+            heads,
+            head_dim,
+        } => heads * n_split * (head_dim + 2),
+        _ => k,
+    };
+    let max_z = g.limits.max_compute_workgroups_per_dimension as usize;
+    for (i0, z) in passes(m, r, max_z) {
+        let part = (m - i0).min(z * r);
+        let v = match stage {
+            Stage::Glu { act, up, ld } => Variant {
+                stage: Stage::Glu {
+                    act,
+                    up: up + i0 * ld,
+                    ld,
+                },
+                ..v
+            },
+            _ => Variant { ..v },
+        };
+        // The residual stage's sublayer output and x' advance by rows as x does.
+        let mut ex: Vec<(&wgpu::Buffer, usize)> = extra.to_vec();
+        if let Stage::ResidualNorm { .. } = stage {
+            for e in ex.iter_mut().skip(1).step_by(2) {
+                e.1 += i0 * k;
+            }
+        }
+        let (x, y) = ((xb, x0 + i0 * x_rows), (yb, y0 + i0 * ldy));
+        dispatch(g, &v, x, y, &ex, w, [part, n, k, ldy], z)?;
+    }
+    Ok(())
 }
 
-/// One kernel variant.
+/// One kernel variant; `ni`: vectors per lane of the gemv family (None: the tiled family).
+#[derive(Clone, Copy)]
 struct Variant {
     kind: QKind,
     r: usize,
+    ni: Option<usize>,
     stage: Stage,
     out: Output,
     fault: Option<Fault>,
@@ -385,40 +680,59 @@ fn dispatch(
     v: &Variant,
     (xb, x_off): (&wgpu::Buffer, usize),
     (yb, y_off): (&wgpu::Buffer, usize),
-    norm_w: Option<(&wgpu::Buffer, usize)>,
+    extra: &[(&wgpu::Buffer, usize)],
     w: &GpuParts,
     [rows, _n, k, ldy]: [usize; 4],
     z: usize,
 ) -> Result<()> {
-    let kw = v.kind.words_per_row(k);
-    let tpr = threads_per_row(kw);
+    // The gemv family counts quant vectors (4 words) per row and addresses quants by vector.
+    let (words, tpr, qunit) = match v.ni.and(gemv_shape(v.kind, k)) {
+        Some((kw4, tpr, _)) => (kw4, tpr, 4),
+        None => {
+            let kw = v.kind.words_per_row(k);
+            (kw, threads_per_row(kw), 1)
+        }
+    };
     let rows_per_wg = WG / tpr;
     let xvec = x_off.is_multiple_of(4)
         && match v.stage {
             Stage::Glu { up, ld, .. } => up.is_multiple_of(4) && ld.is_multiple_of(4),
             _ => true,
         };
-    let pipe = matmul_pipeline(g, v.kind, tpr, v.r, xvec, v.stage, v.out, k, v.fault)?;
-    let extra = match v.stage {
-        Stage::Plain => [0, 0, 0],
-        Stage::RmsNorm { eps } => [norm_w.map_or(0, |(_, o)| o as u32), eps.to_bits(), 0],
-        Stage::Glu { up, ld, .. } => [up as u32, ld as u32, 0],
+    let pipe = matmul_pipeline(g, v.kind, tpr, v.r, v.ni, xvec, v.stage, v.out, k, v.fault)?;
+    let off = |i: usize| extra.get(i).map_or(0, |e| e.1 as u32);
+    let params_extra = match v.stage {
+        Stage::Plain => [0; 5],
+        Stage::RmsNorm { eps } => [off(0), eps.to_bits(), 0, 0, 0],
+        Stage::ResidualNorm { eps } => [off(0), eps.to_bits(), off(1), off(2), off(3)],
+        Stage::Glu { up, ld, .. } => [up as u32, ld as u32, 0, 0, 0],
+        Stage::Merge {
+            n_split,
+            heads,
+            head_dim,
+        } => [n_split as u32, heads as u32, head_dim as u32, 0, 0],
     };
     for ws in &w.segs {
         let nseg = ws.len();
         let mut grid = fold(g, nseg.div_ceil(rows_per_wg));
         grid[2] = z as u32;
         let (sp, qp) = (&ws.places[0], &ws.places[1]);
+        if !qp.offset.is_multiple_of(qunit) {
+            return Err(shape(
+                "qmatmul",
+                "quant vectors must start at 16-byte boundaries",
+            ));
+        }
         let mut params = vec![
             nseg as u32,
-            kw as u32,
+            words as u32,
             rows as u32,
             k as u32,
             ldy as u32,
             x_off as u32,
             (y_off + ws.start) as u32,
             sp.offset as u32,
-            qp.offset as u32,
+            (qp.offset / qunit) as u32,
         ];
         let mut bufs = vec![xb, yb, &sp.buffer];
         if let Some(mp) = ws.places.get(2) {
@@ -426,10 +740,8 @@ fn dispatch(
             bufs.push(&mp.buffer);
         }
         bufs.push(&qp.buffer);
-        params.extend_from_slice(&extra);
-        if let (Stage::RmsNorm { .. }, Some((nb, _))) = (v.stage, norm_w) {
-            bufs.push(nb);
-        }
+        params.extend_from_slice(&params_extra);
+        bufs.extend(extra.iter().map(|(b, _)| *b));
         g.dispatch(&pipe, &params, &bufs, grid)?;
     }
     Ok(())

@@ -403,13 +403,15 @@ impl QMatrix {
         Ok(())
     }
 
-    /// y[m, N] = x[m, K] · Wᵀ from the blocks on the GPU (x and y views: tensor and element offset).
+    /// y[m, N] = x[m, K] · Wᵀ from the blocks on the GPU (x and y views: tensor and element offset); with
+    /// independent rows, each row as it would be computed alone.
     pub(crate) fn gpu_matmul(
         &self,
         g: &GpuBackend,
         x: (&GpuTensor, usize),
         y: (&GpuTensor, usize),
         m: usize,
+        rows: RowMode,
         fault: Option<Fault>,
     ) -> Result<()> {
         let QStore::Gpu(parts) = &self.store else {
@@ -419,7 +421,17 @@ impl QMatrix {
             ));
         };
         fits_u32("qmatmul", &[m, m * self.cols, m * self.rows])?;
-        gpu::qmatmul(g, x, y, parts, self.kind, m, self.rows, self.cols, fault)
+        let shape = [m, self.rows, self.cols];
+        gpu::qmatmul(
+            g,
+            x,
+            y,
+            parts,
+            self.kind,
+            shape,
+            rows == RowMode::Independent,
+            fault,
+        )
     }
 }
 
