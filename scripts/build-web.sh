@@ -26,7 +26,10 @@ fi
 
 if [ "$("$TOOLS/bin/wasm-bindgen" --version 2>/dev/null | awk '{print $2}')" != "$WASM_BINDGEN_VERSION" ]; then
   echo "build-web: building wasm-bindgen-cli $WASM_BINDGEN_VERSION into $TOOLS (once)"
-  cargo install -q --locked wasm-bindgen-cli --version "$WASM_BINDGEN_VERSION" --root "$TOOLS"
+  # With the versions its lock file names, unless one of them has since been withdrawn from crates.io
+  # (webpki-roots 1.0.11 was, in 2026-12): then with the newest compatible ones.
+  cargo install -q --locked wasm-bindgen-cli --version "$WASM_BINDGEN_VERSION" --root "$TOOLS" \
+    || cargo install -q wasm-bindgen-cli --version "$WASM_BINDGEN_VERSION" --root "$TOOLS"
 fi
 
 echo "build-web: compiling crates/web for wasm32"

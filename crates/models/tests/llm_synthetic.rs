@@ -558,6 +558,7 @@ fn batched_decoding_matches_each_sequence_alone() {
                 batch: 16,
                 paths: *paths,
                 parallel: 16,
+                sequences: 16,
             };
             let mut llm = Llm::from_gguf(be, &q, &opts, &mut |_| {}).expect("loads");
             // Alone: each prompt, then two tokens, one sequence at a time.

@@ -77,11 +77,17 @@ const BAR_BYTES: u64 = 32 << 20;
 /// a GPU the numerics gate runs first, with the model's own shapes: the quantized kernels are used only
 /// if they pass it (otherwise the weights are held dequantized).
 pub fn load(be: &Backend, gate: &GateArgs, args: &ModelArgs) -> Result<Loaded> {
-    load_with(be, gate, args, 1)
+    load_with(be, gate, args, 1, false)
 }
 
-/// [`load`] with room for `parallel` sequences decoded together.
-fn load_with(be: &Backend, gate: &GateArgs, args: &ModelArgs, parallel: usize) -> Result<Loaded> {
+/// [`load`] with room for `parallel` sequences decoded together (of their own, `serving`).
+fn load_with(
+    be: &Backend,
+    gate: &GateArgs,
+    args: &ModelArgs,
+    parallel: usize,
+    serving: bool,
+) -> Result<Loaded> {
     let t = Instant::now();
     let path = &args.model;
     let file = GgufFile::open(path).context("cannot open the model")?;
@@ -119,6 +125,8 @@ fn load_with(be: &Backend, gate: &GateArgs, args: &ModelArgs, parallel: usize) -
         context: args.ctx,
         paths,
         parallel,
+        // A server's slots are sequences of their own; one conversation uses the model's.
+        sequences: if serving { parallel } else { 0 },
         batch: LoadOptions::default().batch.max(parallel),
     };
     let llm = Llm::load(be, path, &opts, &mut |p| {
@@ -184,7 +192,7 @@ pub fn load_for_serving(
     // f32 keys and values of every layer, per position.
     let seq_bytes = (cfg.n_layer * ctx * 2 * cfg.kv_dim() * 4) as u64;
     let n = parallel(seq_bytes).max(1);
-    Ok((load_with(be, gate, args, n)?, n))
+    Ok((load_with(be, gate, args, n, true)?, n))
 }
 
 /// Total memory of the machine, where /proc says.

@@ -35,13 +35,11 @@
 use tinygpt_formats::GgufFile;
 use tinygpt_kernels::ops::add::add_assign;
 use tinygpt_kernels::ops::argmax::argmax_rows;
-use tinygpt_kernels::ops::attention::{
-    Attended, CacheRows, DecodeShape, RowsShape, attend, attend_rows_split, split_len,
-};
+use tinygpt_kernels::ops::attention::{CacheRows, DecodeShape, RowsShape, attend, attend_rows};
 use tinygpt_kernels::ops::fill::copy;
 use tinygpt_kernels::ops::gelu::gelu;
 use tinygpt_kernels::ops::glu::glu;
-use tinygpt_kernels::ops::matmul::fused::{Input, MERGE_MAX_SPLITS, Output, Residual};
+use tinygpt_kernels::ops::matmul::fused::{Input, Output};
 use tinygpt_kernels::ops::matmul::{Gemm, RowMode, matmul};
 use tinygpt_kernels::ops::norm::{NormKind, NormShape, add_rms_norm, norm_forward};
 use tinygpt_kernels::ops::rope::{
@@ -52,9 +50,7 @@ use tinygpt_kernels::{Backend, DType, PathSet, PendingRead, TMut, TRef, Tensor};
 use super::config::{LayerAttention, LlmConfig};
 use super::error::{LlmError, Result};
 use super::kv_cache::KvPool;
-use super::weights::{
-    LayerWeights, Linear, LoadProgress, Matrix, Norm, Rows, Slot, Weights, add_bias,
-};
+use super::weights::{LayerWeights, Linear, LoadProgress, Norm, Rows, Slot, Weights, add_bias};
 
 /// How to set a model up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,9 +62,11 @@ pub struct LoadOptions {
     /// The fast paths the model runs on (what the numerics gate passed; default: the f32 path). On a GPU
     /// without the quantized kernels in the set, quantized weights are held dequantized.
     pub paths: PathSet,
-    /// Most sequences one decode pass takes. With more than one, the cache holds that many sequences
-    /// besides the model's own ([`Llm::new_sequence`]).
+    /// Most sequences one decode pass takes.
     pub parallel: usize,
+    /// Sequences the KV cache holds besides the model's own, for [`Llm::new_sequence`] (a server's
+    /// slots); 0 for one conversation.
+    pub sequences: usize,
 }
 
 /// The context used when none is asked for (the trained context when smaller).
@@ -82,6 +80,7 @@ impl Default for LoadOptions {
             batch: 512,
             paths: PathSet::F32,
             parallel: 1,
+            sequences: 0,
         }
     }
 }
@@ -113,9 +112,6 @@ struct Scratch {
     ones: Tensor,
     /// The residual stream [batch, d].
     x: Tensor,
-    /// Where a decode pass's product that takes a post-normed sublayer output in writes the next residual
-    /// stream (then swapped with `x`).
-    x2: Tensor,
     /// A sublayer's normed input, or its post-normed output [batch, d].
     xn: Tensor,
     /// RMSNorm statistics of up to batch · heads rows.
@@ -129,8 +125,6 @@ struct Scratch {
     qn: Tensor,
     /// Attention output [batch, q_dim].
     att: Tensor,
-    /// A decode pass's attention results per split of the context, merged by the output product.
-    part: Tensor,
     /// A sublayer's output [batch, d].
     out: Tensor,
     /// act(gate) · up [batch, ff].
@@ -152,7 +146,6 @@ impl Scratch {
             rows: be.zeros_typed(2 * parallel, 2 * parallel, DType::U32)?,
             ones: be.from_f32(&vec![1.0; batch], batch)?,
             x: z(batch, d)?,
-            x2: z(parallel, d)?,
             xn: z(batch, d)?,
             stats: z(2, batch * heads)?,
             proj: z(batch, (qd + 2 * kvd).max(2 * ff))?,
@@ -160,10 +153,6 @@ impl Scratch {
             split_b: z(batch, split)?,
             qn: z(batch, qd)?,
             att: z(batch, qd)?,
-            part: {
-                let len = split_len(parallel, cfg.n_head, cfg.head_dim, MERGE_MAX_SPLITS);
-                be.zeros(len, len)?
-            },
             out: z(batch, d)?,
             act: z(batch, ff)?,
             logits: z(parallel, cfg.vocab)?,
@@ -178,7 +167,6 @@ impl Scratch {
             &self.rows,
             &self.ones,
             &self.x,
-            &self.x2,
             &self.xn,
             &self.stats,
             &self.proj,
@@ -186,7 +174,6 @@ impl Scratch {
             &self.split_b,
             &self.qn,
             &self.att,
-            &self.part,
             &self.out,
             &self.act,
             &self.logits,
@@ -443,7 +430,7 @@ impl Llm {
         let p = &mut self.core.pool;
         let Some(slot) = p.taken.iter().position(|t| !t) else {
             return Err(LlmError::Options(format!(
-                "all {} sequences of the KV cache are in use (load with a larger `parallel`)",
+                "all {} sequences of the KV cache are in use (load with more `sequences`)",
                 p.taken.len().saturating_sub(1)
             )));
         };
@@ -822,42 +809,20 @@ impl Core {
             pos.get_rows(be, s.pos_ids.at(0), s.out.at_mut(0), m, 1.0)?;
             add_assign(be, s.x.at_mut(0), s.out.at(0), m * d, 1.0)?;
         }
-        // A post-normed sublayer output waiting in `out` to join the residual stream (Gemma 3): the
-        // next product that reads norm(x) takes it in.
-        let mut pending: Option<&Tensor> = None;
         for (l, lw) in w.layers.iter().enumerate() {
             let rope = layer_rope.get(l).map(|&i| &ropes[i]);
-            pass.decode_attention(
-                lw,
-                &cfg.layers[l],
-                s,
-                &mut pool.kv[l],
-                &table,
-                rope,
-                &mut pending,
-            )?;
-            pass.decode_feed_forward(lw, s, &mut pending)?;
+            pass.decode_attention(lw, &cfg.layers[l], s, &mut pool.kv[l], &table, rope)?;
+            pass.decode_feed_forward(lw, s)?;
         }
-        pass.normed_product(
-            &w.output_norm,
-            vec![(w.head(), None)],
-            s,
-            Target::Logits,
-            &mut pending,
-        )?;
+        let input = pass.normed(&w.output_norm, &s.x, &mut s.xn, &mut s.stats, &s.ones)?;
+        w.head()
+            .fused(be, pass.rows(), input, s.logits.at_mut(0), Output::Store)?;
         for q in seqs.iter_mut() {
             q.pos += 1;
         }
         self.last_rows = m;
         Ok(())
     }
-}
-
-/// Where a decode pass's normed product writes.
-#[derive(Clone, Copy)]
-enum Target {
-    Proj,
-    Logits,
 }
 
 /// The fixed inputs of one forward pass.
@@ -1002,18 +967,15 @@ impl Pass<'_> {
     }
 
     /// x += [post_norm](input · Wᵀ + b): the addition rides inside the product when there is neither a
-    /// post-norm nor a bias; a post-normed output (without a bias) waits in `out` for the next product
-    /// that reads norm(x) (`pending`).
-    #[allow(clippy::too_many_arguments)]
-    fn residual_fused<'w>(
+    /// post-norm nor a bias.
+    fn residual_fused(
         &self,
         input: Input<'_>,
         lin: &Linear,
-        post_norm: Option<&'w Tensor>,
+        post_norm: Option<&Tensor>,
         x: &mut Tensor,
         out: &mut Tensor,
         ones: &Tensor,
-        pending: &mut Option<&'w Tensor>,
     ) -> Result<()> {
         let (be, m, d) = (self.be, self.m, self.cfg.d_model);
         if post_norm.is_none() && lin.b.is_none() {
@@ -1025,9 +987,6 @@ impl Pass<'_> {
             .fused(be, self.rows(), input, out.at_mut(0), Output::Store)?;
         if let Some(b) = &lin.b {
             add_bias(be, ones.at(0), b, out.at_mut(0), m, d)?;
-        } else if post_norm.is_some() {
-            *pending = post_norm;
-            return Ok(());
         }
         let shape = NormShape {
             rows: m,
@@ -1037,71 +996,6 @@ impl Pass<'_> {
         match post_norm {
             Some(w) => add_rms_norm(be, x.at_mut(0), out.at(0), w.into(), shape)?,
             None => add_assign(be, x.at_mut(0), out.at(0), m * d, 1.0)?,
-        }
-        Ok(())
-    }
-
-    /// y = norm(x) · Wᵀ for the products of a decode pass that read norm(x) (Q/K/V, gate/up, the head),
-    /// first letting a `pending` post-normed output join x: inside the first product where the fused
-    /// kernel applies (the new x goes to `x2`, then swapped in), else as its own op.
-    fn normed_product(
-        &self,
-        n: &Norm,
-        products: Vec<(&Matrix, Option<&Tensor>)>,
-        s: &mut Scratch,
-        into: Target,
-        pending: &mut Option<&Tensor>,
-    ) -> Result<()> {
-        let (be, cfg, m) = (self.be, self.cfg, self.m);
-        let mut products = products.into_iter();
-        let Some(first) = products.next() else {
-            return Ok(());
-        };
-        let rest = products;
-        let d = cfg.d_model;
-        let mut done_first = false;
-        if let Some(post) = pending.take() {
-            let plain = cfg.norm == NormKind::Rms && n.b.is_none() && first.1.is_none();
-            if plain {
-                let y = match into {
-                    Target::Proj => s.proj.at_mut(0),
-                    Target::Logits => s.logits.at_mut(0),
-                };
-                let how = first.0.residual_norm(
-                    be,
-                    self.rows(),
-                    (&mut s.x, &mut s.x2),
-                    s.out.at(0),
-                    (post.into(), (&n.w).into(), cfg.norm_eps),
-                    y,
-                )?;
-                if how == Residual::Moved {
-                    std::mem::swap(&mut s.x, &mut s.x2);
-                }
-                done_first = true;
-            } else {
-                let shape = NormShape {
-                    rows: m,
-                    cols: d,
-                    eps: cfg.norm_eps,
-                };
-                add_rms_norm(be, s.x.at_mut(0), s.out.at(0), post.into(), shape)?;
-            }
-        }
-        let input = self.normed(n, &s.x, &mut s.xn, &mut s.stats, &s.ones)?;
-        let y = match into {
-            Target::Proj => &mut s.proj,
-            Target::Logits => &mut s.logits,
-        };
-        let mut base = 0;
-        for (i, (mat, bias)) in std::iter::once(first).chain(rest).enumerate() {
-            if i > 0 || !done_first {
-                mat.fused(be, self.rows(), input, y.at_mut(base), Output::Store)?;
-            }
-            if let Some(b) = bias {
-                add_bias(be, s.ones.at(0), b, y.at_mut(base), m, mat.rows())?;
-            }
-            base += self.batch * mat.rows();
         }
         Ok(())
     }
@@ -1252,20 +1146,26 @@ impl Pass<'_> {
     /// A decode pass's attention sublayer: the Q/K/V product (norm fused in), norms, RoPE and cache
     /// writes in one op, attention over every row's sequence in one op, the output product with the
     /// residual addition.
-    #[allow(clippy::too_many_arguments)]
-    fn decode_attention<'w>(
+    fn decode_attention(
         &self,
-        lw: &'w LayerWeights,
+        lw: &LayerWeights,
         la: &LayerAttention,
         s: &mut Scratch,
         cache: &mut Tensor,
         table: &[[u32; 2]],
         rope: Option<&Tensor>,
-        pending: &mut Option<&'w Tensor>,
     ) -> Result<()> {
         let (be, cfg, m) = (self.be, self.cfg, self.m);
         let (hd, qd, kvd) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
-        self.normed_product(&lw.attn_norm, lw.qkv.groups(), s, Target::Proj, pending)?;
+        let input = self.normed(&lw.attn_norm, &s.x, &mut s.xn, &mut s.stats, &s.ones)?;
+        lw.qkv.apply_fused(
+            be,
+            self.rows(),
+            input,
+            &mut s.proj,
+            self.batch,
+            s.ones.at(0),
+        )?;
         let [q, k, v] = [0, 1, 2].map(|i| lw.qkv.slot(i, self.batch));
         let norm = match (&lw.q_norm, &lw.k_norm) {
             (Some(qw), Some(kw)) => Some(QkNorm {
@@ -1347,56 +1247,34 @@ impl Pass<'_> {
             scale: cfg.attn_scale,
             softcap: 0.0,
         };
-        let keep = Some((s.part.at_mut(0), MERGE_MAX_SPLITS));
-        let done = attend_rows_split(
-            be,
-            s.qn.at(0),
-            cache.at(0),
-            all,
-            s.att.at_mut(0),
-            keep,
-            shape,
-        )?;
+        attend_rows(be, s.qn.at(0), cache.at(0), all, s.att.at_mut(0), shape)?;
         let Scratch {
-            att,
-            part,
-            x,
-            out,
-            ones,
-            ..
+            att, x, out, ones, ..
         } = s;
-        // A context in several splits is merged by the output product on its way in.
-        let input = match done {
-            Attended::Written => Input::Rows(att.at(0)),
-            Attended::Split { n_split } => Input::Merge {
-                part: part.at(0),
-                n_split,
-                heads: cfg.n_head,
-                head_dim: hd,
-            },
-        };
         self.residual_fused(
-            input,
+            Input::Rows(att.at(0)),
             &lw.wo,
             lw.post_attn_norm.as_ref(),
             x,
             out,
             ones,
-            pending,
         )
     }
 
     /// A decode pass's feed-forward sublayer: gate and up (norm fused in), then down with the GLU fused
     /// in front and the residual addition behind.
-    fn decode_feed_forward<'w>(
-        &self,
-        lw: &'w LayerWeights,
-        s: &mut Scratch,
-        pending: &mut Option<&'w Tensor>,
-    ) -> Result<()> {
+    fn decode_feed_forward(&self, lw: &LayerWeights, s: &mut Scratch) -> Result<()> {
         let (be, cfg, m) = (self.be, self.cfg, self.m);
         let ff = cfg.n_ff;
-        self.normed_product(&lw.ffn_norm, lw.gate_up.groups(), s, Target::Proj, pending)?;
+        let input = self.normed(&lw.ffn_norm, &s.x, &mut s.xn, &mut s.stats, &s.ones)?;
+        lw.gate_up.apply_fused(
+            be,
+            self.rows(),
+            input,
+            &mut s.proj,
+            self.batch,
+            s.ones.at(0),
+        )?;
         let Scratch {
             proj,
             split_a,
@@ -1436,15 +1314,7 @@ impl Pass<'_> {
             gelu(be, proj.at(up.offset), act.at_mut(0), m * ff)?;
             Input::Rows(act.at(0))
         };
-        self.residual_fused(
-            input,
-            &lw.down,
-            lw.post_ffn_norm.as_ref(),
-            x,
-            out,
-            ones,
-            pending,
-        )
+        self.residual_fused(input, &lw.down, lw.post_ffn_norm.as_ref(), x, out, ones)
     }
 }
 

@@ -13,9 +13,7 @@ use std::collections::HashSet;
 
 use tinygpt_formats::{GgmlType, GgufFile, KernelWeights};
 use tinygpt_kernels::ops::embedding::{EmbedShape, embedding};
-use tinygpt_kernels::ops::matmul::fused::{
-    Input, Output, Residual, matmul_fused, matmul_residual_norm,
-};
+use tinygpt_kernels::ops::matmul::fused::{Input, Output, matmul_fused};
 use tinygpt_kernels::ops::matmul::{Gemm, QKind, QMatrix, RowMode, get_rows, matmul};
 use tinygpt_kernels::{Backend, PathSet, TMut, TRef, Tensor};
 
@@ -82,46 +80,6 @@ impl Matrix {
             Matrix::Dense { t, .. } => matmul_fused(be, r.paths, r.mode, input, t, y, shape, out)?,
         }
         Ok(())
-    }
-
-    /// y = RMSNorm(x') · w · Wᵀ with x' = x + RMSNorm(d) · post, x' into `next` when the product takes
-    /// the addition in (see [`matmul_residual_norm`]).
-    pub fn residual_norm(
-        &self,
-        be: &Backend,
-        r: Rows,
-        xs: (&mut Tensor, &mut Tensor),
-        d: TRef<'_>,
-        norms: (TRef<'_>, TRef<'_>, f32),
-        y: TMut<'_>,
-    ) -> Result<Residual> {
-        let shape = [r.m, self.rows(), self.cols()];
-        Ok(match self {
-            Matrix::Quant(q) => matmul_residual_norm(
-                be,
-                r.paths,
-                r.mode,
-                xs,
-                d,
-                norms,
-                q,
-                y,
-                shape,
-                Output::Store,
-            )?,
-            Matrix::Dense { t, .. } => matmul_residual_norm(
-                be,
-                r.paths,
-                r.mode,
-                xs,
-                d,
-                norms,
-                t,
-                y,
-                shape,
-                Output::Store,
-            )?,
-        })
     }
 
     /// Bytes held on the backend.
@@ -408,12 +366,26 @@ impl Fused {
         Ok(())
     }
 
-    /// Each product and its bias, in the order [`Fused::apply`] lays out their outputs.
-    pub fn groups(&self) -> Vec<(&Matrix, Option<&Tensor>)> {
-        self.groups
-            .iter()
-            .zip(self.biases.iter().map(Option::as_ref))
-            .collect()
+    /// [`Fused::apply`] with the input computed on the way in (a norm of x, fused into each product
+    /// where the layout allows).
+    pub fn apply_fused(
+        &self,
+        be: &Backend,
+        r: Rows,
+        input: Input<'_>,
+        out: &mut Tensor,
+        batch: usize,
+        ones: TRef<'_>,
+    ) -> Result<()> {
+        let mut base = 0;
+        for (g, bias) in self.groups.iter().zip(&self.biases) {
+            g.fused(be, r, input, out.at_mut(base), Output::Store)?;
+            if let Some(b) = bias {
+                add_bias(be, ones, b, out.at_mut(base), r.m, g.rows())?;
+            }
+            base += batch * g.rows();
+        }
+        Ok(())
     }
 
     /// Where member `i`'s output lies after [`Fused::apply`].

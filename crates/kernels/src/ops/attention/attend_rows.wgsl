@@ -25,9 +25,9 @@ struct Params { rows: u32, heads: u32, kv_heads: u32, head_dim: u32, ld_q: u32, 
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read_write> part: array<f32>;
 
+// rows.rs prepends CHUNK (positions per workgroup: 32, or 256 when one split holds every row's context).
 const WG: u32 = 256u;
-const CHUNK: u32 = 32u;
-const TPP: u32 = 8u;                               // threads per position in the scores (WG / CHUNK)
+const TPP: u32 = 8u;                               // threads per position in the scores
 const GMAX: u32 = 4u;
 var<workgroup> qs: array<vec4<f32>, 256>;          // GMAX heads x head_dim / 4 (head_dim <= 256)
 var<workgroup> ps: array<vec4<f32>, CHUNK>;        // the GMAX heads' scores, then probabilities
@@ -80,34 +80,37 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   }
   workgroupBarrier();
 
-  // Scores: position lo + j, threads j·TPP .. j·TPP + TPP − 1, each dimensions t, t + TPP, ... (vec4s).
-  let j = lid / TPP;
+  // Scores: positions lo + j, j = lid / TPP, lid / TPP + WG / TPP, ...: TPP threads each, each thread
+  // dimensions t, t + TPP, ... (vec4s), summed by a tree over the TPP threads.
   let t = lid % TPP;
-  var acc = vec4<f32>(0.0);
-  if (lo + j < hi) {
-    let kb = p.o_k / 4u + (row0 + j) * ld4 + kvh * hd4;
-    for (var c = t; c < hd4; c = c + TPP) {
-      let k4 = kv[kb + c];
-      acc.x = acc.x + dot(qs[c], k4);
-      acc.y = acc.y + dot(qs[hd4 + c], k4);
-      acc.z = acc.z + dot(qs[2u * hd4 + c], k4);
-      acc.w = acc.w + dot(qs[3u * hd4 + c], k4);
+  let ninf = bitcast<f32>(0xff800000u);
+  for (var j0 = 0u; j0 < CHUNK; j0 = j0 + WG / TPP) {
+    let j = j0 + lid / TPP;
+    var acc = vec4<f32>(0.0);
+    if (lo + j < hi) {
+      let kb = p.o_k / 4u + (row0 + j) * ld4 + kvh * hd4;
+      for (var c = t; c < hd4; c = c + TPP) {
+        let k4 = kv[kb + c];
+        acc.x = acc.x + dot(qs[c], k4);
+        acc.y = acc.y + dot(qs[hd4 + c], k4);
+        acc.z = acc.z + dot(qs[2u * hd4 + c], k4);
+        acc.w = acc.w + dot(qs[3u * hd4 + c], k4);
+      }
     }
-  }
-  red[lid] = acc;
-  workgroupBarrier();
-  for (var s = TPP / 2u; s > 0u; s = s >> 1u) {
-    if (t < s) { red[lid] = red[lid] + red[lid + s]; }
+    red[lid] = acc;
+    workgroupBarrier();
+    for (var s = TPP / 2u; s > 0u; s = s >> 1u) {
+      if (t < s) { red[lid] = red[lid] + red[lid + s]; }
+      workgroupBarrier();
+    }
+    if (t == 0u && j < CHUNK) {
+      var sc = red[lid] * p.scale;
+      if (p.softcap > 0.0) { sc = p.softcap * tanh(clamp(sc / p.softcap, vec4<f32>(-15.0), vec4<f32>(15.0))); }
+      if (lo + j >= hi) { sc = vec4<f32>(ninf); }
+      ps[j] = sc;
+    }
     workgroupBarrier();
   }
-  let ninf = bitcast<f32>(0xff800000u);
-  if (lid < CHUNK) {
-    var sc = red[lid * TPP] * p.scale;
-    if (p.softcap > 0.0) { sc = p.softcap * tanh(clamp(sc / p.softcap, vec4<f32>(-15.0), vec4<f32>(15.0))); }
-    if (lo + lid >= hi) { sc = vec4<f32>(ninf); }
-    ps[lid] = sc;
-  }
-  workgroupBarrier();
   // Softmax over the chunk: max, then exponentials and their sum (trees over CHUNK positions).
   if (lid < CHUNK) { red[lid] = ps[lid]; }
   workgroupBarrier();

@@ -425,10 +425,7 @@ pub fn attend(
 }
 
 mod rows;
-pub use rows::{
-    Attended, CHUNK, CacheRows, RowsShape, attend_rows, attend_rows_split, merge_splits, split_len,
-    splits,
-};
+pub use rows::{CHUNK, CacheRows, RowsShape, attend_rows};
 
 #[cfg(test)]
 mod tests;

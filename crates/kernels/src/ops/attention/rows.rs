@@ -13,8 +13,11 @@ use crate::error::{Error, Result};
 use crate::gpu::Access;
 use crate::ops::common::kernel;
 
-/// Positions one workgroup scores (attend_rows.wgsl's CHUNK): contexts up to this take one dispatch.
+/// Positions one workgroup scores when a context splits (attend_rows.wgsl's CHUNK): many small splits
+/// keep each workgroup short, and a second dispatch merges them.
 pub const CHUNK: usize = 32;
+/// Positions one workgroup scores when every row's context fits: one dispatch, no merge.
+const ONE_SPLIT: usize = 256;
 /// Query heads one workgroup serves (attend_rows.wgsl's GMAX).
 const GMAX: usize = 4;
 
@@ -46,32 +49,28 @@ pub struct RowsShape {
     pub softcap: f32,
 }
 
-/// Where [`attend_rows_split`] left its result.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Attended {
-    /// In `out`.
-    Written,
-    /// As `n_split` partial results per (row, head) in `part`, for [`merge_splits`] (or a product that
-    /// merges them on its way in: `ops::matmul::fused::Input::Merge`).
-    Split { n_split: usize },
-}
-
-/// Elements of [`attend_rows_split`]'s partial results: per (row, head, split) the split's maximum, its sum
+/// Elements of the partial results of `n_split` splits: per (row, head, split) the split's maximum, its sum
 /// of exponentials and its unnormalised output.
-pub fn split_len(rows: usize, heads: usize, head_dim: usize, n_split: usize) -> usize {
+fn split_len(rows: usize, heads: usize, head_dim: usize, n_split: usize) -> usize {
     rows * heads * n_split * (head_dim + 2)
 }
 
-/// Splits of [`CHUNK`] positions the longest row of `rows` takes.
-pub fn splits(rows: &[[u32; 2]], window: usize) -> usize {
-    rows.iter()
+/// (positions per split, splits) for the longest row of `rows`: one split of up to [`ONE_SPLIT`]
+/// positions, else splits of [`CHUNK`].
+fn splits(rows: &[[u32; 2]], window: usize) -> (usize, usize) {
+    let longest = rows
+        .iter()
         .map(|r| {
             let seen = r[1] as usize + 1;
-            if window > 0 { seen.min(window) } else { seen }.div_ceil(CHUNK)
+            if window > 0 { seen.min(window) } else { seen }
         })
         .max()
-        .unwrap_or(1)
-        .max(1)
+        .unwrap_or(1);
+    if longest <= ONE_SPLIT {
+        (ONE_SPLIT, 1)
+    } else {
+        (CHUNK, longest.div_ceil(CHUNK))
+    }
 }
 
 /// out[r] = softmax(scale · q[r] · Kᵀ) · V over row r's sequence, positions (pos − window, pos], for
@@ -81,23 +80,9 @@ pub fn attend_rows(
     q: TRef<'_>,
     cache: TRef<'_>,
     rows: CacheRows<'_>,
-    out: TMut<'_>,
+    mut out: TMut<'_>,
     s: RowsShape,
 ) -> Result<()> {
-    attend_rows_split(be, q, cache, rows, out, None, s).map(|_| ())
-}
-
-/// [`attend_rows`], leaving the merge of a split context to the caller when `part` is given and holds
-/// the partial results ([`split_len`]) of at most `max_split` splits; otherwise the result is written.
-pub fn attend_rows_split(
-    be: &Backend,
-    q: TRef<'_>,
-    cache: TRef<'_>,
-    rows: CacheRows<'_>,
-    mut out: TMut<'_>,
-    keep: Option<(TMut<'_>, usize)>,
-    s: RowsShape,
-) -> Result<Attended> {
     let n = rows.host.len();
     let bad = |msg: String| {
         Err(Error::Shape {
@@ -143,7 +128,7 @@ pub fn attend_rows_split(
         scale: s.scale,
         softcap: s.softcap,
     };
-    let one_by_one = |out: &mut TMut<'_>| -> Result<Attended> {
+    let one_by_one = |out: &mut TMut<'_>| -> Result<()> {
         for (r, &[base, pos]) in rows.host.iter().enumerate() {
             let at = cache.offset() + base as usize * s.ld_kv;
             let (k, v) = (
@@ -153,7 +138,7 @@ pub fn attend_rows_split(
             let o = out.shift(r * s.ld_o);
             attend(be, q.shift(r * s.ld_q), k, v, o, shape(pos as usize))?;
         }
-        Ok(Attended::Written)
+        Ok(())
     };
     let g = match be {
         // The twin: each row through the CPU attention.
@@ -161,7 +146,7 @@ pub fn attend_rows_split(
         Backend::Gpu(g) => g,
     };
     if n == 0 {
-        return Ok(Attended::Written);
+        return Ok(());
     }
     // The kernel reads the cache as 16-byte vectors and splits 256 threads over a head's vectors.
     let vec4 = [s.ld_kv, s.k_at, s.v_at, cache.offset()]
@@ -182,38 +167,28 @@ pub fn attend_rows_split(
     ) else {
         return one_by_one(&mut out);
     };
-    let n_split = splits(rows.host, s.window);
+    let (chunk, n_split) = splits(rows.host, s.window);
     let groups = (s.heads / s.kv_heads).div_ceil(GMAX);
     let wgs = n * s.kv_heads * groups;
     let max = g.limits.max_compute_workgroups_per_dimension as usize;
     if wgs > max || n_split > max {
         return one_by_one(&mut out);
     }
-    let len = split_len(n, s.heads, s.head_dim, n_split);
-    // The caller's tensor for the partial results, when it asked for them and they fit.
-    let kept = match &keep {
-        Some((t, max)) if n_split > 1 && n_split <= *max => t
-            .gpu("attend_rows", "part", len)
-            .ok()
-            .and_then(|g| g.span(t.offset(), len))
-            .map(|(b, o)| (b.clone(), o)),
-        _ => None,
-    };
-    let scratch = if n_split > 1 && kept.is_none() {
-        Some(g.scratch("attend_rows_part", len)?)
+    // Partial results of every split, merged by a second dispatch.
+    let scratch = if n_split > 1 {
+        Some(g.scratch(
+            "attend_rows_part",
+            split_len(n, s.heads, s.head_dim, n_split),
+        )?)
     } else {
         None
     };
     let dummy = g.scratch("dummy", 1)?;
-    let (pb, po) = match (&kept, &scratch) {
-        (Some((b, o)), _) => (b.clone(), *o),
-        (None, Some(t)) => (t.chunks[0].buffer.clone(), 0),
-        (None, None) => (dummy.chunks[0].buffer.clone(), 0),
-    };
+    let pb = scratch.as_ref().unwrap_or(&dummy).chunks[0].buffer.clone();
     let pipe = kernel(
         g,
-        "attend_rows",
-        include_str!("attend_rows.wgsl"),
+        &format!("attend_rows_c{chunk}"),
+        &format!("const CHUNK: u32 = {chunk}u;\n{}", include_str!("attend_rows.wgsl")),
         &[
             Access::Read,
             Access::Read,
@@ -257,7 +232,7 @@ pub fn attend_rows_split(
             lo as u32,
             hi as u32,
             n_split as u32,
-            po as u32,
+            0,
             groups as u32,
         ];
         g.dispatch(
@@ -266,9 +241,6 @@ pub fn attend_rows_split(
             &[bq, &c.buffer, bt, bo, &pb],
             [wgs as u32, n_split as u32, 1],
         )?;
-    }
-    if kept.is_some() {
-        return Ok(Attended::Split { n_split });
     }
     if let Some(part) = scratch {
         merge_gpu(
@@ -282,64 +254,11 @@ pub fn attend_rows_split(
             n_split,
         )?;
     }
-    Ok(Attended::Written)
+    Ok(())
 }
 
-/// out[r, h] = the merge of row r's, head h's `n_split` partial results in `part` (see [`Attended`]):
+/// out[r, h] = the merge of row r's, head h's `n_split` partial results in `part`:
 /// Σ_s e^(m_s − M) o_s / Σ_s e^(m_s − M) l_s, M the largest split maximum, splits with l_s = 0 skipped.
-#[allow(clippy::too_many_arguments)]
-pub fn merge_splits(
-    be: &Backend,
-    part: TRef<'_>,
-    mut out: TMut<'_>,
-    rows: usize,
-    heads: usize,
-    head_dim: usize,
-    ld_o: usize,
-    n_split: usize,
-) -> Result<()> {
-    let len = split_len(rows, heads, head_dim, n_split);
-    let span_o = if rows == 0 {
-        0
-    } else {
-        (rows - 1) * ld_o + heads * head_dim
-    };
-    match be {
-        Backend::Cpu(_) => {
-            let ps = part.cpu("merge_splits", "part", len)?;
-            let os = out.cpu("merge_splits", "out", span_o)?;
-            let stride = head_dim + 2;
-            for r in 0..rows {
-                for h in 0..heads {
-                    let b = &ps[(r * heads + h) * n_split * stride..][..n_split * stride];
-                    let live = || b.chunks(stride).filter(|c| c[1] > 0.0);
-                    let mx = live().fold(f32::NEG_INFINITY, |m, c| m.max(c[0]));
-                    let den: f32 = live().map(|c| (c[0] - mx).exp() * c[1]).sum();
-                    for d in 0..head_dim {
-                        let acc: f32 = live().map(|c| (c[0] - mx).exp() * c[2 + d]).sum();
-                        os[r * ld_o + h * head_dim + d] = acc / den;
-                    }
-                }
-            }
-            Ok(())
-        }
-        Backend::Gpu(g) => {
-            let (Some(p), Some(o)) = (
-                part.gpu("merge_splits", "part", len)?
-                    .span(part.offset(), len),
-                out.gpu("merge_splits", "out", span_o)?
-                    .span(out.offset(), span_o),
-            ) else {
-                return Err(Error::Shape {
-                    op: "merge_splits",
-                    msg: "the partial results and the output must each lie in one buffer".into(),
-                });
-            };
-            merge_gpu(g, p, o, rows, heads, head_dim, ld_o, n_split)
-        }
-    }
-}
-
 #[allow(clippy::too_many_arguments)]
 fn merge_gpu(
     g: &crate::gpu::GpuBackend,

@@ -267,24 +267,29 @@ fn decode_rows_match_twin() {
     let mut rng = SeedRng::new(93);
     let ctx = 700;
     // The last case's cache rows are not 16-byte multiples: it runs row by row (the twin's way).
-    for (heads, kv_heads, hd, window, softcap, pad) in [
-        (9usize, 3usize, 64usize, 0usize, 0.0f32, 4usize),
-        (4, 1, 256, 512, 0.0, 4),
-        (8, 2, 128, 0, 30.0, 0),
-        (14, 2, 64, 0, 0.0, 8),
-        (2, 1, 64, 0, 0.0, 3),
+    // Rows: positions across splits and at the window's edge, two rows of one sequence; then rows that
+    // all fit one workgroup's 256 positions (one dispatch, no merge).
+    let long: Vec<[u32; 2]> = vec![
+        [0, 5],
+        [ctx as u32, 300],
+        [2 * ctx as u32, 699],
+        [0, 256],
+        [ctx as u32, 0],
+    ];
+    let short: Vec<[u32; 2]> = vec![[0, 5], [ctx as u32, 255], [2 * ctx as u32, 100]];
+    for (heads, kv_heads, hd, window, softcap, pad, host) in [
+        (9usize, 3usize, 64usize, 0usize, 0.0f32, 4usize, &long),
+        (4, 1, 256, 512, 0.0, 4, &long),
+        (8, 2, 128, 0, 30.0, 0, &long),
+        (14, 2, 64, 0, 0.0, 8, &long),
+        (2, 1, 64, 0, 0.0, 3, &long),
+        (9, 3, 64, 0, 0.0, 4, &short),
+        (4, 1, 256, 0, 0.0, 4, &short),
+        (14, 2, 64, 0, 30.0, 8, &short),
     ] {
         let kvd = kv_heads * hd;
         let ld_kv = 2 * kvd + pad;
         let seqs = 3;
-        // Rows: positions in one split, across splits, at the window's edge; two rows of one sequence.
-        let host: Vec<[u32; 2]> = vec![
-            [0, 5],
-            [ctx as u32, 300],
-            [2 * ctx as u32, 699],
-            [0, 256],
-            [ctx as u32, 0],
-        ];
         let n = host.len();
         let (ld_q, ld_o) = (heads * hd + 1, heads * hd + 2);
         let q = rng.normal_vec(n * ld_q, 1.0);
@@ -351,7 +356,11 @@ fn decode_rows_match_twin() {
                 host: &host,
             };
             attend_rows(&g, t[0].at(0), t[1].at(0), rows, o.at_mut(0), s).unwrap();
-            let want = if pad % 4 == 0 { 2 } else { n as u64 };
+            let want = match (pad % 4, host.len()) {
+                (0, 3) => 1,
+                (0, _) => 2,
+                _ => n as u64,
+            };
             assert_eq!(
                 gb.counters().dispatches - before,
                 want,

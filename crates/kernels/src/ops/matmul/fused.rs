@@ -11,28 +11,20 @@
 //!   input:  Rows(x)                 x
 //!           RmsNorm { x, w, eps }   x / rms(x) · w           (per row, as ops::norm computes it)
 //!           Glu { act, gate, up }   act(gate) · up           (as ops::glu computes it)
-//!           Merge { part, .. }      an attention's split results merged   (as ops::attention::merge_splits)
 //!   output: Store                   y  = input · Wᵀ
 //!           Accumulate              y += input · Wᵀ          (as ops::add::add_assign adds)
 //! ```
 
-use super::quant::gpu::{MERGE_MAX_HEADS, Stage, qmatmul_staged, staged_fits};
+use super::quant::gpu::{Stage, qmatmul_staged, staged_fits};
 use super::{Gemm, RowMode, Weights, matmul};
-use crate::backend::Tensor;
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Result, shape};
 use crate::ops::add::add_assign;
-use crate::ops::attention::{merge_splits, split_len};
 use crate::ops::glu::{Activation, glu};
-use crate::ops::matmul::QKind;
-use crate::ops::norm::{NormKind, NormShape, add_rms_norm, norm_forward};
+use crate::ops::norm::{NormKind, NormShape, norm_forward};
 use crate::path::{PathId, PathSet};
 
 pub use super::quant::gpu::Output;
-
-/// Most splits a product merges on its way in (each element loops over them); past that the merge runs
-/// as its own op.
-pub const MERGE_MAX_SPLITS: usize = 16;
 
 /// What a fused product multiplies: m rows of k.
 #[derive(Clone, Copy)]
@@ -47,14 +39,6 @@ pub enum Input<'a> {
         gate: TRef<'a>,
         up: TRef<'a>,
         ld: usize,
-    },
-    /// The merge of an attention's split results (`ops::attention::Attended::Split`): row r is heads x
-    /// head_dim = k values.
-    Merge {
-        part: TRef<'a>,
-        n_split: usize,
-        heads: usize,
-        head_dim: usize,
     },
 }
 
@@ -131,23 +115,6 @@ pub fn matmul_fused<'w>(
             staged_x = t;
             staged_x.at(0)
         }
-        Input::Merge {
-            part,
-            n_split,
-            heads,
-            head_dim,
-        } => {
-            if heads * head_dim != k {
-                return Err(shape(
-                    "matmul_fused",
-                    format!("{heads} heads of {head_dim} are not rows of {k}"),
-                ));
-            }
-            let mut t = be.scratch("fused_in", m * k, k)?;
-            merge_splits(be, part, t.at_mut(0), m, heads, head_dim, k, n_split)?;
-            staged_x = t;
-            staged_x.at(0)
-        }
     };
     let g = Gemm {
         rows: mode,
@@ -161,84 +128,6 @@ pub fn matmul_fused<'w>(
             add_assign(be, y, t.at(0), m * n, 1.0)
         }
     }
-}
-
-/// What [`matmul_residual_norm`] did with the residual stream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Residual {
-    /// x' went to `next` (x is unchanged): the product took the addition in.
-    Moved,
-    /// x' replaced x (the ops ran one by one).
-    InPlace,
-}
-
-/// y (+)= RMSNorm(x') · w · Wᵀ with x' = x + RMSNorm(d) · post (Gemma 3: a post-normed sublayer output
-/// joins the residual stream, then the next sublayer's norm): in one dispatch where the fused kernel
-/// applies (x' is written to `next`), else add_rms_norm into x and the normed product.
-#[allow(clippy::too_many_arguments)]
-pub fn matmul_residual_norm<'w>(
-    be: &Backend,
-    paths: PathSet,
-    mode: RowMode,
-    (x, next): (&mut Tensor, &mut Tensor),
-    d: TRef<'_>,
-    (post, w_norm, eps): (TRef<'_>, TRef<'_>, f32),
-    w: impl Into<Weights<'w>>,
-    mut y: TMut<'_>,
-    [m, n, k]: [usize; 3],
-    out: Output,
-) -> Result<Residual> {
-    let w = w.into();
-    if let (Backend::Gpu(g), Weights::Quant(q)) = (be, w)
-        && let Some(parts) = q.gpu_parts()
-        && paths.has(PathId::QuantMatmul)
-        && q.rows() == n
-        && q.cols() == k
-        && staged_fits(g, q.kind(), m, k)
-        // x, y, the quants' two or three arrays, and four of its own.
-        && g.limits.max_storage_buffers_per_shader_stage as usize >= 6 + usize::from(q.kind() == QKind::Q4) + 2
-    {
-        fn span(t: TRef<'_>, len: usize) -> Option<(&wgpu::Buffer, usize)> {
-            t.tensor().gpu().and_then(|g| g.span(t.offset(), len))
-        }
-        let places = (
-            span(x.at(0), m * k),
-            span(d, m * k),
-            span(post, k),
-            span(w_norm, k),
-            span(next.at(0), m * k),
-            y.tensor().gpu().and_then(|g| g.span(y.offset(), m * n)),
-        );
-        if let (Some(xp), Some(dp), Some(pp), Some(wp), Some(np), Some(yp)) = places {
-            let extra = [wp, dp, pp, np];
-            qmatmul_staged(
-                g,
-                xp,
-                yp,
-                &extra,
-                parts,
-                q.kind(),
-                Stage::ResidualNorm { eps },
-                out,
-                [m, n, k, n],
-                paths.fault(),
-            )?;
-            return Ok(Residual::Moved);
-        }
-    }
-    let shape = NormShape {
-        rows: m,
-        cols: k,
-        eps,
-    };
-    add_rms_norm(be, x.at_mut(0), d, post, shape)?;
-    let input = Input::RmsNorm {
-        x: x.at(0),
-        w: w_norm,
-        eps,
-    };
-    matmul_fused(be, paths, mode, input, w, y.reborrow(), [m, n, k], out)?;
-    Ok(Residual::InPlace)
 }
 
 /// The fused kernel, when one applies: quantized blocks on the GPU with the quantized path held, rows
@@ -302,29 +191,6 @@ fn try_staged(
                 },
             )
         }
-        Input::Merge {
-            part,
-            n_split,
-            heads,
-            head_dim,
-        } => {
-            // Each element merges its splits in a loop: past a few, the merge kernel is faster.
-            if heads > MERGE_MAX_HEADS || n_split > MERGE_MAX_SPLITS || heads * head_dim != k {
-                return None;
-            }
-            let len = split_len(m, heads, head_dim, n_split);
-            (
-                part.gpu("matmul_fused", "part", len)
-                    .ok()?
-                    .span(part.offset(), len)?,
-                None,
-                Stage::Merge {
-                    n_split,
-                    heads,
-                    head_dim,
-                },
-            )
-        }
     };
     if stage == Stage::Plain && out == Output::Store {
         return None;
@@ -383,12 +249,6 @@ mod tests {
         let paths = PathSet::of(&[PathId::QuantMatmul]);
         let [x, nw, y] = t else { unreachable!() };
         let input = match which {
-            4 => Input::Merge {
-                part: x.at(0),
-                n_split: 3,
-                heads: k / 64,
-                head_dim: 64,
-            },
             0 => Input::Rows(x.at(0)),
             1 => Input::RmsNorm {
                 x: x.at(0),
@@ -435,12 +295,6 @@ mod tests {
                     shape,
                 )?
             }
-            Input::Merge {
-                part,
-                n_split,
-                heads,
-                head_dim,
-            } => merge_splits(be, part, xin.at_mut(0), m, heads, head_dim, k, n_split)?,
             Input::Glu { act, gate, up, ld } => {
                 for i in 0..m {
                     glu(
@@ -469,22 +323,15 @@ mod tests {
         let mut rng = SeedRng::new(41);
         for (n, k) in [(33, 576), (65, 640), (40, 1536), (9, 4096)] {
             let srcs = matrices(&mut rng, n, k);
-            for which in 0..5 {
+            for which in 0..4 {
                 for out in [Output::Store, Output::Accumulate] {
                     for m in [1usize, 3, 8] {
-                        let x_len = match which {
-                            4 => split_len(m, k / 64, 64, 3),
-                            2 | 3 => m * (2 * k + 3) + 1,
-                            _ => m * k,
+                        let x_len = if which >= 2 {
+                            m * (2 * k + 3) + 1
+                        } else {
+                            m * k
                         };
-                        let mut x = rng.normal_vec(x_len, 1.0);
-                        if which == 4 {
-                            // Each split: a maximum, a positive sum (zero: an empty split), outputs.
-                            for (i, c) in x.chunks_mut(66).enumerate() {
-                                c[0] *= 4.0;
-                                c[1] = if i % 7 == 3 { 0.0 } else { c[1].abs() + 0.5 };
-                            }
-                        }
+                        let x = rng.normal_vec(x_len, 1.0);
                         let nw = rng.vec(k, 0.5, 1.5);
                         let y = rng.vec(m * n, -1.0, 1.0);
                         let args = [
@@ -493,8 +340,7 @@ mod tests {
                             Arg::data(y, n),
                         ];
                         let name = format!("fused n={n} k={k} input {which} {out:?} m={m}");
-                        // Partial results come from one attention, in one buffer: no split run for them.
-                        let unit = (which != 4).then_some((k as u64) * 8);
+                        let unit = Some((k as u64) * 8);
                         let want = check_twin(&name, 1e-11, &args, unit, |be, t| {
                             for src in &srcs {
                                 let w = QMatrix::upload(
@@ -532,115 +378,6 @@ mod tests {
                         );
                         assert_nmse(&format!("{name}: gpu vs cpu"), &want[2], &got[0], 1e-11);
                     }
-                }
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod residual_tests {
-    use super::*;
-    use crate::ops::matmul::quant::{QMatrix, quantize_q4, quantize_q8_32};
-    use crate::testing::{SeedRng, assert_nmse, cpu_backend, gpu_backend};
-
-    /// Gemma's post-norm joining the residual stream, then the next norm, then the product: fused on
-    /// the GPU (x' into its own tensor) against add_rms_norm, the normed product and the twin.
-    #[test]
-    fn residual_norm_products_match_the_ops_one_by_one() {
-        let mut rng = SeedRng::new(43);
-        let Some(g) = gpu_backend(None) else { return };
-        let paths = PathSet::of(&[PathId::QuantMatmul]);
-        for (n, k, m) in [(96usize, 640usize, 1usize), (33, 576, 3), (40, 1536, 2)] {
-            let wv = rng.normal_vec(n * k, 0.05);
-            let srcs: Vec<crate::ops::matmul::QuantSource> = vec![
-                quantize_q8_32(&wv, n, k).into(),
-                quantize_q4(&wv, n, k).into(),
-            ];
-            let x = rng.normal_vec(m * k, 1.0);
-            let d = rng.normal_vec(m * k, 3.0);
-            let post = rng.vec(k, 0.5, 1.5);
-            let nw = rng.vec(k, 0.5, 1.5);
-            for src in &srcs {
-                for out in [Output::Store, Output::Accumulate] {
-                    let y0 = rng.vec(m * n, -1.0, 1.0);
-                    let mut results = Vec::new();
-                    for be in [&g, &cpu_backend()] {
-                        let w = QMatrix::upload(be, src.clone(), paths).unwrap();
-                        let mut tx = be.from_f32(&x, k).unwrap();
-                        let mut tn = be.zeros(m * k, k).unwrap();
-                        let (td, tp, tw) = (
-                            be.from_f32(&d, k).unwrap(),
-                            be.from_f32(&post, k).unwrap(),
-                            be.from_f32(&nw, k).unwrap(),
-                        );
-                        let mut ty = be.from_f32(&y0, n).unwrap();
-                        let how = matmul_residual_norm(
-                            be,
-                            paths,
-                            RowMode::Independent,
-                            (&mut tx, &mut tn),
-                            td.at(0),
-                            (tp.at(0), tw.at(0), 1e-6),
-                            &w,
-                            ty.at_mut(0),
-                            [m, n, k],
-                            out,
-                        )
-                        .unwrap();
-                        let x1 = be
-                            .to_vec(if how == Residual::Moved { &tn } else { &tx })
-                            .unwrap();
-                        if how == Residual::Moved {
-                            assert_eq!(be.to_vec(&tx).unwrap(), x, "x stays as it was");
-                        }
-                        // The ops one by one on the same backend.
-                        let mut rx = be.from_f32(&x, k).unwrap();
-                        let mut ry = be.from_f32(&y0, n).unwrap();
-                        let shape = NormShape {
-                            rows: m,
-                            cols: k,
-                            eps: 1e-6,
-                        };
-                        add_rms_norm(be, rx.at_mut(0), td.at(0), tp.at(0), shape).unwrap();
-                        let input = Input::RmsNorm {
-                            x: rx.at(0),
-                            w: tw.at(0),
-                            eps: 1e-6,
-                        };
-                        let mut one = be.zeros(m * n, n).unwrap();
-                        matmul_fused(
-                            be,
-                            paths,
-                            RowMode::Independent,
-                            input,
-                            &w,
-                            one.at_mut(0),
-                            [m, n, k],
-                            Output::Store,
-                        )
-                        .unwrap();
-                        if out == Output::Accumulate {
-                            add_assign(be, ry.at_mut(0), one.at(0), m * n, 1.0).unwrap();
-                        } else {
-                            ry = one;
-                        }
-                        let bits = |v: Vec<f32>| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                        let what = format!("n={n} k={k} m={m} {out:?} on {}", be.kind());
-                        assert_eq!(
-                            bits(x1.clone()),
-                            bits(be.to_vec(&rx).unwrap()),
-                            "{what}: x'"
-                        );
-                        assert_eq!(
-                            bits(be.to_vec(&ty).unwrap()),
-                            bits(be.to_vec(&ry).unwrap()),
-                            "{what}: y"
-                        );
-                        results.push((x1, be.to_vec(&ty).unwrap()));
-                    }
-                    assert_nmse("x' gpu vs cpu", &results[1].0, &results[0].0, 1e-12);
-                    assert_nmse("y gpu vs cpu", &results[1].1, &results[0].1, 1e-11);
                 }
             }
         }

@@ -81,16 +81,6 @@ pub(crate) enum Stage {
         up: usize,
         ld: usize,
     },
-    /// x = the merge of an attention's split partial results in x's binding (see
-    /// `ops::attention::Attended`), as attend_combine.wgsl merges them.
-    Merge {
-        n_split: usize,
-        heads: usize,
-        head_dim: usize,
-    },
-    /// x' = x + RMSNorm(d) · pw (a post-normed sublayer output joining the residual stream, as
-    /// add_norm.wgsl adds it), written once to its own buffer; then x = RMSNorm(x') · w.
-    ResidualNorm { eps: f32 },
 }
 
 impl Stage {
@@ -99,8 +89,6 @@ impl Stage {
             Stage::Plain => String::new(),
             Stage::RmsNorm { .. } => "_rms".into(),
             Stage::Glu { act, .. } => format!("_glu{act:?}"),
-            Stage::Merge { .. } => "_merge".into(),
-            Stage::ResidualNorm { .. } => "_resnorm".into(),
         }
     }
 }
@@ -120,9 +108,7 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
         Output::Accumulate => "fn store(i: u32, v: f32) { y[i] = y[i] + v; }",
     };
     let body = match stage {
-        Stage::Merge { .. } => merge_hooks(r, k),
-        Stage::ResidualNorm { .. } => residual_hooks(r, k, nw),
-        Stage::Plain => "fn prologue(lid: u32, i0: u32, wg: u32) {}\n\
+        Stage::Plain => "fn prologue(lid: u32, i0: u32) {}\n\
              fn xrow(r: u32, i0: u32) -> u32 { return p.o_x + min(i0 + r, p.m - 1u) * p.k; }\n\
              fn xget(i: u32) -> vec4<f32> { return xload(i); }"
             .to_string(),
@@ -134,7 +120,7 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
              // RMSNorm of each row as the norm kernel computes it: 256 partial sums of squares (thread t\n\
              // takes columns t, t + 256, ...) reduced by a tree; with 128 threads, thread t holds partials\n\
              // t and t + 128, whose sum is the tree's first level. e0: the weight's offset, e1: eps bits.\n\
-             fn prologue(lid: u32, i0: u32, wg: u32) {{\n\
+             fn prologue(lid: u32, i0: u32) {{\n\
                let inv = 1.0 / f32(p.k);\n\
                let k4 = p.k / 4u;\n\
                for (var r = 0u; r < R; r = r + 1u) {{\n\
@@ -167,7 +153,7 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
              // The activation as the GLU kernel computes it.\n\
              fn act(x: f32) -> f32 {{ {act} }}\n\
              // act(gate) · up for the R rows; gate row i from p.o_x + i · e1, up row i from e0 + i · e1.\n\
-             fn prologue(lid: u32, i0: u32, wg: u32) {{\n\
+             fn prologue(lid: u32, i0: u32) {{\n\
                let k4 = p.k / 4u;\n\
                for (var i = lid; i < R * k4; i = i + WG) {{\n\
                  let row = min(i0 + i / k4, p.m - 1u);\n\
@@ -190,128 +176,6 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
         ),
     };
     format!("{body}\n{store}\n")
-}
-
-/// The residual-norm stage's hooks (see [`Stage::ResidualNorm`]): bindings nw (norm weights), dd (the
-/// sublayer output), pw (post-norm weights), xn (x', written by workgroup 0); e0: w's offset, e1: eps
-/// bits, e2: d's offset, e3: pw's offset, e4: x''s offset (rows of k).
-fn residual_hooks(r: usize, k: usize, nw: usize) -> String {
-    format!(
-        "@group(0) @binding({nw}) var<storage, read> nw: array<f32>;\n\
-         @group(0) @binding({b1}) var<storage, read> dd: array<f32>;\n\
-         @group(0) @binding({b2}) var<storage, read> pw: array<f32>;\n\
-         @group(0) @binding({b3}) var<storage, read_write> xn: array<f32>;\n\
-         var<workgroup> xs: array<vec4<f32>, {xs}>;\n\
-         fn xrow(r: u32, i0: u32) -> u32 {{ return r * p.k; }}\n\
-         fn xget(i: u32) -> vec4<f32> {{ return xs[i >> 2u]; }}\n\
-         // The norm kernels' sum: 256 partials (t, t + 256, ...) reduced by a tree; two per thread here.\n\
-         fn tree(qa: f32, qb: f32, lid: u32) -> f32 {{\n\
-           red[lid] = qa + qb;\n\
-           workgroupBarrier();\n\
-           for (var s = 64u; s > 0u; s = s >> 1u) {{\n\
-             if (lid < s) {{ red[lid] = red[lid] + red[lid + s]; }}\n\
-             workgroupBarrier();\n\
-           }}\n\
-           let t = red[0];\n\
-           workgroupBarrier();\n\
-           return t;\n\
-         }}\n\
-         fn staged(r: u32, c: u32) -> f32 {{ return xs[r * (p.k / 4u) + c / 4u][c % 4u]; }}\n\
-         fn prologue(lid: u32, i0: u32, wg: u32) {{\n\
-           let inv = 1.0 / f32(p.k);\n\
-           let k4 = p.k / 4u;\n\
-           let eps = bitcast<f32>(p.e1);\n\
-           for (var r = 0u; r < R; r = r + 1u) {{\n\
-             let row = min(i0 + r, p.m - 1u);\n\
-             let b = p.o_x + row * p.k;\n\
-             let db = p.e2 + row * p.k;\n\
-             var qa = 0.0;\n\
-             var qb = 0.0;\n\
-             for (var c = lid; c < p.k; c = c + 256u) {{ let v = dd[db + c]; qa = qa + v * v; }}\n\
-             for (var c = lid + 128u; c < p.k; c = c + 256u) {{ let v = dd[db + c]; qb = qb + v * v; }}\n\
-             let r1 = 1.0 / sqrt(tree(qa, qb, lid) * inv + eps);\n\
-             for (var c = lid; c < k4; c = c + WG) {{\n\
-               let dv = vec4<f32>(dd[db + 4u * c], dd[db + 4u * c + 1u], dd[db + 4u * c + 2u], dd[db + 4u * c + 3u]);\n\
-               let w = vec4<f32>(pw[p.e3 + 4u * c], pw[p.e3 + 4u * c + 1u], pw[p.e3 + 4u * c + 2u], pw[p.e3 + 4u * c + 3u]);\n\
-               xs[r * k4 + c] = xload(b + 4u * c) + dv * r1 * w;\n\
-             }}\n\
-             workgroupBarrier();\n\
-             if (wg == 0u) {{\n\
-               for (var c = lid; c < p.k; c = c + WG) {{ xn[p.e4 + row * p.k + c] = staged(r, c); }}\n\
-             }}\n\
-             qa = 0.0;\n\
-             qb = 0.0;\n\
-             for (var c = lid; c < p.k; c = c + 256u) {{ let v = staged(r, c); qa = qa + v * v; }}\n\
-             for (var c = lid + 128u; c < p.k; c = c + 256u) {{ let v = staged(r, c); qb = qb + v * v; }}\n\
-             let r2 = 1.0 / sqrt(tree(qa, qb, lid) * inv + eps);\n\
-             for (var c = lid; c < k4; c = c + WG) {{\n\
-               let w = vec4<f32>(nw[p.e0 + 4u * c], nw[p.e0 + 4u * c + 1u], nw[p.e0 + 4u * c + 2u], nw[p.e0 + 4u * c + 3u]);\n\
-               xs[r * k4 + c] = xs[r * k4 + c] * r2 * w;\n\
-             }}\n\
-             workgroupBarrier();\n\
-           }}\n\
-         }}",
-        xs = r * k / 4,
-        b1 = nw + 1,
-        b2 = nw + 2,
-        b3 = nw + 3
-    )
-}
-
-/// Most heads a merging stage takes (its per-head statistics live in workgroup memory).
-pub(crate) const MERGE_MAX_HEADS: usize = 64;
-
-/// The merging stage's hooks (see [`Stage::Merge`]): e0 splits, e1 heads, e2 head_dim.
-fn merge_hooks(r: usize, k: usize) -> String {
-    format!(
-        "var<workgroup> xs: array<vec4<f32>, {xs}>;\n\
-         var<workgroup> mh: array<vec2<f32>, {mh}>;\n\
-         fn xrow(r: u32, i0: u32) -> u32 {{ return r * p.k; }}\n\
-         fn xget(i: u32) -> vec4<f32> {{ return xs[i >> 2u]; }}\n\
-         // Row r's head h starts its splits at part_at(r, h); a split holds (max, sum, output).\n\
-         fn part_at(r: u32, h: u32) -> u32 {{ return p.o_x + (r * p.e1 + h) * p.e0 * (p.e2 + 2u); }}\n\
-         fn merged(b: u32, d: u32, mx: f32, den: f32) -> f32 {{\n\
-           let stride = p.e2 + 2u;\n\
-           var acc = 0.0;\n\
-           for (var s = 0u; s < p.e0; s = s + 1u) {{\n\
-             if (x1(b + s * stride + 1u) > 0.0) {{ acc = acc + exp(x1(b + s * stride) - mx) * x1(b + s * stride + 2u + d); }}\n\
-           }}\n\
-           return acc / den;\n\
-         }}\n\
-         fn prologue(lid: u32, i0: u32, wg: u32) {{\n\
-           let stride = p.e2 + 2u;\n\
-           for (var i = lid; i < R * p.e1; i = i + WG) {{\n\
-             let b = part_at(min(i0 + i / p.e1, p.m - 1u), i % p.e1);\n\
-             var mx = bitcast<f32>(0xff800000u);\n\
-             for (var s = 0u; s < p.e0; s = s + 1u) {{\n\
-               if (x1(b + s * stride + 1u) > 0.0) {{ mx = max(mx, x1(b + s * stride)); }}\n\
-             }}\n\
-             var den = 0.0;\n\
-             for (var s = 0u; s < p.e0; s = s + 1u) {{\n\
-               let l = x1(b + s * stride + 1u);\n\
-               if (l > 0.0) {{ den = den + exp(x1(b + s * stride) - mx) * l; }}\n\
-             }}\n\
-             mh[i] = vec2<f32>(mx, den);\n\
-           }}\n\
-           workgroupBarrier();\n\
-           let k4 = p.k / 4u;\n\
-           for (var i = lid; i < R * k4; i = i + WG) {{\n\
-             let r = i / k4;\n\
-             let row = min(i0 + r, p.m - 1u);\n\
-             var v = vec4<f32>(0.0);\n\
-             for (var j = 0u; j < 4u; j = j + 1u) {{\n\
-               let e = 4u * (i % k4) + j;\n\
-               let h = e / p.e2;\n\
-               let st = mh[r * p.e1 + h];\n\
-               v[j] = merged(part_at(row, h), e % p.e2, st.x, st.y);\n\
-             }}\n\
-             xs[i] = v;\n\
-           }}\n\
-           workgroupBarrier();\n\
-         }}",
-        xs = r * k / 4,
-        mh = r * MERGE_MAX_HEADS
-    )
 }
 
 /// The matmul pipeline for one variant; the WGSL file gets its constants, `xload` and the hooks prepended.
@@ -366,12 +230,8 @@ fn matmul_pipeline(
     let staged = stage != Stage::Plain;
     // The stage's own bindings follow the kernel's (storage bindings are numbered from 1).
     let nw = bindings.len() + 1;
-    match stage {
-        Stage::RmsNorm { .. } => bindings.push(Access::Read),
-        Stage::ResidualNorm { .. } => {
-            bindings.extend([Access::Read, Access::Read, Access::Read, Access::ReadWrite])
-        }
-        _ => {}
+    if let Stage::RmsNorm { .. } = stage {
+        bindings.push(Access::Read);
     }
     let key = format!(
         "{name}_t{tpr}_r{r}_{}{}{}{}{}",
@@ -577,8 +437,8 @@ fn staged_rows(g: &GpuBackend, m: usize, k: usize) -> Option<usize> {
     let limit = g.limits.max_compute_workgroup_storage_size as usize;
     let mut r = m.next_power_of_two().min(MAX_R);
     while r >= 1 {
-        // The copy of x, the reduction buffer, and a merging stage's per-head statistics.
-        if (r * k + r * WG + 2 * r * MERGE_MAX_HEADS) * 4 <= limit {
+        // The copy of x and the reduction buffer.
+        if (r * k + r * WG) * 4 <= limit {
             return Some(r);
         }
         r /= 2;
@@ -593,9 +453,8 @@ pub(crate) fn staged_fits(g: &GpuBackend, kind: QKind, m: usize, k: usize) -> bo
 }
 
 /// y (+)= stage(x) · Wᵀ for `m` rows on the gemv family ([`staged_fits`] must hold): x, y and the
-/// stage's own bindings (`extra`: RMSNorm: its weight; residual norm: the norm weight, the sublayer
-/// output, the post-norm weight, x') each in one buffer (views: buffer and element offset), y rows
-/// `ldy` apart.
+/// stage's own bindings (`extra`: an RMSNorm's weight) each in one buffer (views: buffer and element
+/// offset), y rows `ldy` apart.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn qmatmul_staged(
     g: &GpuBackend,
@@ -623,15 +482,9 @@ pub(crate) fn qmatmul_staged(
         out,
         fault,
     };
-    // A GLU input's rows are `ld` apart, a merged input's rows its heads' splits, a normed one's k;
-    // y's ldy apart.
+    // A GLU input's rows are `ld` apart, a normed one's k; y's ldy apart.
     let x_rows = match stage {
         Stage::Glu { ld, .. } => ld,
-        Stage::Merge {
-            n_split,
-            heads,
-            head_dim,
-        } => heads * n_split * (head_dim + 2),
         _ => k,
     };
     let max_z = g.limits.max_compute_workgroups_per_dimension as usize;
@@ -648,15 +501,8 @@ pub(crate) fn qmatmul_staged(
             },
             _ => Variant { ..v },
         };
-        // The residual stage's sublayer output and x' advance by rows as x does.
-        let mut ex: Vec<(&wgpu::Buffer, usize)> = extra.to_vec();
-        if let Stage::ResidualNorm { .. } = stage {
-            for e in ex.iter_mut().skip(1).step_by(2) {
-                e.1 += i0 * k;
-            }
-        }
         let (x, y) = ((xb, x0 + i0 * x_rows), (yb, y0 + i0 * ldy));
-        dispatch(g, &v, x, y, &ex, w, [part, n, k, ldy], z)?;
+        dispatch(g, &v, x, y, extra, w, [part, n, k, ldy], z)?;
     }
     Ok(())
 }
@@ -702,15 +548,9 @@ fn dispatch(
     let pipe = matmul_pipeline(g, v.kind, tpr, v.r, v.ni, xvec, v.stage, v.out, k, v.fault)?;
     let off = |i: usize| extra.get(i).map_or(0, |e| e.1 as u32);
     let params_extra = match v.stage {
-        Stage::Plain => [0; 5],
-        Stage::RmsNorm { eps } => [off(0), eps.to_bits(), 0, 0, 0],
-        Stage::ResidualNorm { eps } => [off(0), eps.to_bits(), off(1), off(2), off(3)],
-        Stage::Glu { up, ld, .. } => [up as u32, ld as u32, 0, 0, 0],
-        Stage::Merge {
-            n_split,
-            heads,
-            head_dim,
-        } => [n_split as u32, heads as u32, head_dim as u32, 0, 0],
+        Stage::Plain => [0; 3],
+        Stage::RmsNorm { eps } => [off(0), eps.to_bits(), 0],
+        Stage::Glu { up, ld, .. } => [up as u32, ld as u32, 0],
     };
     for ws in &w.segs {
         let nseg = ws.len();
