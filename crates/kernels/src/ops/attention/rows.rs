@@ -188,7 +188,10 @@ pub fn attend_rows(
     let pipe = kernel(
         g,
         &format!("attend_rows_c{chunk}"),
-        &format!("const CHUNK: u32 = {chunk}u;\n{}", include_str!("attend_rows.wgsl")),
+        &format!(
+            "const CHUNK: u32 = {chunk}u;\n{}",
+            include_str!("attend_rows.wgsl")
+        ),
         &[
             Access::Read,
             Access::Read,

@@ -324,7 +324,7 @@ fn decode_rows_match_twin() {
                 let [tq, tc, tt, to] = t else { unreachable!() };
                 let rows = CacheRows {
                     table: tt.at(0),
-                    host: &host,
+                    host,
                 };
                 // Padding between output rows stays as it was: write it first.
                 crate::ops::fill::fill(be, to.into(), n * ld_o, 0.5)?;
@@ -353,7 +353,7 @@ fn decode_rows_match_twin() {
             let before = gb.counters().dispatches;
             let rows = CacheRows {
                 table: t[2].at(0),
-                host: &host,
+                host,
             };
             attend_rows(&g, t[0].at(0), t[1].at(0), rows, o.at_mut(0), s).unwrap();
             let want = match (pad % 4, host.len()) {
