@@ -194,6 +194,7 @@ pub fn router(state: Arc<AppState>, a: &ServeArgs) -> Result<Router> {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     let web = crate::paths::web_dir(a.web_dir.as_deref());
     let playground = Router::new()
@@ -263,6 +264,20 @@ async fn not_found(req: Request) -> ApiError {
         format!("no route {} {}", req.method(), req.uri().path()),
     )
     .with_code("unknown_url")
+}
+
+/// A known route asked with a method it does not take (axum's own answer has no body).
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        format!(
+            "{} does not take {} requests (GET /v1/models lists models; completions are POST)",
+            req.uri().path(),
+            req.method()
+        ),
+    )
+    .with_code("method_not_allowed")
 }
 
 /// Counts every response by route and status.

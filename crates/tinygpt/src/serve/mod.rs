@@ -7,6 +7,7 @@
 
 mod api;
 mod engine;
+pub mod fuzzing;
 mod http;
 
 use std::net::{IpAddr, SocketAddr};
