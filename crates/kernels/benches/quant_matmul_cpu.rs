@@ -314,7 +314,7 @@ fn kernel() {
                 let opts = QmmOptions {
                     isa,
                     parallel: false,
-                    max_group: None,
+                    ..QmmOptions::default()
                 };
                 let best = (0..3000 / rows)
                     .map(|_| {
@@ -379,7 +379,7 @@ fn per_call() {
             QmmOptions {
                 isa: CpuIsa::Scalar,
                 parallel: false,
-                max_group: None,
+                ..QmmOptions::default()
             },
             &mut y,
         );

@@ -133,3 +133,63 @@ fn a_run_killed_at_any_step_of_a_save_resumes_to_the_uninterrupted_result() {
     }
     assert!(kills > 10);
 }
+
+/// A GPU lost in the middle of training (here destroyed, as a driver reset loses it): the next step that
+/// reads anything back fails with an error that says the device was lost, promptly, and neither that
+/// nor an attempt to save afterwards touches the checkpoint saved before.
+#[test]
+fn a_lost_device_stops_training_and_leaves_the_checkpoint_as_it_was() {
+    if tinygpt_kernels::testing::skip_gpu() {
+        return;
+    }
+    let (cfg, data) = setup();
+    let init = Layout::new(&cfg).init(&cfg, SEED);
+    let ck = CheckpointConfig {
+        model: cfg.clone(),
+        vocab: data.vocab.clone(),
+        provenance: serde_json::Value::Null,
+    };
+    let dir = std::env::temp_dir().join(format!("tinygpt-lost-device-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let d = dir.clone();
+    std::thread::spawn(move || {
+        let be = tinygpt_kernels::testing::gpu_backend(None).expect("a GPU");
+        let mut tr = Trainer::new(
+            &be,
+            &cfg,
+            BATCH,
+            &init,
+            None,
+            OptimConfig::default(),
+            PathSet::F32,
+        )
+        .unwrap();
+        let step = |tr: &mut Trainer, it: usize| -> Result<f32, tinygpt_kernels::Error> {
+            let (x, y) = data.batch(false, SEED, it as u64, BATCH, cfg.block_size);
+            tr.train_step(&be, &x, &y, 1e-3, SEED as u32)?;
+            tr.last_loss(&be)
+        };
+        for it in 0..3 {
+            step(&mut tr, it).unwrap();
+        }
+        let (p, m, v) = tr.state(&be).unwrap();
+        let saved = (p, m, v, tr.step);
+        save(&d, &ck, &saved, usize::MAX);
+        be.as_gpu().unwrap().destroy_device();
+        let lost = step(&mut tr, 3).and_then(|_| tr.state(&be).map(|_| ()));
+        let _ = tx.send((lost, saved));
+    });
+    let (lost, saved) = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("training on a lost device hangs");
+    let e = lost.expect_err("training went on after the device was lost");
+    assert!(e.to_string().contains("lost"), "unclear error: {e}");
+    let l = checkpoint::load(&dir).unwrap();
+    assert_eq!(
+        l.params, saved.0,
+        "the checkpoint saved before the loss changed"
+    );
+    assert_eq!(l.state.unwrap().step, saved.3);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -42,6 +42,11 @@ pub struct LlmBenchArgs {
     /// timestamp queries inside passes) and print where the time goes.
     #[arg(long)]
     pub profile: bool,
+    /// Also decode this many sequences together (as `tinygpt serve` does its requests: one pass per
+    /// step for all, each with its own cache; the picks read back every step) and report the
+    /// aggregate tokens per second.
+    #[arg(long)]
+    pub parallel: Option<usize>,
 }
 
 #[derive(Args, Debug)]
@@ -462,10 +467,13 @@ fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet) -> Result<()> {
     };
     let made = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
+    let par = a.parallel.unwrap_or(1).max(1);
     let opts = LoadOptions {
         context: Some((a.prompt + a.n + 8).max(64)),
         paths,
-        ..LoadOptions::default()
+        parallel: par,
+        sequences: if par > 1 { par } else { 0 },
+        batch: LoadOptions::default().batch.max(par),
     };
     let mut llm = Llm::from_gguf(be, &file, &opts, &mut |_| {})?;
     let cfg = llm.config().clone();
@@ -545,6 +553,9 @@ fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet) -> Result<()> {
     if let Some((d, s, r)) = per_token {
         println!("per decoded token: {d:.1} dispatches, {s:.2} submits, {r:.2} readbacks");
     }
+    if par > 1 {
+        batched_decode(be, &mut llm, &prompt, a.n, a.reps, a.profile)?;
+    }
     if let (true, Some(g)) = (a.profile, be.as_gpu()) {
         llm.reset();
         g.start_profiling()?;
@@ -553,6 +564,63 @@ fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet) -> Result<()> {
         g.start_profiling()?;
         let passes = decode(&mut llm)?;
         print_profile(&g.profile()?, "decoded token", passes);
+    }
+    Ok(())
+}
+
+/// `par` sequences (the model's `sequences`) each fed `prompt`, then `n` decode passes of one token for
+/// every sequence, the greedy picks read back after each pass: aggregate decoded tokens per second,
+/// median of `reps`.
+fn batched_decode(
+    be: &Backend,
+    llm: &mut tinygpt_models::llm::Llm,
+    prompt: &[u32],
+    n: usize,
+    reps: usize,
+    profile: bool,
+) -> Result<()> {
+    use tinygpt_models::llm::Feed;
+    let par = llm.parallel();
+    let mut seqs = (0..par)
+        .map(|_| llm.new_sequence())
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let mut rates = Vec::new();
+    for rep in 0..=reps.max(1) {
+        for s in seqs.iter_mut() {
+            s.reset();
+            llm.feed_sequence(be, s, prompt)?;
+        }
+        // Every sequence starts from the same token; the passes then feed the device's picks.
+        let mut refs: Vec<&mut tinygpt_models::llm::Sequence> = seqs.iter_mut().collect();
+        llm.decode_step(be, &mut refs, Feed::Ids(&vec![1; par]))?;
+        be.sync()?;
+        let t = Instant::now();
+        for _ in 1..n {
+            llm.pick_greedy(be)?;
+            llm.decode_step(be, &mut refs, Feed::Picked)?;
+            let p = llm.read_picks(be)?;
+            pollster::block_on(llm.finish_picks(be, p))?;
+        }
+        // The first repetition warms up (pipelines for every row count).
+        if rep > 0 {
+            rates.push((par * (n - 1)) as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    rates.sort_by(f64::total_cmp);
+    println!(
+        "batched decode, {par} sequences x {} tokens: {:.0} tok/s aggregate (median of {})",
+        n - 1,
+        rates[rates.len() / 2],
+        rates.len()
+    );
+    if let (true, Some(g)) = (profile, be.as_gpu()) {
+        let mut refs: Vec<&mut tinygpt_models::llm::Sequence> = seqs.iter_mut().collect();
+        g.start_profiling()?;
+        for _ in 0..8 {
+            llm.pick_greedy(be)?;
+            llm.decode_step(be, &mut refs, Feed::Picked)?;
+        }
+        print_profile(&g.profile()?, &format!("batched pass of {par}"), 8);
     }
     Ok(())
 }

@@ -165,7 +165,13 @@ impl GpuBackend {
             let lost = lost.clone();
             device.set_device_lost_callback(move |reason, msg| {
                 if let Ok(mut slot) = lost.lock() {
-                    slot.get_or_insert_with(|| format!("{reason:?}: {msg}"));
+                    slot.get_or_insert_with(|| {
+                        if msg.is_empty() {
+                            format!("{reason:?}")
+                        } else {
+                            format!("{reason:?}: {msg}")
+                        }
+                    });
                 }
             });
         }
@@ -255,12 +261,27 @@ impl GpuBackend {
         self.max_chunk_bytes
     }
 
+    /// Destroys the device, as a driver reset or an unplugged GPU would lose it (tests of what every
+    /// command does then).
+    #[cfg(any(test, feature = "testing"))]
+    pub fn destroy_device(&self) {
+        self.device.destroy();
+    }
+
     /// Returns the first GPU error or device loss seen since the last check.
     pub fn check(&self) -> Result<()> {
-        if let Some(m) = self.lost.lock().ok().and_then(|s| s.clone()) {
+        let lost = || self.lost.lock().ok().and_then(|s| s.clone());
+        if let Some(m) = lost() {
             return Err(Error::DeviceLost(m));
         }
         if let Some(m) = self.error.lock().ok().and_then(|mut s| s.take()) {
+            // Work on a lost device fails validation before the loss is reported: let the device
+            // deliver its callbacks, so the error names the cause rather than its symptom.
+            #[cfg(not(target_arch = "wasm32"))]
+            let _ = self.device.poll(wgpu::PollType::wait_indefinitely());
+            if let Some(l) = lost() {
+                return Err(Error::DeviceLost(l));
+            }
             return Err(Error::Gpu(m));
         }
         Ok(())

@@ -25,7 +25,7 @@ struct Params { rows: u32, heads: u32, kv_heads: u32, head_dim: u32, ld_q: u32, 
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read_write> part: array<f32>;
 
-// rows.rs prepends CHUNK (positions per workgroup: 32, or 256 when one split holds every row's context).
+// rows.rs prepends CHUNK (positions per workgroup).
 const WG: u32 = 256u;
 const TPP: u32 = 8u;                               // threads per position in the scores
 const GMAX: u32 = 4u;

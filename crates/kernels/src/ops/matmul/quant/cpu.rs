@@ -95,7 +95,15 @@ pub struct QmmOptions {
     /// registers hold). 1 computes every row exactly as it is computed alone (the kernels' rounding
     /// depends on how many rows share a pass).
     pub max_group: Option<usize>,
+    /// Compute every row exactly as it is computed alone, in groups that still share the weights'
+    /// decoding where the instruction set has such kernels (AVX-512: up to [`ALONE_GROUP`] rows; others
+    /// take one row per pass).
+    pub alone: bool,
 }
+
+/// Rows the AVX-512 kernels that compute each row as it is alone take per pass (four accumulators per
+/// row, as the one-row kernels keep, fill 16 of the 32 vector registers at four rows).
+pub const ALONE_GROUP: usize = 4;
 
 impl Default for QmmOptions {
     fn default() -> Self {
@@ -103,6 +111,7 @@ impl Default for QmmOptions {
             isa: CpuIsa::detected(),
             parallel: true,
             max_group: None,
+            alone: false,
         }
     }
 }
@@ -199,8 +208,9 @@ pub fn q8_matmul_nt_with(
     // Bytes of one weight row: quants plus scales.
     let row_bytes = k + 4 * (k / w.block);
     let group = group_size(opts, k);
+    let isa = (opts.isa, opts.alone);
     run_tiles(rows, row_bytes, m, opts.parallel, y, |n0, n1, y_tile| {
-        q8_tile(opts.isa, group, x, m, w, n0, n1, row_bytes, y_tile, ldy)
+        q8_tile(isa, group, x, m, w, n0, n1, row_bytes, y_tile, ldy)
     });
 }
 
@@ -248,10 +258,9 @@ pub fn q4_matmul_nt_with(
     // Bytes of one weight row: quants, scales and mins.
     let row_bytes = k / 2 + 8 * (k / 32);
     let group = group_size(opts, k);
+    let isa = (opts.isa, opts.alone);
     run_tiles(rows, row_bytes, m, opts.parallel, y, |n0, n1, y_tile| {
-        q4_tile(
-            opts.isa, group, xs, sx, m, w, n0, n1, row_bytes, y_tile, ldy,
-        )
+        q4_tile(isa, group, xs, sx, m, w, n0, n1, row_bytes, y_tile, ldy)
     });
     // Keep the buffer for the next call (decode then allocates nothing), unless a long prompt grew it.
     if buf.capacity() <= SCRATCH_KEEP {
@@ -407,9 +416,14 @@ fn max_group(isa: CpuIsa, k: usize) -> usize {
     }
 }
 
-/// Rows per pass for a call: the instruction set's best, or fewer when the caller asks.
+/// Rows per pass for a call: the instruction set's best, or fewer when the caller asks (rows computed as
+/// alone: the AVX-512 kernels for that, or one row per pass).
 fn group_size(opts: QmmOptions, k: usize) -> usize {
-    let best = max_group(opts.isa, k);
+    let best = match (opts.alone, opts.isa) {
+        (true, CpuIsa::Avx512) => ALONE_GROUP,
+        (true, _) => 1,
+        (false, isa) => max_group(isa, k),
+    };
     opts.max_group.map_or(best, |g| g.clamp(1, best))
 }
 
@@ -427,10 +441,11 @@ fn sub_rows(group: usize, m: usize, row_bytes: usize, nrows: usize) -> usize {
     }
 }
 
-/// Q8 weight rows n0..n1, all m activation rows; output (i, n) at `y[i * ldy + n - n0]`.
+/// Q8 weight rows n0..n1, all m activation rows; output (i, n) at `y[i * ldy + n - n0]`. `isa`: the
+/// instruction set, and whether each row is computed as alone.
 #[allow(clippy::too_many_arguments)]
 fn q8_tile(
-    isa: CpuIsa,
+    isa: (CpuIsa, bool),
     group: usize,
     x: &[f32],
     m: usize,
@@ -470,7 +485,7 @@ fn q8_tile(
 
 /// R activation rows (from `x`, K apart) against Q8 weight rows n0..n1.
 fn q8_group<const R: usize>(
-    isa: CpuIsa,
+    (isa, alone): (CpuIsa, bool),
     x: &[f32],
     w: &Q8Matrix,
     n0: usize,
@@ -504,9 +519,9 @@ fn q8_group<const R: usize>(
                 let q = w.quants.as_ptr().cast::<u8>().add(n0 * k);
                 let s = w.scales.as_ptr().add(n0 * nb);
                 if w.block == 32 {
-                    avx512::q8_rows::<R, 32>(x.as_ptr(), k, k, q, s, n1 - n0, y.0, ldy)
+                    avx512::q8_rows::<R, 32>(x.as_ptr(), k, k, q, s, n1 - n0, y.0, ldy, alone)
                 } else {
-                    avx512::q8_rows::<R, 16>(x.as_ptr(), k, k, q, s, n1 - n0, y.0, ldy)
+                    avx512::q8_rows::<R, 16>(x.as_ptr(), k, k, q, s, n1 - n0, y.0, ldy, alone)
                 }
             }
         }
@@ -530,10 +545,10 @@ fn q8_group<const R: usize>(
     }
 }
 
-/// Q4 weight rows n0..n1, all m prepared activation rows.
+/// Q4 weight rows n0..n1, all m prepared activation rows (`isa` as in [`q8_tile`]).
 #[allow(clippy::too_many_arguments)]
 fn q4_tile(
-    isa: CpuIsa,
+    isa: (CpuIsa, bool),
     group: usize,
     xs: &[f32],
     sx: &[f32],
@@ -577,7 +592,7 @@ fn q4_tile(
 /// R prepared activation rows against Q4 weight rows n0..n1.
 #[allow(clippy::too_many_arguments)]
 fn q4_group<const R: usize>(
-    isa: CpuIsa,
+    (isa, alone): (CpuIsa, bool),
     xs: &[f32],
     sx: &[f32],
     w: &Q4Matrix,
@@ -619,7 +634,7 @@ fn q4_group<const R: usize>(
                 let q = w.quants.as_ptr().cast::<u8>().add(n0 * k / 2);
                 let s = w.scales.as_ptr().add(n0 * nb);
                 let mn = w.mins.as_ptr().add(n0 * nb);
-                avx512::q4_rows::<R>(xs.as_ptr(), k, k, q, s, mn, n1 - n0, y.0, ldy)
+                avx512::q4_rows::<R>(xs.as_ptr(), k, k, q, s, mn, n1 - n0, y.0, ldy, alone)
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -755,6 +770,62 @@ mod tests {
             isa,
             parallel,
             max_group: None,
+            alone: false,
+        }
+    }
+
+    /// y = x · Wᵀ for m rows of x into y.
+    type Product<'a> = dyn Fn(&[f32], &mut [f32], usize) + 'a;
+
+    /// With `alone`, every row of a batch comes out bit for bit as it does in a call of its own, on every
+    /// instruction set this CPU runs (AVX-512 shares the weights' decoding between up to four rows), for
+    /// every layout and a batch of every size up to past two groups.
+    #[test]
+    fn rows_computed_alone_match_one_row_calls() {
+        let mut rng = ChaCha8Rng::seed_from_u64(31);
+        let (n, k) = (37, 576);
+        let (w8, w16, w4) = (
+            q8(&mut rng, n, k, 32, -8, -4),
+            q8(&mut rng, n, k, 16, -8, -4),
+            q4(&mut rng, n, k, -8, -4),
+        );
+        for isa in [CpuIsa::Scalar, CpuIsa::Avx2Fma, CpuIsa::Avx512]
+            .into_iter()
+            .filter(|i| i.is_available())
+        {
+            for m in 1..=9 {
+                let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let o = QmmOptions {
+                    alone: true,
+                    ..opts(isa, true)
+                };
+                let run = |f: &Product| {
+                    let mut batch = vec![0.0; m * n];
+                    f(&x, &mut batch, m);
+                    let mut one = vec![0.0; m * n];
+                    for i in 0..m {
+                        f(&x[i * k..(i + 1) * k], &mut one[i * n..(i + 1) * n], 1);
+                    }
+                    (batch, one)
+                };
+                for (name, (batch, one)) in [
+                    (
+                        "q8/32",
+                        run(&|x, y, m| q8_matmul_nt_with(x, &w8, m, 0..n, y, n, o)),
+                    ),
+                    (
+                        "q8/16",
+                        run(&|x, y, m| q8_matmul_nt_with(x, &w16, m, 0..n, y, n, o)),
+                    ),
+                    (
+                        "q4",
+                        run(&|x, y, m| q4_matmul_nt_with(x, &w4, m, 0..n, y, n, o)),
+                    ),
+                ] {
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&batch), bits(&one), "{isa:?} {name} m={m}");
+                }
+            }
         }
     }
 

@@ -154,7 +154,82 @@ unsafe fn q8_rows_deq<const R: usize, const BLOCK: usize>(
     }
 }
 
-/// Q8 rows, block `BLOCK` (16 or 32), `R` activation rows; arguments as `cpu_avx2::q8_rows`.
+/// Block `b` of one Q8 row into accumulator `u` of each of R activation rows, each row's arithmetic that
+/// of [`q8_block_1`]; the quants are converted once.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn q8_block_alone<const R: usize, const BLOCK: usize>(
+    x: *const f32,
+    ldx: usize,
+    b: usize,
+    u: usize,
+    qr: *const u8,
+    sr: *const f32,
+    acc: &mut [[__m512; 4]; R],
+) {
+    unsafe {
+        let sc = _mm512_set1_ps(*sr.add(b));
+        let qp = qr.add(b * BLOCK);
+        let q0 = i8x16(qp);
+        let q1 = if BLOCK == 32 { i8x16(qp.add(16)) } else { q0 };
+        for (r, a) in acc.iter_mut().enumerate() {
+            let xp = x.add(r * ldx + b * BLOCK);
+            let mut t = _mm512_mul_ps(q0, ld(xp));
+            if BLOCK == 32 {
+                t = _mm512_fmadd_ps(q1, ld(xp.add(16)), t);
+            }
+            a[u] = _mm512_fmadd_ps(sc, t, a[u]);
+        }
+    }
+}
+
+/// Q8, R activation rows (`ldx` apart), each computed exactly as [`q8_rows_1`] computes it alone (the
+/// same products, partial sums, scale multiplies and four rotating accumulators per row); only the
+/// quants' conversion to f32 is shared by the rows.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn q8_rows_alone<const R: usize, const BLOCK: usize>(
+    x: *const f32,
+    ldx: usize,
+    k: usize,
+    q: *const u8,
+    s: *const f32,
+    rows: usize,
+    y: *mut f32,
+    ldy: usize,
+) {
+    let nb = k / BLOCK;
+    let ahead = (PREFETCH_BYTES / (k + 4 * nb)).max(1);
+    unsafe {
+        for n in 0..rows {
+            let qr = q.add(n * k);
+            let sr = s.add(n * nb);
+            if n + ahead < rows {
+                prefetch(qr.wrapping_add(ahead * k), k);
+                prefetch(sr.wrapping_add(ahead * nb).cast(), 4 * nb);
+            }
+            let mut acc = [[_mm512_setzero_ps(); 4]; R];
+            let mut b = 0;
+            while b + 4 <= nb {
+                for u in 0..4 {
+                    q8_block_alone::<R, BLOCK>(x, ldx, b + u, u, qr, sr, &mut acc);
+                }
+                b += 4;
+            }
+            while b < nb {
+                q8_block_alone::<R, BLOCK>(x, ldx, b, 0, qr, sr, &mut acc);
+                b += 1;
+            }
+            for (r, a) in acc.iter().enumerate() {
+                let v = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+                *y.add(r * ldy + n) = _mm512_reduce_add_ps(v);
+            }
+        }
+    }
+}
+
+/// Q8 rows, block `BLOCK` (16 or 32), `R` activation rows; arguments as `cpu_avx2::q8_rows`. `alone`:
+/// every row computed as it is alone ([`q8_rows_alone`]), else the weights dequantized once for all.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,fma")]
 pub(super) unsafe fn q8_rows<const R: usize, const BLOCK: usize>(
@@ -166,10 +241,13 @@ pub(super) unsafe fn q8_rows<const R: usize, const BLOCK: usize>(
     rows: usize,
     y: *mut f32,
     ldy: usize,
+    alone: bool,
 ) {
     unsafe {
         if R == 1 {
             q8_rows_1::<BLOCK>(x, k, q, s, rows, y)
+        } else if alone {
+            q8_rows_alone::<R, BLOCK>(x, ldx, k, q, s, rows, y, ldy)
         } else {
             q8_rows_deq::<R, BLOCK>(x, ldx, k, q, s, rows, y, ldy)
         }
@@ -205,7 +283,8 @@ unsafe fn q4_block<const R: usize>(
 }
 
 /// Q4 rows with *raw* activations (no preparation: the table gives scale·q + min directly); `R` rows of
-/// `x`, `ldx` apart. Other arguments as `cpu_avx2::q4_rows`.
+/// `x`, `ldx` apart. Other arguments as `cpu_avx2::q4_rows`. `alone`: every row accumulated as one row
+/// alone is (blocks alternating between two accumulator pairs), so its sum is the same whatever R.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,fma")]
 pub(super) unsafe fn q4_rows<const R: usize>(
@@ -218,6 +297,7 @@ pub(super) unsafe fn q4_rows<const R: usize>(
     rows: usize,
     y: *mut f32,
     ldy: usize,
+    alone: bool,
 ) {
     let nb = k / 32;
     let ahead = (PREFETCH_BYTES / (k / 2 + 8 * nb)).max(1);
@@ -235,12 +315,13 @@ pub(super) unsafe fn q4_rows<const R: usize>(
                 prefetch(mr.wrapping_add(ahead * nb).cast(), 4 * nb);
             }
             // a?[r][0] takes the low nibbles (values 0..16 of a block), a?[r][1] the high ones; with one
-            // row, blocks alternate between a0 and a1 so four FMA chains run at once. (Unrolled by hand:
+            // row (or rows computed as alone), blocks alternate between a0 and a1 so four FMA chains run
+            // at once. (Unrolled by hand:
             // an accumulator array indexed by `b % 2` would live in memory.)
             let mut a0 = [[_mm512_setzero_ps(); 2]; R];
             let mut a1 = [[_mm512_setzero_ps(); 2]; R];
             let mut b = 0;
-            if R == 1 {
+            if R == 1 || alone {
                 while b + 2 <= nb {
                     q4_block(x, ldx, b, qr, sr, mr, iota, &mut a0);
                     q4_block(x, ldx, b + 1, qr, sr, mr, iota, &mut a1);

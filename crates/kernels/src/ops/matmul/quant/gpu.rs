@@ -120,6 +120,7 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
              // RMSNorm of each row as the norm kernel computes it: 256 partial sums of squares (thread t\n\
              // takes columns t, t + 256, ...) reduced by a tree; with 128 threads, thread t holds partials\n\
              // t and t + 128, whose sum is the tree's first level. e0: the weight's offset, e1: eps bits.\n\
+             // The R rows' trees run side by side (red holds R x WG), so R rows cost one tree's barriers.\n\
              fn prologue(lid: u32, i0: u32) {{\n\
                let inv = 1.0 / f32(p.k);\n\
                let k4 = p.k / 4u;\n\
@@ -129,18 +130,22 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
                  var qb = 0.0;\n\
                  for (var c = lid; c < p.k; c = c + 256u) {{ let d = x1(b + c); qa = qa + d * d; }}\n\
                  for (var c = lid + 128u; c < p.k; c = c + 256u) {{ let d = x1(b + c); qb = qb + d * d; }}\n\
-                 red[lid] = qa + qb;\n\
-                 workgroupBarrier();\n\
-                 for (var s = 64u; s > 0u; s = s >> 1u) {{\n\
-                   if (lid < s) {{ red[lid] = red[lid] + red[lid + s]; }}\n\
-                   workgroupBarrier();\n\
+                 red[r * WG + lid] = qa + qb;\n\
+               }}\n\
+               workgroupBarrier();\n\
+               for (var s = 64u; s > 0u; s = s >> 1u) {{\n\
+                 if (lid < s) {{\n\
+                   for (var r = 0u; r < R; r = r + 1u) {{ red[r * WG + lid] = red[r * WG + lid] + red[r * WG + lid + s]; }}\n\
                  }}\n\
-                 let rstd = 1.0 / sqrt(red[0] * inv + bitcast<f32>(p.e1));\n\
                  workgroupBarrier();\n\
-                 for (var c = lid; c < k4; c = c + WG) {{\n\
-                   let w = vec4<f32>(nw[p.e0 + 4u * c], nw[p.e0 + 4u * c + 1u], nw[p.e0 + 4u * c + 2u], nw[p.e0 + 4u * c + 3u]);\n\
-                   xs[r * k4 + c] = xload(b + 4u * c) * rstd * w;\n\
-                 }}\n\
+               }}\n\
+               for (var i = lid; i < R * k4; i = i + WG) {{\n\
+                 let r = i / k4;\n\
+                 let c = i % k4;\n\
+                 let b = p.o_x + min(i0 + r, p.m - 1u) * p.k;\n\
+                 let rstd = 1.0 / sqrt(red[r * WG] * inv + bitcast<f32>(p.e1));\n\
+                 let w = vec4<f32>(nw[p.e0 + 4u * c], nw[p.e0 + 4u * c + 1u], nw[p.e0 + 4u * c + 2u], nw[p.e0 + 4u * c + 3u]);\n\
+                 xs[i] = xload(b + 4u * c) * rstd * w;\n\
                }}\n\
                workgroupBarrier();\n\
              }}",

@@ -392,7 +392,7 @@ impl QMatrix {
         };
         fits_u32("qmatmul", &[m, x.len(), y.len()])?;
         let opts = cpu::QmmOptions {
-            max_group: (rows == RowMode::Independent).then_some(1),
+            alone: rows == RowMode::Independent,
             ..cpu::QmmOptions::default()
         };
         let n = self.rows;
