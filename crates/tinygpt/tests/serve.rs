@@ -40,8 +40,13 @@ fn bin() -> Command {
 
 /// Starts `tinygpt --backend cpu serve ARGS --port 0` and waits until it is ready.
 fn start(args: &[&str]) -> Server {
+    start_on("cpu", args)
+}
+
+/// [`start`] on `backend` (cpu or gpu).
+fn start_on(backend: &str, args: &[&str]) -> Server {
     let mut child = bin()
-        .args(["--backend", "cpu", "serve", "--port", "0"])
+        .args(["--backend", backend, "serve", "--port", "0"])
         .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -141,8 +146,13 @@ fn sse(body: &str) -> (String, Vec<Value>) {
 
 /// `tinygpt run`'s greedy continuation of `prompt` (JSON output): (text, generated ids, prompt ids).
 fn run_greedy(prompt: &str, n: usize) -> (String, usize, usize) {
+    run_greedy_on("cpu", prompt, n)
+}
+
+/// [`run_greedy`] on `backend`.
+fn run_greedy_on(backend: &str, prompt: &str, n: usize) -> (String, usize, usize) {
     let out = bin()
-        .args(["--backend", "cpu", "run"])
+        .args(["--backend", backend, "run"])
         .arg(smollm2())
         .args([
             "-p",
@@ -283,6 +293,42 @@ fn chat_and_completions_match_tinygpt_run_with_exact_usage() {
         "{m}"
     );
     assert!(m.contains("tinygpt_completion_tokens_total"), "{m}");
+}
+
+/// On the GPU (the software adapter here) greedy requests decoded together get their tokens picked on
+/// the device, only the ids read back: the same texts as `tinygpt --backend gpu run` gives alone.
+#[test]
+fn greedy_requests_decoded_together_on_the_gpu_match_tinygpt_run() {
+    if tinygpt_kernels::testing::skip_gpu() {
+        return;
+    }
+    let prompts = ["The capital of France is", "Once upon a time"];
+    let want: Vec<String> = prompts
+        .iter()
+        .map(|p| run_greedy_on("gpu", p, 8).0)
+        .collect();
+    let s = start_on("gpu", &[smollm2().to_str().unwrap(), "--parallel", "2"]);
+    let rt = rt();
+    let got: Vec<String> = rt.block_on(async {
+        let reqs = prompts.iter().map(|p| {
+            post(
+                &s.base,
+                "/v1/completions",
+                json!({"prompt": p, "max_tokens": 8, "temperature": 0}),
+                None,
+            )
+        });
+        futures_util::future::join_all(reqs)
+            .await
+            .into_iter()
+            .map(|(status, raw)| {
+                assert_eq!(status, 200, "{raw}");
+                let v: Value = serde_json::from_str(&raw).unwrap();
+                v["choices"][0]["text"].as_str().unwrap().to_string()
+            })
+            .collect()
+    });
+    assert_eq!(got, want);
 }
 
 #[test]

@@ -238,6 +238,15 @@ pub trait Decoder {
         be: &Backend,
         steps: &mut [(&mut Self::Seq, u32)],
     ) -> anyhow::Result<Vec<Vec<f32>>>;
+    /// [`Decoder::step`] for sequences that all decode greedily: each one's most likely next token,
+    /// picked where the logits are (on a GPU only the ids come back); None when the model cannot.
+    fn step_greedy(
+        &mut self,
+        _be: &Backend,
+        _steps: &mut [(&mut Self::Seq, u32)],
+    ) -> anyhow::Result<Option<Vec<u32>>> {
+        Ok(None)
+    }
     /// Whether `seq` can take another token.
     fn has_room(&self, seq: &Self::Seq) -> bool;
 }
@@ -273,6 +282,20 @@ impl Decoder for LlmDecoder {
         Ok(pollster::block_on(
             self.0.read_logits_batch(be, steps.len()),
         )?)
+    }
+
+    fn step_greedy(
+        &mut self,
+        be: &Backend,
+        steps: &mut [(&mut Sequence, u32)],
+    ) -> anyhow::Result<Option<Vec<u32>>> {
+        if be.as_gpu().is_none() || !self.0.picks_on_device() {
+            return Ok(None);
+        }
+        self.0.decode_batch(be, steps)?;
+        self.0.pick_greedy(be)?;
+        let p = self.0.read_picks(be)?;
+        Ok(Some(pollster::block_on(self.0.finish_picks(be, p))?))
     }
 
     fn has_room(&self, seq: &Sequence) -> bool {
@@ -383,6 +406,11 @@ impl<S> Active<'_, S> {
     /// Samples the next token from `logits` and sends its text; ends the request when it is done.
     fn take<D: Decoder<Seq = S>>(&mut self, logits: &[f32], codec: &Codec, d: &D) {
         let id = self.sampler.sample(logits);
+        self.take_id(id, codec, d)
+    }
+
+    /// Sends the text of the next token `id`; ends the request when it is done.
+    fn take_id<D: Decoder<Seq = S>>(&mut self, id: u32, codec: &Codec, d: &D) {
         if codec.is_eog(id) && !self.job.ignore_eos {
             return self.finish(Finish::Stop);
         }
@@ -487,13 +515,31 @@ pub fn run<D: Decoder>(
             continue;
         }
         let t0 = Instant::now();
+        let greedy = active.iter().all(|a| a.sampler.is_greedy());
         let mut steps: Vec<(&mut D::Seq, u32)> =
             active.iter_mut().map(|a| (&mut a.seq, a.next)).collect();
-        match d.step(be, &mut steps) {
-            Ok(rows) => {
-                shared.record_step(rows.len(), t0.elapsed().as_secs_f64());
-                for (a, logits) in active.iter_mut().zip(&rows) {
-                    a.take(logits, codec, d);
+        // Greedy requests only: the model picks the tokens itself where it can (the same first
+        // maximum the host's argmax takes), so only the ids come back.
+        let picked = if greedy {
+            d.step_greedy(be, &mut steps)
+        } else {
+            Ok(None)
+        };
+        let result = match picked {
+            Ok(Some(ids)) => Ok(ids.into_iter().map(Next::Id).collect()),
+            Ok(None) => d
+                .step(be, &mut steps)
+                .map(|rows| rows.into_iter().map(Next::Logits).collect::<Vec<_>>()),
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok(next) => {
+                shared.record_step(next.len(), t0.elapsed().as_secs_f64());
+                for (a, n) in active.iter_mut().zip(&next) {
+                    match n {
+                        Next::Id(id) => a.take_id(*id, codec, d),
+                        Next::Logits(l) => a.take(l, codec, d),
+                    }
                 }
             }
             Err(e) => {
@@ -505,6 +551,12 @@ pub fn run<D: Decoder>(
         retire(&mut active, &mut free);
         shared.active.store(active.len(), Ordering::Relaxed);
     }
+}
+
+/// What a step gives each sequence: its next token, or the logits to sample it from.
+enum Next {
+    Id(u32),
+    Logits(Vec<f32>),
 }
 
 /// Returns the slots of finished requests to the free list.

@@ -280,7 +280,8 @@ async fn serve(
     };
     let parallel = info.parallel;
     let queue = a.queue.unwrap_or(4 * parallel);
-    eprintln!(
+    // Requests are taken before the line that says so (a client may act on it at once).
+    let line = format!(
         "ready: model {} · {} slots (queue {queue}) · context {} per slot · {}",
         info.id,
         parallel,
@@ -297,6 +298,7 @@ async fn serve(
     );
     state.set_ready(info, job_tx, queue);
     shared.ready.store(true, Ordering::Relaxed);
+    eprintln!("{line}");
     let served = server.await?;
     shared.stopping.store(true, Ordering::Relaxed);
     state.close_queue();
