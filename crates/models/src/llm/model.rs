@@ -339,12 +339,10 @@ impl Llm {
         }
         let batch = opts.batch.min(context).max(opts.parallel);
         let w = Weights::load(be, file, &cfg, progress, release_pages, opts.paths)?;
-        // The model's own sequence, and with several, that many more for a server's batch.
-        let slots = if opts.parallel > 1 {
-            opts.parallel + 1
-        } else {
-            1
-        };
+        // The model's own sequence, and the others a server hands out.
+        let slots = opts.sequences.checked_add(1).ok_or_else(|| {
+            LlmError::Options(format!("{} sequences is too many", opts.sequences))
+        })?;
         let pool = KvPool::new(be, cfg.n_layer, slots, context, 2 * cfg.kv_dim())?;
         let mut keys: Vec<(u32, u32)> = Vec::new();
         let mut ropes = Vec::new();
