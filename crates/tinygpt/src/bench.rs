@@ -42,6 +42,10 @@ pub struct LlmBenchArgs {
     /// timestamp queries inside passes) and print where the time goes.
     #[arg(long)]
     pub profile: bool,
+    /// With --synthetic: also write the model to this GGUF file (llama.cpp's `llama-bench` loads it), and
+    /// stop there.
+    #[arg(long, requires = "synthetic")]
+    pub save: Option<std::path::PathBuf>,
     /// Also decode this many sequences together (as `tinygpt serve` does its requests: one pass per
     /// step for all, each with its own cache; the picks read back every step) and report the
     /// aggregate tokens per second.
@@ -462,7 +466,19 @@ fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet) -> Result<()> {
     let t0 = Instant::now();
     let file = match (&a.model, a.synthetic) {
         (Some(p), _) => GgufFile::open(p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?,
-        (None, Some(s)) => GgufFile::from_bytes(crate::synthetic::gguf(s, 7)?)?,
+        (None, Some(s)) => {
+            let bytes = crate::synthetic::gguf(s, 7)?;
+            if let Some(p) = &a.save {
+                // Whole or not at all: a temp name, then a rename.
+                let tmp = p.with_extension("gguf.tmp");
+                std::fs::write(&tmp, &bytes)
+                    .and_then(|_| std::fs::rename(&tmp, p))
+                    .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", p.display()))?;
+                println!("wrote {} ({} MB)", p.display(), bytes.len() / 1_000_000);
+                return Ok(());
+            }
+            GgufFile::from_bytes(bytes)?
+        }
         (None, None) => anyhow::bail!("give a GGUF file or --synthetic smollm2-135m|gemma3-270m"),
     };
     let made = t0.elapsed().as_secs_f64();

@@ -1,6 +1,8 @@
 //! Random-weight GGUF models with real models' shapes, for benchmarks where the real files cannot go
 //! (a lent GPU machine with no network): decode speed does not depend on the weights' values.
-//! Matrices are Q8_0 (random int8 quants, one f16 scale per 32), norms f32 ones.
+//! Matrices are Q8_0 (random int8 quants, one f16 scale per 32), norms f32 ones. The vocabulary is a
+//! placeholder llama.cpp loads (byte-level BPE: the 256 byte characters, fillers, an end-of-text token,
+//! no merges), so `llama-bench` can time the same file.
 
 use anyhow::{Result, bail};
 use tinygpt_formats::{GgmlType, GgufWriter};
@@ -44,6 +46,7 @@ pub fn gguf(preset: Preset, seed: u64) -> Result<Vec<u8>> {
     if arch == "gemma3" {
         w.add_metadata(k("attention.sliding_window"), 512u32)?;
     }
+    add_vocab(&mut w, vocab)?;
     let mut rng = SeedRng::new(seed);
     let mut q8 = |rows: usize, cols: usize| -> Vec<u8> {
         // Q8_0 block: f16 scale then 32 int8 quants (34 bytes).
@@ -112,4 +115,51 @@ pub fn gguf(preset: Preset, seed: u64) -> Result<Vec<u8>> {
         bail!("empty synthetic model");
     }
     Ok(bytes)
+}
+
+/// GPT-2's byte-level alphabet: the character that stands for each byte.
+fn byte_chars() -> Vec<char> {
+    let printable = |b: u32| {
+        (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
+    };
+    let mut next = 256;
+    (0u32..256)
+        .map(|b| {
+            if printable(b) {
+                char::from_u32(b).unwrap_or('?')
+            } else {
+                next += 1;
+                char::from_u32(next - 1).unwrap_or('?')
+            }
+        })
+        .collect()
+}
+
+/// A placeholder byte-level BPE vocabulary of `n` tokens (see the module docs).
+fn add_vocab(w: &mut GgufWriter, n: usize) -> Result<()> {
+    use tinygpt_formats::{MetadataArray, MetadataValue};
+    let mut tokens: Vec<String> = byte_chars().into_iter().map(String::from).collect();
+    tokens.extend((256..n - 1).map(|i| format!("<t{i}>")));
+    tokens.push("<|endoftext|>".into());
+    let mut types = vec![1i32; n - 1];
+    types.push(3);
+    let eos = (n - 1) as u32;
+    w.add_metadata("tokenizer.ggml.model", "gpt2")?;
+    w.add_metadata("tokenizer.ggml.pre", "gpt-2")?;
+    w.add_metadata(
+        "tokenizer.ggml.tokens",
+        MetadataValue::Array(MetadataArray::String(tokens)),
+    )?;
+    w.add_metadata(
+        "tokenizer.ggml.token_type",
+        MetadataValue::Array(MetadataArray::I32(types)),
+    )?;
+    w.add_metadata(
+        "tokenizer.ggml.merges",
+        MetadataValue::Array(MetadataArray::String(vec![])),
+    )?;
+    w.add_metadata("tokenizer.ggml.bos_token_id", eos)?;
+    w.add_metadata("tokenizer.ggml.eos_token_id", eos)?;
+    w.add_metadata("tokenizer.ggml.add_bos_token", false)?;
+    Ok(())
 }
