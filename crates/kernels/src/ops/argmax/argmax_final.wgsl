@@ -6,11 +6,6 @@ struct Params { rows: u32, blocks: u32, o_out: u32 }
 @group(0) @binding(1) var<storage, read> part: array<u32>;
 @group(0) @binding(2) var<storage, read_write> out: array<u32>;
 
-const WG: u32 = 256u;
-const NONE: u32 = 0xffffffffu;
-var<workgroup> best_v: array<f32, WG>;
-var<workgroup> best_i: array<u32, WG>;
-
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
   let r = wid.x;
@@ -22,22 +17,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let i = part[(r * p.blocks + b) * 2u + 1u];
     if (i != NONE && (bi == NONE || v > bv)) { bv = v; bi = i; }
   }
-  best_v[lid] = bv;
-  best_i[lid] = bi;
-  workgroupBarrier();
-  for (var s = WG / 2u; s > 0u; s = s >> 1u) {
-    if (lid < s) {
-      let ov = best_v[lid + s];
-      let oi = best_i[lid + s];
-      let mv = best_v[lid];
-      let mi = best_i[lid];
-      if (oi != NONE && (mi == NONE || ov > mv || (ov == mv && oi < mi))) {
-        best_v[lid] = ov;
-        best_i[lid] = oi;
-      }
-    }
-    workgroupBarrier();
-  }
+  best_tree(bv, bi, lid);
   if (lid == 0u) {
     out[p.o_out + r] = select(best_i[0], 0u, best_i[0] == NONE);
   }

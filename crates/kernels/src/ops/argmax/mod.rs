@@ -3,9 +3,53 @@
 //! straight from the device without waiting for the host.
 
 use super::common::{Grid, kernel, run};
+
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Result, shape};
 use crate::gpu::{Access, Operand};
+
+/// The workgroup tree the three argmax kernels end with, prepended to each: of two candidates
+/// (value, index) it keeps the larger value, of equal values the smaller index; NONE (no candidate)
+/// never wins. Every thread calls it (it has barriers); the winner is left in best_v[0], best_i[0].
+const BEST_TREE: &str = "
+const WG: u32 = 256u;
+const NONE: u32 = 0xffffffffu;
+var<workgroup> best_v: array<f32, WG>;
+var<workgroup> best_i: array<u32, WG>;
+
+fn best_tree(v: f32, i: u32, lid: u32) {
+  best_v[lid] = v;
+  best_i[lid] = i;
+  workgroupBarrier();
+  for (var s = WG / 2u; s > 0u; s = s >> 1u) {
+    if (lid < s) {
+      let ov = best_v[lid + s];
+      let oi = best_i[lid + s];
+      let mv = best_v[lid];
+      let mi = best_i[lid];
+      if (oi != NONE && (mi == NONE || ov > mv || (ov == mv && oi < mi))) {
+        best_v[lid] = ov;
+        best_i[lid] = oi;
+      }
+    }
+    workgroupBarrier();
+  }
+}
+";
+
+/// An argmax kernel: [`BEST_TREE`] and `source`.
+fn argmax_kernel(
+    g: &crate::gpu::GpuBackend,
+    name: &str,
+    source: &str,
+) -> Result<std::rc::Rc<crate::gpu::Pipeline>> {
+    kernel(
+        g,
+        name,
+        &format!("{BEST_TREE}\n{source}"),
+        &[Access::Read, Access::ReadWrite],
+    )
+}
 
 /// out[r] = the index of the first maximum of row r of `x` (`rows` rows of `cols`, contiguous), as a
 /// u32 word. NaN is never the maximum; a row with nothing above -inf gives 0.
@@ -32,12 +76,7 @@ pub fn argmax_rows(
         Backend::Gpu(g) => {
             let tx = x.gpu("argmax", "x", rows * cols)?;
             let to = out.gpu("argmax", "out", rows)?;
-            let pipe = kernel(
-                g,
-                "argmax",
-                include_str!("argmax.wgsl"),
-                &[Access::Read, Access::ReadWrite],
-            )?;
+            let pipe = argmax_kernel(g, "argmax", include_str!("argmax.wgsl"))?;
             let ops = [
                 Operand::rows(tx, x.offset(), cols),
                 Operand::rows(to, out.offset(), 1),
@@ -67,12 +106,7 @@ fn long_rows(
     ) else {
         let tx = x.gpu("argmax", "x", rows * cols)?;
         let to = out.gpu("argmax", "out", rows)?;
-        let pipe = kernel(
-            g,
-            "argmax",
-            include_str!("argmax.wgsl"),
-            &[Access::Read, Access::ReadWrite],
-        )?;
+        let pipe = argmax_kernel(g, "argmax", include_str!("argmax.wgsl"))?;
         let ops = [
             Operand::rows(tx, x.offset(), cols),
             Operand::rows(to, out.offset(), 1),
@@ -82,20 +116,10 @@ fn long_rows(
     let blocks = cols.div_ceil(SPAN);
     let part = g.scratch("argmax_part", 2 * rows * blocks)?;
     let pb = &part.chunks[0].buffer;
-    let pipe = kernel(
-        g,
-        "argmax_partial",
-        include_str!("argmax_partial.wgsl"),
-        &[Access::Read, Access::ReadWrite],
-    )?;
+    let pipe = argmax_kernel(g, "argmax_partial", include_str!("argmax_partial.wgsl"))?;
     let params = [rows as u32, cols as u32, ox as u32, blocks as u32];
     g.dispatch(&pipe, &params, &[bx, pb], [blocks as u32, rows as u32, 1])?;
-    let pipe = kernel(
-        g,
-        "argmax_final",
-        include_str!("argmax_final.wgsl"),
-        &[Access::Read, Access::ReadWrite],
-    )?;
+    let pipe = argmax_kernel(g, "argmax_final", include_str!("argmax_final.wgsl"))?;
     let params = [rows as u32, blocks as u32, oo as u32];
     g.dispatch(&pipe, &params, &[pb, bo], [rows as u32, 1, 1])
 }

@@ -29,6 +29,33 @@ pub struct CacheRows<'a> {
     pub host: &'a [[u32; 2]],
 }
 
+impl CacheRows<'_> {
+    /// The buffers of `cache` (rows of `ld` elements from the view's offset; a cache split across
+    /// buffers splits at whole sequences) that some row's sequence lies in: (buffer, element offset of
+    /// its first whole row inside it, that row's index, one past its last row's index).
+    pub(crate) fn buffers<'c>(
+        &self,
+        cache: &'c crate::gpu::GpuTensor,
+        offset: usize,
+        ld: usize,
+    ) -> Vec<(&'c wgpu::Buffer, usize, usize, usize)> {
+        cache
+            .chunks
+            .iter()
+            .filter_map(|c| {
+                let first = c.start.max(offset);
+                let lo = (first - offset).div_ceil(ld);
+                let hi = (c.start + c.len).saturating_sub(offset) / ld;
+                let used = self
+                    .host
+                    .iter()
+                    .any(|r| (lo..hi).contains(&(r[0] as usize)));
+                used.then(|| (&c.buffer, offset + lo * ld - c.start, lo, hi))
+            })
+            .collect()
+    }
+}
+
 /// Heads and layouts of a decode pass's attention.
 #[derive(Clone, Copy, Debug)]
 pub struct RowsShape {
@@ -195,21 +222,7 @@ pub fn attend_rows(
         ],
     )?;
     let ct = cache.gpu("attend_rows", "cache", cache_rows * s.ld_kv)?;
-    for c in &ct.chunks {
-        // The cache rows of this buffer (chunks split at whole sequences), if any row reads them.
-        let first = c.start.max(cache.offset());
-        let (lo, hi) = (
-            (first - cache.offset()).div_ceil(s.ld_kv),
-            (c.start + c.len).saturating_sub(cache.offset()) / s.ld_kv,
-        );
-        if !rows
-            .host
-            .iter()
-            .any(|r| (lo..hi).contains(&(r[0] as usize)))
-        {
-            continue;
-        }
-        let o_kv = cache.offset() + lo * s.ld_kv - c.start;
+    for (buffer, o_kv, lo, hi) in rows.buffers(ct, cache.offset(), s.ld_kv) {
         let params = [
             n as u32,
             s.heads as u32,
@@ -235,7 +248,7 @@ pub fn attend_rows(
         g.dispatch(
             &pipe,
             &params,
-            &[bq, &c.buffer, bt, bo, &pb],
+            &[bq, buffer, bt, bo, &pb],
             [wgs as u32, n_split as u32, 1],
         )?;
     }

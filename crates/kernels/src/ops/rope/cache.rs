@@ -151,19 +151,7 @@ pub fn rope_into_cache(
     )?;
     let ct = cache.gpu("rope_into_cache", "cache", cache_rows * s.ld_kv)?;
     let mut queries = true;
-    for c in &ct.chunks {
-        let first = c.start.max(cache.offset());
-        let (lo, hi) = (
-            (first - cache.offset()).div_ceil(s.ld_kv),
-            (c.start + c.len).saturating_sub(cache.offset()) / s.ld_kv,
-        );
-        if !rows
-            .host
-            .iter()
-            .any(|r| (lo..hi).contains(&(r[0] as usize)))
-        {
-            continue;
-        }
+    for (buffer, o_kv, lo, hi) in rows.buffers(ct, cache.offset(), s.ld_kv) {
         let params = [
             n as u32,
             s.heads as u32,
@@ -179,7 +167,7 @@ pub fn rope_into_cache(
             s.ld_kv as u32,
             oi as u32,
             oq as u32,
-            (cache.offset() + lo * s.ld_kv - c.start) as u32,
+            o_kv as u32,
             ot as u32,
             or as u32,
             norm_on as u32,
@@ -193,7 +181,7 @@ pub fn rope_into_cache(
         g.dispatch(
             &pipe,
             &params,
-            &[bi, bq, &c.buffer, bt, br, bqw, bkw],
+            &[bi, bq, buffer, bt, br, bqw, bkw],
             [n as u32, (s.heads + s.kv_heads) as u32, 1],
         )?;
         queries = false;
