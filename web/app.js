@@ -314,7 +314,8 @@ async function send() {
       seed: 1337,
     });
     $('chat-output').textContent += '\n';
-    status(`${r.tokens} tokens in ${r.seconds.toFixed(2)} s (${r.tokens_per_s.toFixed(1)} tokens/s; prompt ${r.prompt_tokens} tokens in ${r.prompt_seconds.toFixed(2)} s) · ${r.finish}`);
+    const drift = r.drift ? ` · ${r.drift.line}` : '';
+    status(`${r.tokens} tokens in ${r.seconds.toFixed(2)} s (${r.tokens_per_s.toFixed(1)} tokens/s; prompt ${r.prompt_tokens} tokens in ${r.prompt_seconds.toFixed(2)} s) · ${r.finish}${drift}`, Boolean(r.drift));
   } catch (e) {
     status(e.message, true);
   } finally {

@@ -51,6 +51,11 @@ pub enum Fault {
     OutOfBoundsWrite,
     /// A NaN written into the output (every gated matmul kernel).
     NanOutput,
+    /// RoPE rotations scaled from position 500 on, by 1 + (p − 499)/4 at position p (a GGUF model's
+    /// tables): an error that grows with the position, right for every
+    /// position the start-up gates reach, wrong only in long generations — what the drift guard is
+    /// for. No op gate can see it (it is not in [`Fault::ALL`]).
+    RopePast500,
 }
 
 impl Fault {

@@ -726,3 +726,156 @@ fn a_lost_device_stops_generation_with_a_clear_error() {
     let msg = e.to_string();
     assert!(msg.to_lowercase().contains("lost"), "unclear error: {msg}");
 }
+
+/// LLAMA with room for long generations (the drift guard's checks reach position 511).
+const LONG: Shape = Shape {
+    context: 1024,
+    ..LLAMA
+};
+
+/// Generation of `n` tokens after the prompt, watched by a guard checking every 128 tokens (each
+/// check's step against the CPU's f32 path, in line or on the shadow's thread); returns the tokens,
+/// the guard's events and what it measured.
+fn guarded_run(
+    be: &Backend,
+    llm: &mut Llm,
+    bytes: &[u8],
+    n: usize,
+    temperature: f32,
+    background: bool,
+) -> (
+    Vec<u32>,
+    Vec<tinygpt_models::llm::DriftEvent>,
+    tinygpt_models::llm::drift::DriftStats,
+) {
+    use tinygpt_models::llm::{DriftGuard, generate_guarded};
+    use tinygpt_models::sampler::{Sampler, SamplerConfig};
+    let file = GgufFile::from_bytes(bytes.to_vec()).unwrap();
+    let mut guard = DriftGuard::new(file, llm.context(), 128, Some(1), background);
+    llm.reset();
+    llm.feed(be, &PROMPT).unwrap();
+    let mut sampler = Sampler::new(SamplerConfig {
+        temperature,
+        seed: 7,
+        ..Default::default()
+    });
+    let (mut got, mut events) = (Vec::new(), Vec::new());
+    let g = pollster::block_on(generate_guarded(
+        be,
+        llm,
+        &mut sampler,
+        n,
+        |_| false,
+        async |id| -> Result<bool, LlmError> {
+            got.push(id);
+            Ok(true)
+        },
+        Some(&mut guard),
+        |e| events.push(e.clone()),
+    ))
+    .unwrap();
+    assert_eq!(g.tokens, n);
+    (got, events, guard.stats())
+}
+
+/// The drift guard on a healthy fast path: every check agrees with the f32 path (far inside the bound),
+/// the run stays on its fast path and its tokens are those of an unguarded run — greedy on the device
+/// and sampled on the host alike.
+#[test]
+fn the_drift_guard_leaves_a_healthy_fast_path_alone() {
+    use tinygpt_models::llm::generate;
+    use tinygpt_models::sampler::{Sampler, SamplerConfig};
+    let Some(be) = gpu_backend(None) else { return };
+    let bytes = write(&LONG, &|_| GgmlType::Q8_0, &random);
+    let q = GgufFile::from_bytes(bytes.clone()).unwrap();
+    let fast = PathSet::of(&[PathId::QuantMatmul]);
+    let mut llm = load_with(&be, &q, 512, fast);
+    for (temperature, background) in [(0.0, true), (0.8, false)] {
+        let (got, events, stats) = guarded_run(&be, &mut llm, &bytes, 560, temperature, background);
+        assert!(events.is_empty(), "{events:?}");
+        assert_eq!(stats.checks, 4, "checks at positions 127, 255, 383 and 511");
+        assert!(stats.worst_ratio < 0.01, "{stats:?}");
+        assert_eq!(llm.paths(), fast);
+        // The same run without the guard.
+        llm.reset();
+        llm.feed(&be, &PROMPT).unwrap();
+        let mut plain = Vec::new();
+        let mut sampler = Sampler::new(SamplerConfig {
+            temperature,
+            seed: 7,
+            ..Default::default()
+        });
+        pollster::block_on(generate(
+            &be,
+            &mut llm,
+            &mut sampler,
+            560,
+            |_| false,
+            async |id| -> Result<bool, LlmError> {
+                plain.push(id);
+                Ok(true)
+            },
+        ))
+        .unwrap();
+        assert_eq!(got, plain, "temperature {temperature}");
+    }
+}
+
+/// A planted fault whose error appears only from position 500 on passes the start-up token gate (100
+/// greedy tokens, fast paths against the f32 path) and is caught by the drift guard at its first
+/// check past 500; generation goes on, on the f32 path, whose state is then exactly that of a model
+/// loaded on the f32 path and fed the same tokens.
+#[test]
+fn the_drift_guard_catches_a_fault_the_start_up_gates_pass() {
+    use tinygpt_kernels::path::Fault;
+    use tinygpt_models::sampler::argmax;
+    let Some(be) = gpu_backend(None) else { return };
+    let bytes = write(&LONG, &|_| GgmlType::Q8_0, &random);
+    let q = GgufFile::from_bytes(bytes.clone()).unwrap();
+    let faulty = PathSet::of(&[PathId::QuantMatmul]).with_fault(Some(Fault::RopePast500));
+    let mut reference = load_with(&be, &q, 512, PathSet::F32);
+    // The token gate's comparison: 100 greedy tokens from the prompt agree.
+    let greedy = |llm: &mut Llm, n: usize| -> Vec<u32> {
+        llm.reset();
+        let mut logits = llm.prefill(&be, &PROMPT).unwrap();
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let id = argmax(&logits);
+            out.push(id);
+            logits = llm.decode(&be, id).unwrap();
+        }
+        out
+    };
+    let mut llm = load_with(&be, &q, 512, faulty);
+    assert_eq!(greedy(&mut llm, 100), greedy(&mut reference, 100));
+    for (temperature, background) in [(0.0, true), (0.0, false), (0.8, true), (0.8, false)] {
+        let mut llm = load_with(&be, &q, 512, faulty);
+        let (got, events, stats) = guarded_run(&be, &mut llm, &bytes, 560, temperature, background);
+        assert_eq!(
+            events.len(),
+            1,
+            "temperature {temperature}: {events:?} {stats:?}"
+        );
+        let e = &events[0];
+        eprintln!("temperature {temperature}: {e:?}");
+        assert_eq!(e.position, 511, "{e:?}");
+        assert!(e.kl > e.bound, "{e:?}");
+        assert_eq!(e.paths, faulty);
+        assert_eq!((e.checks, stats.checks), (4, 4));
+        assert_eq!(
+            llm.paths(),
+            PathSet::F32,
+            "the fast paths are off for the rest of the run"
+        );
+        assert_eq!(got.len(), 560);
+        // The model now holds the prompt and every token but the last, computed on the f32 path.
+        let history = llm.history().to_vec();
+        assert_eq!(history.len(), PROMPT.len() + 559);
+        assert_eq!(history[PROMPT.len()..], got[..559]);
+        let last = llm.decode(&be, got[559]).unwrap();
+        reference.reset();
+        reference.feed(&be, &history).unwrap();
+        let want = reference.decode(&be, got[559]).unwrap();
+        assert_nmse("after the switch", &want, &last, 1e-10);
+    }
+}

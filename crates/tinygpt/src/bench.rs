@@ -106,7 +106,7 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, cmd: &BenchCmd) -> Resul
     match cmd {
         BenchCmd::Ops(a) => ops_bench(be, a),
         BenchCmd::Train(a) => train_bench(be, a, paths),
-        BenchCmd::Llm(a) => llm_bench(be, a, paths),
+        BenchCmd::Llm(a) => llm_bench(be, a, paths, gate.drift_check),
     }
 }
 
@@ -460,9 +460,9 @@ fn train_bench(be: &Backend, a: &TrainBenchArgs, paths: PathSet) -> Result<()> {
     Ok(())
 }
 
-fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet) -> Result<()> {
+fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet, drift_check: usize) -> Result<()> {
     use tinygpt_formats::GgufFile;
-    use tinygpt_models::llm::{Llm, LoadOptions};
+    use tinygpt_models::llm::{DriftGuard, Llm, LoadOptions};
     let t0 = Instant::now();
     let file = match (&a.model, a.synthetic) {
         (Some(p), _) => GgufFile::open(p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?,
@@ -512,22 +512,25 @@ fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet) -> Result<()> {
     let prompt: Vec<u32> = (0..a.prompt).map(|_| rng.below(cfg.vocab) as u32).collect();
     // Decoding as `run --temperature 0` does it (the next token picked on the device where it can be),
     // `n` passes after the prompt.
-    let decode = |llm: &mut Llm| -> Result<usize> {
+    let decode_guarded = |llm: &mut Llm, guard: Option<&mut DriftGuard>| -> Result<usize> {
         let mut greedy =
             tinygpt_models::sampler::Sampler::new(tinygpt_models::sampler::SamplerConfig {
                 temperature: 0.0,
                 ..Default::default()
             });
-        let g = pollster::block_on(tinygpt_models::llm::generate(
+        let g = pollster::block_on(tinygpt_models::llm::generate_guarded(
             be,
             llm,
             &mut greedy,
             a.n + 1,
             |_| false,
             async |_| -> Result<bool> { Ok(true) },
+            guard,
+            |e| eprintln!("[ops] drift guard tripped at position {}", e.position),
         ))?;
         Ok(g.passes)
     };
+    let decode = |llm: &mut Llm| decode_guarded(llm, None);
     // Warm-up: every pipeline built once.
     llm.feed(be, &prompt)?;
     decode(&mut llm)?;
@@ -568,6 +571,41 @@ fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet) -> Result<()> {
     );
     if let Some((d, s, r)) = per_token {
         println!("per decoded token: {d:.1} dispatches, {s:.2} submits, {r:.2} readbacks");
+    }
+    // The same decode watched by the drift guard (as `run` and `chat` decode on fast paths).
+    if be.as_gpu().is_some() && !llm.paths().is_empty() && drift_check > 0 {
+        let mut guard = DriftGuard::new(
+            GgufFile::from_bytes(file.bytes().to_vec())?,
+            llm.context(),
+            drift_check,
+            Some(
+                std::thread::available_parallelism()
+                    .map_or(1, |n| n.get().saturating_sub(1).max(1)),
+            ),
+            true,
+        );
+        let mut guarded = Vec::new();
+        // The first run makes the guard's f32 shadow on the CPU (once per run of `run` or `chat`).
+        for rep in 0..=a.reps.max(1) {
+            llm.reset();
+            llm.feed(be, &prompt)?;
+            be.sync()?;
+            let t = Instant::now();
+            let passes = decode_guarded(&mut llm, Some(&mut guard))?;
+            if rep > 0 {
+                guarded.push(passes as f64 / t.elapsed().as_secs_f64());
+            }
+        }
+        let s = guard.stats();
+        let (plain, with) = (median(&mut tg), median(&mut guarded));
+        println!(
+            "decode with the drift guard every {drift_check}: {with:.1} tok/s ({:+.1}% against {plain:.1}) · {} checks, {} same top-1, worst KL {:.2e} ({:.2e} of its bound)",
+            100.0 * (with / plain - 1.0),
+            s.checks,
+            s.same_top1,
+            s.worst_kl,
+            s.worst_ratio
+        );
     }
     if par > 1 {
         batched_decode(be, &mut llm, &prompt, a.n, a.reps, a.profile)?;

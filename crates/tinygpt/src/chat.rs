@@ -125,18 +125,10 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &ChatArgs) -> Result<()> {
         m.llm.truncate(keep);
         cached.truncate(keep);
         let mut text = String::new();
-        let (reply, stop, tm) = generate(
-            be,
-            &mut m.llm,
-            &m.tok,
-            &ids[keep..],
-            a.n,
-            &mut sampler,
-            |s| {
-                text.push_str(s);
-                print_flush(s)
-            },
-        )?;
+        let (reply, stop, tm) = generate(be, &mut m, &ids[keep..], a.n, &mut sampler, |s| {
+            text.push_str(s);
+            print_flush(s)
+        })?;
         print_flush("\n")?;
         cached.extend_from_slice(&ids[keep..]);
         // Every reply token was fed back except the last one sampled at the token limit.

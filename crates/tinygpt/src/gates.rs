@@ -15,7 +15,7 @@ use tinygpt_kernels::gate::{
 use tinygpt_kernels::{Backend, PathId, PathSet};
 
 /// Flags every command that runs kernels takes.
-#[derive(Args, Clone, Debug, Default)]
+#[derive(Args, Clone, Debug)]
 pub struct GateArgs {
     /// Re-run every fast path's gate instead of trusting stored passes.
     #[arg(long, global = true)]
@@ -31,6 +31,11 @@ pub struct GateArgs {
         value_delimiter = ','
     )]
     pub disable_path: Vec<String>,
+    /// While a GGUF model generates on fast paths, compute one step every N tokens on the f32 path
+    /// too (from the same cache) and go on on the f32 path if the two disagree past the gate's bound
+    /// (0: off).
+    #[arg(long, global = true, value_name = "N", default_value_t = tinygpt_models::llm::drift::DEFAULT_EVERY)]
+    pub drift_check: usize,
 }
 
 /// `tinygpt gates`.
@@ -60,6 +65,24 @@ struct PathHistory {
     last_reason: Option<String>,
 }
 
+/// A drift-guard event, one line of the gate history (`"kind": "drift"`).
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct DriftRecord {
+    pub kind: String,
+    pub time_unix: u64,
+    pub adapter: String,
+    pub driver: String,
+    /// The model.
+    pub subject: String,
+    pub position: usize,
+    pub kl: f64,
+    pub bound: f64,
+    pub same_top1: usize,
+    pub checks: usize,
+    /// The fast paths the guard turned off.
+    pub paths: Vec<String>,
+}
+
 /// The end-to-end token gate's record on one adapter and driver.
 #[derive(Default, serde::Serialize)]
 struct TokenHistory {
@@ -76,6 +99,8 @@ struct AdapterHistory {
     last_time_unix: u64,
     paths: BTreeMap<String, PathHistory>,
     token_gate: TokenHistory,
+    /// Drift-guard events: (model, position, KL, bound, paths turned off, when).
+    drift_events: Vec<(String, usize, f64, f64, String, u64)>,
 }
 
 /// `tinygpt gates --history`: reads the history file, skipping (and counting) lines it cannot parse.
@@ -91,21 +116,44 @@ fn history(cmd: &GatesCmd) -> Result<()> {
     };
     let mut by: BTreeMap<(String, String), AdapterHistory> = BTreeMap::new();
     let mut bad = 0usize;
+    let adapter =
+        |by: &mut BTreeMap<(String, String), AdapterHistory>, name: &str, driver: &str, t: u64| {
+            let a = by
+                .entry((name.to_string(), driver.to_string()))
+                .or_insert_with(|| AdapterHistory {
+                    adapter: name.to_string(),
+                    driver: driver.to_string(),
+                    first_time_unix: t,
+                    ..Default::default()
+                });
+            a.first_time_unix = a.first_time_unix.min(t);
+            a.last_time_unix = a.last_time_unix.max(t);
+        };
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        if let Ok(d) = serde_json::from_str::<DriftRecord>(line)
+            .map_err(drop)
+            .and_then(|d| if d.kind == "drift" { Ok(d) } else { Err(()) })
+        {
+            adapter(&mut by, &d.adapter, &d.driver, d.time_unix);
+            let a = by.get_mut(&(d.adapter, d.driver)).expect("just added");
+            a.drift_events.push((
+                d.subject,
+                d.position,
+                d.kl,
+                d.bound,
+                d.paths.join(" "),
+                d.time_unix,
+            ));
+            continue;
+        }
         let Ok(r) = serde_json::from_str::<GateRecord>(line) else {
             bad += 1;
             continue;
         };
+        adapter(&mut by, &r.adapter, &r.driver, r.time_unix);
         let a = by
-            .entry((r.adapter.clone(), r.driver.clone()))
-            .or_insert_with(|| AdapterHistory {
-                adapter: r.adapter.clone(),
-                driver: r.driver.clone(),
-                first_time_unix: r.time_unix,
-                ..Default::default()
-            });
-        a.first_time_unix = a.first_time_unix.min(r.time_unix);
-        a.last_time_unix = a.last_time_unix.max(r.time_unix);
+            .get_mut(&(r.adapter.clone(), r.driver.clone()))
+            .expect("just added");
         for p in r
             .paths
             .iter()
@@ -194,6 +242,15 @@ fn history(cmd: &GatesCmd) -> Result<()> {
                     .map(|(p, pos, at)| format!(" · {p} at token {pos} ({})", when(*at)))
                     .collect::<String>()
             );
+        }
+        if !a.drift_events.is_empty() {
+            println!("  drift guard    {} events", a.drift_events.len());
+            for (model, pos, kl, bound, paths, at) in &a.drift_events {
+                println!(
+                    "    {model}: position {pos}, KL={kl:.3e} (bound {bound:.3e}), {paths} turned off ({})",
+                    when(*at)
+                );
+            }
         }
     }
     if bad > 0 {
@@ -324,6 +381,53 @@ impl VerdictStore for FileStore {
         if let Err(e) = result {
             self.warn(&dir.display().to_string(), format!("{e:#}"));
         }
+    }
+}
+
+/// Appends a drift-guard event to the gate history (`tinygpt gates --history` shows it); a directory
+/// that cannot be written is reported, never fatal.
+pub fn record_drift(be: &Backend, model: &str, e: &tinygpt_models::llm::DriftEvent) {
+    let Some(dir) = cache_dir() else { return };
+    let (adapter, driver) = match be.as_gpu() {
+        Some(g) => {
+            let i = g.info();
+            (i.name.clone(), format!("{} {}", i.driver, i.driver_info))
+        }
+        None => ("CPU backend".to_string(), String::new()),
+    };
+    let r = DriftRecord {
+        kind: "drift".into(),
+        time_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        adapter,
+        driver,
+        subject: model.to_string(),
+        position: e.position,
+        kl: e.kl,
+        bound: e.bound,
+        same_top1: e.same_top1,
+        checks: e.checks,
+        paths: e.paths.iter().map(|p| p.name().to_string()).collect(),
+    };
+    let result = (|| -> Result<()> {
+        std::fs::create_dir_all(&dir)?;
+        let lock = File::create(dir.join(".lock"))?;
+        lock.lock()?;
+        let mut history = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("gate-history.jsonl"))?;
+        let mut line = serde_json::to_vec(&r)?;
+        line.push(b'\n');
+        history.write_all(&line)?;
+        Ok(())
+    })();
+    if let Err(e) = result {
+        eprintln!(
+            "note: the drift-guard event cannot be recorded in {} ({e:#})",
+            dir.display()
+        );
     }
 }
 

@@ -14,7 +14,7 @@ use tinygpt_kernels::Backend;
 use tinygpt_kernels::gate::pills;
 use tinygpt_kernels::ops::matmul::quant::cpu::CpuIsa;
 use tinygpt_models::gating::GgufGate;
-use tinygpt_models::llm::{Finish, Llm, LlmConfig, LoadOptions};
+use tinygpt_models::llm::{DriftGuard, Finish, Llm, LlmConfig, LoadOptions};
 
 use crate::gates::GateArgs;
 use tinygpt_models::sampler::{Sampler, SamplerConfig};
@@ -68,6 +68,8 @@ pub struct Loaded {
     /// The file's name without the extension and quantization suffix.
     pub name: String,
     pub load_secs: f64,
+    /// Watches generation on fast paths (`--drift-check`); None on the f32 path or when turned off.
+    pub guard: Option<DriftGuard>,
 }
 
 /// Files at least this large get a progress bar while they load.
@@ -164,12 +166,31 @@ fn load_with(
             String::new()
         },
     );
+    // The drift guard's shadow runs the f32 path on the CPU; a server's batched decoding is not
+    // watched (see docs/precision.md).
+    let guard =
+        if be.as_gpu().is_some() && !llm.paths().is_empty() && gate.drift_check > 0 && !serving {
+            let file = GgufFile::open(path).context("cannot open the model")?;
+            // The shadow's thread leaves a core to the thread that drives the device.
+            let threads = std::thread::available_parallelism()
+                .map_or(1, |n| n.get().saturating_sub(1).max(1));
+            Some(DriftGuard::new(
+                file,
+                llm.context(),
+                gate.drift_check,
+                Some(threads),
+                true,
+            ))
+        } else {
+            None
+        };
     Ok(Loaded {
         llm,
         tok,
         chat_template,
         name,
         load_secs,
+        guard,
     })
 }
 
@@ -271,16 +292,24 @@ impl Timings {
 }
 
 /// Feeds `new_ids` after what the model holds, then samples up to `max_new` tokens, passing each one's
-/// completed text to `emit`. Returns the generated ids (without an end-of-generation token).
+/// completed text to `emit`. Returns the generated ids (without an end-of-generation token). The
+/// model's drift guard, if it has one, watches; when it trips, the event is printed and recorded and
+/// generation goes on on the f32 path.
 pub fn generate(
     be: &Backend,
-    llm: &mut Llm,
-    tok: &Tokenizer,
+    m: &mut Loaded,
     new_ids: &[u32],
     max_new: usize,
     sampler: &mut Sampler,
     mut emit: impl FnMut(&str) -> Result<()>,
 ) -> Result<(Vec<u32>, Stop, Timings)> {
+    let Loaded {
+        llm,
+        tok,
+        guard,
+        name,
+        ..
+    } = m;
     let mut tm = Timings {
         prompt_tokens: new_ids.len(),
         ..Timings::default()
@@ -295,7 +324,7 @@ pub fn generate(
     let t = Instant::now();
     let mut out = Vec::new();
     let mut text = tok.stream_decoder(false);
-    let g = pollster::block_on(tinygpt_models::llm::generate(
+    let g = pollster::block_on(tinygpt_models::llm::generate_guarded(
         be,
         llm,
         sampler,
@@ -305,6 +334,19 @@ pub fn generate(
             out.push(id);
             emit(&text.push(id)?)?;
             Ok(true)
+        },
+        guard.as_mut(),
+        |e| {
+            eprintln!(
+                "\n[ops] drift guard: position {}, KL={:.3e} (bound {:.3e}), top-1 {}/{} — {} off for this run, going on on the f32 path",
+                e.position,
+                e.kl,
+                e.bound,
+                e.same_top1,
+                e.checks,
+                pills(e.paths)
+            );
+            crate::gates::record_drift(be, name, e);
         },
     ))?;
     emit(&text.finish())?;

@@ -93,10 +93,7 @@ pub struct Divergence {
 impl Divergence {
     /// Adds one token: KL(base ‖ test) over the vocabulary (f64 log-softmax of each).
     pub fn add(&mut self, base: &[f32], test: &[f32]) {
-        let lb = log_softmax(base);
-        let lt = log_softmax(test);
-        let kl: f64 = lb.iter().zip(&lt).map(|(b, t)| b.exp() * (b - t)).sum();
-        let kl = kl.max(0.0);
+        let kl = tinygpt_models::llm::drift::kl_divergence(base, test);
         self.count += 1;
         self.kl += kl;
         self.kl2 += kl * kl;
@@ -121,17 +118,6 @@ impl Divergence {
     pub fn same_top1_pct(&self) -> f64 {
         100.0 * self.same_top1 as f64 / self.count.max(1) as f64
     }
-}
-
-fn log_softmax(logits: &[f32]) -> Vec<f64> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = max
-        + logits
-            .iter()
-            .map(|&x| (x as f64 - max).exp())
-            .sum::<f64>()
-            .ln();
-    logits.iter().map(|&x| x as f64 - lse).collect()
 }
 
 pub fn run(be: &Backend, gate: &GateArgs, a: &PerplexityArgs) -> Result<()> {

@@ -54,18 +54,10 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &RunArgs) -> Result<()> {
         print_flush(&a.prompt)?;
     }
     let mut text = String::new();
-    let (ids, stop, tm) = generate(
-        be,
-        &mut m.llm,
-        &m.tok,
-        &prompt_ids,
-        a.n,
-        &mut sampler,
-        |s| {
-            text.push_str(s);
-            if text_mode { print_flush(s) } else { Ok(()) }
-        },
-    )?;
+    let (ids, stop, tm) = generate(be, &mut m, &prompt_ids, a.n, &mut sampler, |s| {
+        text.push_str(s);
+        if text_mode { print_flush(s) } else { Ok(()) }
+    })?;
     if text_mode {
         print_flush("\n")?;
         eprintln!("{} · stop: {stop:?}", tm.summary());
@@ -101,6 +93,17 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &RunArgs) -> Result<()> {
             "vm_hwm_bytes": hwm,
         },
         "paths": active_paths(be, &m.llm),
+        "drift_guard": m.guard.as_ref().map(|g| {
+            let s = g.stats();
+            serde_json::json!({
+                "every": g.every(),
+                "checks": s.checks,
+                "same_top1": s.same_top1,
+                "worst_kl": s.worst_kl,
+                "worst_kl_over_bound": s.worst_ratio,
+                "tripped_at": g.tripped().map(|e| e.position),
+            })
+        }),
     });
     println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())

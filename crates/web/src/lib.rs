@@ -28,7 +28,7 @@ use tinygpt_models::gpt::checkpoint::{
 use tinygpt_models::gpt::{
     CharVocab, Dataset, GptConfig, GptRunner, Layout, OptimConfig, Trainer, learning_rate,
 };
-use tinygpt_models::llm::{Llm, LlmConfig, LoadOptions};
+use tinygpt_models::llm::{DriftGuard, Llm, LlmConfig, LoadOptions};
 use tinygpt_models::sampler::{Sampler, SamplerConfig};
 use tinygpt_models::tokenizer::Tokenizer;
 use wasm_bindgen::prelude::*;
@@ -87,6 +87,13 @@ struct Training {
     steps_timed: usize,
 }
 
+#[wasm_bindgen]
+extern "C" {
+    /// The browser console's warning line (where the page's developer tools show it).
+    #[wasm_bindgen(js_namespace = console, js_name = warn)]
+    fn console_warn(s: &str);
+}
+
 /// A GGUF model and its conversation.
 struct Chat {
     llm: Llm,
@@ -96,6 +103,8 @@ struct Chat {
     messages: Vec<(String, String)>,
     /// Token ids the KV cache holds.
     cached: Vec<u32>,
+    /// Watches generation on fast paths (the f32 shadow runs on the wasm CPU backend).
+    guard: Option<DriftGuard>,
 }
 
 struct Inner {
@@ -611,7 +620,17 @@ impl Session {
                 ..LoadOptions::default()
             };
             let llm = Llm::from_gguf(be, &file, &opts, &mut |_| {}).map_err(js_err)?;
-            drop(file);
+            // The guard keeps the file: its f32 shadow is made from it at the first check, and the
+            // model's weights are converted again from it if the guard trips.
+            let guard = (!paths.is_empty()).then(|| {
+                DriftGuard::new(
+                    file,
+                    llm.context(),
+                    tinygpt_models::llm::drift::DEFAULT_EVERY,
+                    Some(1),
+                    false,
+                )
+            });
             let template = match tok.chat_template() {
                 Some(src) => Some(ChatTemplate::new(src).map_err(js_err)?),
                 None => ChatTemplate::builtin(if tok.token_id("<start_of_turn>").is_some() {
@@ -632,6 +651,7 @@ impl Session {
                 name,
                 messages: Vec::new(),
                 cached: Vec::new(),
+                guard,
             });
             Ok(JsValue::from_str(&info.to_string()))
         })
@@ -722,7 +742,8 @@ impl Session {
             let mut reply = String::new();
             let mut made = Vec::new();
             let tok = &c.tok;
-            let g = tinygpt_models::llm::generate(
+            let mut drift = None;
+            let g = tinygpt_models::llm::generate_guarded(
                 be,
                 &mut c.llm,
                 &mut sampler,
@@ -739,6 +760,22 @@ impl Session {
                         yield_now().await;
                     }
                     Ok(!stop.get())
+                },
+                c.guard.as_mut(),
+                |e| {
+                    let line = format!(
+                        "[ops] drift guard: position {}, KL={:.3e} (bound {:.3e}), top-1 {}/{} — {} off for this run, going on on the f32 path",
+                        e.position,
+                        e.kl,
+                        e.bound,
+                        e.same_top1,
+                        e.checks,
+                        tinygpt_kernels::gate::pills(e.paths)
+                    );
+                    console_warn(&line);
+                    drift = Some(json!({"position": e.position, "kl": e.kl, "bound": e.bound,
+                        "same_top1": e.same_top1, "checks": e.checks, "line": line,
+                        "paths": e.paths.iter().map(PathId::name).collect::<Vec<_>>()}));
                 },
             )
             .await
@@ -760,7 +797,9 @@ impl Session {
             Ok(JsValue::from_str(
                 &json!({"tokens": made, "seconds": secs, "prompt_tokens": ids.len() - keep,
                         "prompt_seconds": prompt_secs, "finish": finish,
-                        "tokens_per_s": made as f64 / secs.max(1e-9)})
+                        "tokens_per_s": made as f64 / secs.max(1e-9), "drift": drift,
+                        "drift_checks": c.guard.as_ref().map_or(0, |g| g.stats().checks),
+                        "paths": c.llm.paths().iter().map(PathId::name).collect::<Vec<_>>()})
                 .to_string(),
             ))
         })

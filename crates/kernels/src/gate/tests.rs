@@ -128,6 +128,7 @@ fn victims(f: Fault) -> Vec<PathId> {
     match f {
         Fault::SignExtensionDropped | Fault::BlockIndexAtK2048 => vec![PathId::QuantMatmul],
         Fault::F16Accumulation => vec![PathId::F16Storage, PathId::ShaderF16],
+        Fault::RopePast500 => vec![],
         Fault::OutOfBoundsWrite | Fault::NanOutput => vec![
             PathId::F16Storage,
             PathId::Subgroups,

@@ -11,6 +11,7 @@
 
 use tinygpt_kernels::Backend;
 
+use super::drift::{DriftEvent, DriftGuard};
 use super::error::LlmError;
 use super::model::{Feed, Llm};
 use crate::sampler::Sampler;
@@ -47,7 +48,24 @@ pub async fn generate<E: From<LlmError>>(
     sampler: &mut Sampler,
     max_new: usize,
     is_eog: impl Fn(u32) -> bool,
+    on_token: impl AsyncFnMut(u32) -> Result<bool, E>,
+) -> Result<Generated, E> {
+    generate_guarded(be, llm, sampler, max_new, is_eog, on_token, None, |_| {}).await
+}
+
+/// [`generate`] watched by a drift guard: at each check it is due, the step just taken is compared
+/// with the f32 path's, and when the guard trips (`on_drift` hears of it) generation goes on with the
+/// model on the f32 path, from the same tokens.
+#[allow(clippy::too_many_arguments)]
+pub async fn generate_guarded<E: From<LlmError>>(
+    be: &Backend,
+    llm: &mut Llm,
+    sampler: &mut Sampler,
+    max_new: usize,
+    is_eog: impl Fn(u32) -> bool,
     mut on_token: impl AsyncFnMut(u32) -> Result<bool, E>,
+    mut guard: Option<&mut DriftGuard>,
+    mut on_drift: impl FnMut(&DriftEvent),
 ) -> Result<Generated, E> {
     let mut g = Generated {
         finish: Finish::MaxTokens,
@@ -57,75 +75,119 @@ pub async fn generate<E: From<LlmError>>(
     if max_new == 0 {
         return Ok(g);
     }
-    let on_device = sampler.is_greedy() && llm.picks_on_device() && be.as_gpu().is_some();
-    if !on_device {
-        let mut logits = llm.read_logits(be).await?;
+    // After each step: the guard takes a verdict that is ready, and checks the step that fed the token
+    // at the model's last position when one is due. True when it moved the model to the f32 path
+    // (whose logits after the same tokens are then ready).
+    let mut check = async |llm: &mut Llm, logits: Option<&[f32]>| -> Result<bool, LlmError> {
+        let Some(guard) = guard.as_deref_mut() else {
+            return Ok(false);
+        };
+        let mut event = guard.poll(be, llm)?;
+        if event.is_none() && guard.due(llm.position().saturating_sub(1)) {
+            let read;
+            let fast = match logits {
+                Some(l) => l,
+                None => {
+                    read = llm.read_logits(be).await?;
+                    &read
+                }
+            };
+            event = guard.check(be, llm, fast).await?;
+        }
+        match event {
+            Some(e) => {
+                on_drift(&e);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    };
+    'paths: loop {
+        let on_device = sampler.is_greedy() && llm.picks_on_device() && be.as_gpu().is_some();
+        if !on_device {
+            let mut logits = llm.read_logits(be).await?;
+            loop {
+                let id = sampler.sample(&logits);
+                if is_eog(id) {
+                    g.finish = Finish::EndOfGeneration;
+                    break;
+                }
+                g.tokens += 1;
+                if !on_token(id).await? {
+                    g.finish = Finish::Stopped;
+                    break;
+                }
+                if g.tokens >= max_new {
+                    break;
+                }
+                if llm.position() >= llm.context() {
+                    g.finish = Finish::ContextFull;
+                    break;
+                }
+                llm.decode_step(be, &mut [], Feed::Ids(&[id]))?;
+                g.passes += 1;
+                logits = llm.read_logits(be).await?;
+                if check(llm, Some(&logits)).await? {
+                    logits = llm.read_logits(be).await?;
+                }
+            }
+            break 'paths;
+        }
+        llm.pick_greedy(be)?;
+        let mut pending = llm.read_picks(be)?;
         loop {
-            let id = sampler.sample(&logits);
+            // Feed the token just picked (still on the device) unless the loop ends whatever it is.
+            let ahead = g.tokens + 1 < max_new && llm.position() < llm.context();
+            let next = if ahead {
+                llm.decode_step(be, &mut [], Feed::Picked)?;
+                llm.pick_greedy(be)?;
+                Some(llm.read_picks(be)?)
+            } else {
+                None
+            };
+            let id = llm.finish_picks(be, pending).await?[0];
+            let undo = |llm: &mut Llm| {
+                if ahead {
+                    let p = llm.position();
+                    llm.truncate(p - 1);
+                }
+            };
             if is_eog(id) {
+                undo(llm);
                 g.finish = Finish::EndOfGeneration;
-                break;
+                break 'paths;
             }
             g.tokens += 1;
             if !on_token(id).await? {
+                undo(llm);
                 g.finish = Finish::Stopped;
-                break;
+                break 'paths;
             }
-            if g.tokens >= max_new {
-                break;
-            }
-            if llm.position() >= llm.context() {
-                g.finish = Finish::ContextFull;
-                break;
-            }
-            llm.decode_step(be, &mut [], Feed::Ids(&[id]))?;
-            g.passes += 1;
-            logits = llm.read_logits(be).await?;
-        }
-        return Ok(g);
-    }
-    llm.pick_greedy(be)?;
-    let mut pending = llm.read_picks(be)?;
-    loop {
-        // Feed the token just picked (still on the device) unless the loop ends whatever it is.
-        let ahead = g.tokens + 1 < max_new && llm.position() < llm.context();
-        let next = if ahead {
-            llm.decode_step(be, &mut [], Feed::Picked)?;
-            llm.pick_greedy(be)?;
-            Some(llm.read_picks(be)?)
-        } else {
-            None
-        };
-        let id = llm.finish_picks(be, pending).await?[0];
-        let undo = |llm: &mut Llm| {
-            if ahead {
-                let p = llm.position();
-                llm.truncate(p - 1);
-            }
-        };
-        if is_eog(id) {
-            undo(llm);
-            g.finish = Finish::EndOfGeneration;
-            break;
-        }
-        g.tokens += 1;
-        if !on_token(id).await? {
-            undo(llm);
-            g.finish = Finish::Stopped;
-            break;
-        }
-        match next {
-            Some(p) => {
-                pending = p;
-                g.passes += 1;
-            }
-            None => {
-                if g.tokens < max_new {
-                    g.finish = Finish::ContextFull;
+            match next {
+                Some(p) => {
+                    g.passes += 1;
+                    // The pass just recorded fed `id`: a check reads its logits (waiting for it).
+                    if check(llm, None).await? {
+                        // The pick it made on the fast paths is dropped: the f32 path picks again.
+                        continue 'paths;
+                    }
+                    pending = p;
                 }
-                break;
+                None => {
+                    if g.tokens < max_new {
+                        g.finish = Finish::ContextFull;
+                    }
+                    break 'paths;
+                }
             }
         }
+    }
+    // A verdict still being computed is waited for: the run reports it, and a model it moves to the
+    // f32 path stays there for what comes next (a chat's next turn).
+    if let Some(guard) = guard
+        && let Some(e) = guard.settle(be, llm).await?
+    {
+        on_drift(&e);
     }
     Ok(g)
 }

@@ -14,6 +14,7 @@
 //! ```
 
 mod config;
+pub mod drift;
 mod error;
 mod generate;
 mod kv_cache;
@@ -21,7 +22,8 @@ mod model;
 mod weights;
 
 pub use config::{Arch, LayerAttention, LlmConfig};
+pub use drift::{DriftEvent, DriftGuard};
 pub use error::{LlmError, Result};
-pub use generate::{Finish, Generated, generate};
+pub use generate::{Finish, Generated, generate, generate_guarded};
 pub use model::{DEFAULT_CONTEXT, Feed, Llm, LoadOptions, MemoryReport, Sequence};
 pub use weights::LoadProgress;

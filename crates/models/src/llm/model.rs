@@ -45,6 +45,7 @@ use tinygpt_kernels::ops::norm::{NormKind, NormShape, add_rms_norm, norm_forward
 use tinygpt_kernels::ops::rope::{
     QkNorm, RopeCacheShape, RopeShape, rope, rope_into_cache, rope_table,
 };
+use tinygpt_kernels::path::Fault;
 use tinygpt_kernels::{Backend, DType, PathSet, PendingRead, TMut, TRef, Tensor};
 
 use super::config::{LayerAttention, LlmConfig};
@@ -275,7 +276,15 @@ struct Core {
 pub struct Llm {
     core: Core,
     seq: Sequence,
+    /// The tokens of the model's own sequence, one per position; [`PICKED`] for a token fed from the
+    /// device ([`Feed::Picked`]) until [`Llm::finish_picks`] brings its id to the host.
+    history: Vec<u32>,
+    /// Indices into `history` of tokens still [`PICKED`], oldest first.
+    unread: std::collections::VecDeque<usize>,
 }
+
+/// A history entry whose id is still on the device.
+const PICKED: u32 = u32::MAX;
 
 impl Llm {
     /// Loads the model at `path`. The file is memory-mapped and each tensor's pages are released once
@@ -344,24 +353,7 @@ impl Llm {
             LlmError::Options(format!("{} sequences is too many", opts.sequences))
         })?;
         let pool = KvPool::new(be, cfg.n_layer, slots, context, 2 * cfg.kv_dim())?;
-        let mut keys: Vec<(u32, u32)> = Vec::new();
-        let mut ropes = Vec::new();
-        let mut layer_rope = Vec::with_capacity(cfg.n_layer);
-        for la in cfg.layers.iter().filter(|_| cfg.n_rot > 0) {
-            let key = (la.rope_base.to_bits(), la.rope_scale.to_bits());
-            let i = match keys.iter().position(|&k| k == key) {
-                Some(i) => i,
-                None => {
-                    // rope_table divides the frequencies by its factor (transformers' linear scaling);
-                    // llama.cpp's freq_scale multiplies them.
-                    let t = rope_table(cfg.n_rot, la.rope_base, 1.0 / la.rope_scale, context);
-                    ropes.push(be.from_f32(&t, cfg.n_rot.max(2))?);
-                    keys.push(key);
-                    keys.len() - 1
-                }
-            };
-            layer_rope.push(i);
-        }
+        let (ropes, layer_rope) = rope_tables(be, &cfg, context, opts.paths)?;
         let s = Scratch::new(be, &cfg, batch, opts.parallel)?;
         let mut pool = pool;
         pool.taken[0] = true;
@@ -385,7 +377,106 @@ impl Llm {
                 pos: 0,
                 context,
             },
+            history: Vec::new(),
+            unread: Default::default(),
         })
+    }
+
+    /// Moves the model to the fast paths `paths` (the f32 path: [`PathSet::F32`]), converting its
+    /// weights again from `file` (the file it was loaded from), then recomputes its sequence's keys and
+    /// values on them from its token history, so the next logits are those of the new paths alone. The
+    /// drift guard's fallback ([`super::DriftGuard`]). Fails if a token fed from the device has not
+    /// been read yet ([`Llm::finish_picks`]).
+    pub fn switch_paths(&mut self, be: &Backend, file: &GgufFile, paths: PathSet) -> Result<()> {
+        if !self.unread.is_empty() {
+            return Err(LlmError::Options(
+                "a picked token is still on the device: finish_picks first".into(),
+            ));
+        }
+        let c = &mut self.core;
+        let w = Weights::load(be, file, &c.cfg, &mut |_| {}, false, paths)?;
+        let (ropes, layer_rope) = rope_tables(be, &c.cfg, c.context, paths)?;
+        c.w = w;
+        c.ropes = ropes;
+        c.layer_rope = layer_rope;
+        c.paths = paths;
+        let tokens = std::mem::take(&mut self.history);
+        self.seq.reset();
+        if !tokens.is_empty() {
+            self.feed(be, &tokens)?;
+        }
+        Ok(())
+    }
+
+    /// The tokens the model's own sequence holds, one per position (see [`Llm::finish_picks`] for
+    /// tokens fed from the device).
+    pub fn history(&self) -> &[u32] {
+        &self.history
+    }
+
+    /// The keys and values of positions `from .. from + n` of the model's own sequence, per layer (`n`
+    /// rows of `[k | v]` each): what [`Llm::write_kv`] puts into another model of the same file.
+    pub async fn read_kv(&self, be: &Backend, from: usize, n: usize) -> Result<Vec<Vec<f32>>> {
+        if from + n > self.seq.pos {
+            return Err(LlmError::Options(format!(
+                "positions {from}..{} asked, {} held",
+                from + n,
+                self.seq.pos
+            )));
+        }
+        let pool = &self.core.pool;
+        let at = (pool.base(self.seq.slot) + from) * pool.width;
+        if n == 0 {
+            return Ok(vec![Vec::new(); pool.kv.len()]);
+        }
+        // Every layer's read is submitted before the first is waited for.
+        let reads = pool
+            .kv
+            .iter()
+            .map(|kv| be.read_start(kv.at(at), n * pool.width))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let mut out = Vec::with_capacity(reads.len());
+        for r in reads {
+            out.push(bytemuck_f32(be.read_finish(r).await?));
+        }
+        Ok(out)
+    }
+
+    /// Makes the model's own sequence hold its first `from` tokens, then `tokens` with the keys and
+    /// values `kv` (from [`Llm::read_kv`] of a model of the same file), without computing them.
+    pub fn write_kv(
+        &mut self,
+        be: &Backend,
+        from: usize,
+        kv: &[Vec<f32>],
+        tokens: &[u32],
+    ) -> Result<()> {
+        let pool = &mut self.core.pool;
+        let n = tokens.len();
+        if from > self.seq.pos
+            || kv.len() != pool.kv.len()
+            || kv.iter().any(|l| l.len() != n * pool.width)
+        {
+            return Err(LlmError::Options(format!(
+                "keys and values of {} layers of {n} rows of {} after at most {} positions expected",
+                pool.kv.len(),
+                pool.width,
+                self.seq.pos
+            )));
+        }
+        self.seq.truncate(from);
+        self.seq.check_room(n)?;
+        let at = (pool.base(self.seq.slot) + from) * pool.width;
+        for (t, rows) in pool.kv.iter_mut().zip(kv) {
+            if n > 0 {
+                be.write_f32(t.at_mut(at), rows)?;
+            }
+        }
+        self.seq.pos = from + n;
+        self.history.truncate(from);
+        self.history.extend_from_slice(tokens);
+        self.unread.clear();
+        Ok(())
     }
 
     /// The fast paths the model runs on.
@@ -410,11 +501,16 @@ impl Llm {
     /// Forgets every position.
     pub fn reset(&mut self) {
         self.seq.reset();
+        self.history.clear();
+        self.unread.clear();
     }
 
     /// Forgets the positions from `n` on (keeps the first `n` tokens' keys and values).
     pub fn truncate(&mut self, n: usize) {
         self.seq.truncate(n);
+        self.history.truncate(self.seq.pos);
+        let n = self.history.len();
+        self.unread.retain(|&i| i < n);
     }
 
     /// Most sequences one decode pass takes.
@@ -501,7 +597,9 @@ impl Llm {
     /// Records the forward pass of `tokens` at the next positions (several passes if there are more
     /// than the batch). The last token's logits are then ready for [`Llm::read_logits`].
     pub fn feed(&mut self, be: &Backend, tokens: &[u32]) -> Result<()> {
-        self.core.feed(be, &mut self.seq, tokens)
+        self.core.feed(be, &mut self.seq, tokens)?;
+        self.history.extend_from_slice(tokens);
+        Ok(())
     }
 
     /// [`Llm::feed`] for another sequence (a prompt, or any tokens after what it holds). Its logits go
@@ -525,7 +623,15 @@ impl Llm {
         feed: Feed<'_>,
     ) -> Result<()> {
         if seqs.is_empty() {
-            return self.core.decode(be, &mut [&mut self.seq], feed);
+            self.core.decode(be, &mut [&mut self.seq], feed)?;
+            match feed {
+                Feed::Ids(ids) => self.history.extend_from_slice(ids),
+                Feed::Picked => {
+                    self.unread.push_back(self.history.len());
+                    self.history.push(PICKED);
+                }
+            }
+            return Ok(());
         }
         self.core.decode(be, seqs, feed)
     }
@@ -558,9 +664,16 @@ impl Llm {
         Ok(be.read_start(c.s.ids.at(0), c.last_rows.max(1))?)
     }
 
-    /// The ids of a [`Llm::read_picks`], one per row of its pass.
-    pub async fn finish_picks(&self, be: &Backend, p: PendingRead) -> Result<Vec<u32>> {
-        Ok(be.read_finish(p).await?)
+    /// The ids of a [`Llm::read_picks`], one per row of its pass. The oldest token the model's own
+    /// sequence was fed from the device ([`Feed::Picked`]) is the first of them: it goes into
+    /// [`Llm::history`].
+    pub async fn finish_picks(&mut self, be: &Backend, p: PendingRead) -> Result<Vec<u32>> {
+        let ids = be.read_finish(p).await?;
+        if let (Some(i), Some(&id)) = (self.unread.front().copied(), ids.first()) {
+            self.history[i] = id;
+            self.unread.pop_front();
+        }
+        Ok(ids)
     }
 
     /// Records one decode pass feeding one token to each sequence (at most [`Llm::parallel`]).
@@ -593,6 +706,7 @@ impl Llm {
             let rows = be.read_f32(t.at(0), (chunk.len() - f) * v).await?;
             out.extend_from_slice(&rows);
         }
+        self.history.extend_from_slice(tokens);
         let cap = c.cfg.final_softcap;
         if cap > 0.0 {
             out.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
@@ -1363,4 +1477,46 @@ fn copy_rows(
     // either backend and exact: each element is 1 · x with nothing added.
     let g = Gemm::nn(1, cols, 1).batched([1, rows], [0, 0], [0, ld_src], [0, ld_dst]);
     Ok(matmul(be, PathSet::F32, one.into(), src, dst, &g)?)
+}
+
+/// The RoPE tables of `cfg` for `context` positions, one per distinct (base, scale), and the table each
+/// layer uses (none without RoPE). A planted [`Fault::RopePast500`] (tests only) scales the rows from
+/// position 500 on, more with every position.
+fn rope_tables(
+    be: &Backend,
+    cfg: &LlmConfig,
+    context: usize,
+    paths: PathSet,
+) -> Result<(Vec<Tensor>, Vec<usize>)> {
+    let mut keys: Vec<(u32, u32)> = Vec::new();
+    let mut ropes = Vec::new();
+    let mut layer_rope = Vec::with_capacity(cfg.n_layer);
+    for la in cfg.layers.iter().filter(|_| cfg.n_rot > 0) {
+        let key = (la.rope_base.to_bits(), la.rope_scale.to_bits());
+        let i = match keys.iter().position(|&k| k == key) {
+            Some(i) => i,
+            None => {
+                // rope_table divides the frequencies by its factor (transformers' linear scaling);
+                // llama.cpp's freq_scale multiplies them.
+                let mut t = rope_table(cfg.n_rot, la.rope_base, 1.0 / la.rope_scale, context);
+                if paths.fault() == Some(Fault::RopePast500) {
+                    let row = cfg.n_rot / 2 * 2;
+                    for (p, r) in t.chunks_mut(row).enumerate().skip(500) {
+                        let scale = 1.0 + (p - 499) as f32 / 4.0;
+                        r.iter_mut().for_each(|x| *x *= scale);
+                    }
+                }
+                ropes.push(be.from_f32(&t, cfg.n_rot.max(2))?);
+                keys.push(key);
+                keys.len() - 1
+            }
+        };
+        layer_rope.push(i);
+    }
+    Ok((ropes, layer_rope))
+}
+
+/// Raw words read back as f32.
+fn bytemuck_f32(words: Vec<u32>) -> Vec<f32> {
+    words.into_iter().map(f32::from_bits).collect()
 }

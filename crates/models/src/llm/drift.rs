@@ -1,0 +1,420 @@
+//! The drift guard: the start-up gates check each fast path on short products and the first 100
+//! tokens, which cannot see an error that only appears deep into a long generation (one that grows
+//! with the position, or a kernel that is wrong only for long caches). While a model on fast paths
+//! generates, every `every` tokens one step is computed again on the canonical f32 path — the CPU
+//! twin of every kernel, from the same keys and values (copied from the model's cache) and the same
+//! token — and the two next-token distributions are compared. When the KL divergence passes the
+//! bound (see [`kl_bound`]), the model moves to the f32 path for the rest of the run: its weights are
+//! converted again from the file and its cache recomputed from its token history
+//! ([`Llm::switch_paths`]).
+//!
+//! A check costs the device one wait for its last pass and a read of the cache rows written since the
+//! last check; the shadow's CPU step runs on a thread of its own while the device goes on decoding
+//! (natively; in the browser it runs in line), and its verdict is taken a few tokens later. The
+//! guarded model's weights stay where they are; the shadow's own live on the host (the file's
+//! quantized blocks, as the CPU backend runs them).
+
+use std::sync::Arc;
+
+use tinygpt_formats::GgufFile;
+use tinygpt_kernels::cpu::CpuBackend;
+use tinygpt_kernels::{Backend, PathSet};
+
+use super::error::{LlmError, Result};
+use super::model::{Feed, Llm, LoadOptions};
+
+/// Checks every this many tokens by default (`--drift-check N`).
+pub const DEFAULT_EVERY: usize = 128;
+
+/// One check that found the fast paths' distribution past the bound.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DriftEvent {
+    /// Position of the token whose next-token distributions were compared.
+    pub position: usize,
+    /// KL(f32 ‖ fast) over the vocabulary, and the bound it passed.
+    pub kl: f64,
+    pub bound: f64,
+    /// Checks whose most likely tokens agreed, of all checks so far (this one included).
+    pub same_top1: usize,
+    pub checks: usize,
+    /// The fast paths turned off.
+    pub paths: PathSet,
+}
+
+/// What the guard has seen.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DriftStats {
+    pub checks: usize,
+    pub same_top1: usize,
+    pub worst_kl: f64,
+    /// The worst KL divergence as a fraction of its bound (above 1 trips the guard).
+    pub worst_ratio: f64,
+}
+
+/// A step for the shadow to take: the cache rows it lacks (positions `from` .. `from + tokens.len()`,
+/// per layer), then `id` at the next position, compared with the fast paths' logits.
+struct Request {
+    from: usize,
+    kv: Vec<Vec<f32>>,
+    tokens: Vec<u32>,
+    id: u32,
+    fast: Vec<f32>,
+}
+
+/// The shadow's comparison of one step.
+struct Verdict {
+    position: usize,
+    kl: f64,
+    bound: f64,
+    same_top1: bool,
+}
+
+/// The f32 path on a CPU backend, made at its first step (so a short run never pays for it).
+struct Shadow {
+    file: Arc<GgufFile>,
+    context: usize,
+    threads: Option<usize>,
+    model: Option<(Backend, Llm)>,
+}
+
+impl Shadow {
+    async fn step(&mut self, r: Request) -> Result<Verdict> {
+        let (cpu, llm) = match &mut self.model {
+            Some(m) => m,
+            None => {
+                let cpu = Backend::Cpu(CpuBackend::new(self.threads));
+                let opts = LoadOptions {
+                    context: Some(self.context),
+                    batch: 1,
+                    paths: PathSet::F32,
+                    ..LoadOptions::default()
+                };
+                let llm = Llm::from_gguf(&cpu, &self.file, &opts, &mut |_| {})?;
+                self.model.insert((cpu, llm))
+            }
+        };
+        llm.write_kv(cpu, r.from, &r.kv, &r.tokens)?;
+        let position = llm.position();
+        llm.decode_step(cpu, &mut [], Feed::Ids(&[r.id]))?;
+        let reference = llm.read_logits(cpu).await?;
+        Ok(Verdict {
+            position,
+            kl: kl_divergence(&reference, &r.fast),
+            bound: kl_bound(&reference),
+            same_top1: crate::sampler::argmax(&reference) == crate::sampler::argmax(&r.fast),
+        })
+    }
+}
+
+/// Where the shadow runs: on a thread of its own, so the device goes on decoding while it computes
+/// (native), or in line (the browser, or when asked).
+enum Runner {
+    Inline(Box<Shadow>),
+    #[cfg(not(target_arch = "wasm32"))]
+    Thread {
+        tx: std::sync::mpsc::Sender<Request>,
+        rx: std::sync::mpsc::Receiver<Result<Verdict>>,
+        /// A request sent whose verdict has not been taken.
+        pending: bool,
+    },
+}
+
+/// Watches one model's generation; see the module documentation.
+pub struct DriftGuard {
+    every: usize,
+    file: Arc<GgufFile>,
+    runner: Runner,
+    /// The tokens whose cache rows the shadow holds (copied from the guarded model's cache).
+    held: Vec<u32>,
+    stats: DriftStats,
+    tripped: Option<DriftEvent>,
+}
+
+impl DriftGuard {
+    /// A guard for a model of `file` holding `context` positions, checking every `every` tokens (0:
+    /// never). The shadow runs on a CPU backend of `threads` threads (None: every core); with
+    /// `background` (native only) on a thread of its own, its verdict taken when it is ready.
+    pub fn new(
+        file: GgufFile,
+        context: usize,
+        every: usize,
+        threads: Option<usize>,
+        background: bool,
+    ) -> DriftGuard {
+        let file = Arc::new(file);
+        let shadow = {
+            let file = file.clone();
+            move || Shadow {
+                file,
+                context,
+                threads,
+                model: None,
+            }
+        };
+        #[cfg(not(target_arch = "wasm32"))]
+        let runner = if background {
+            let (tx, requests) = std::sync::mpsc::channel::<Request>();
+            let (verdicts, rx) = std::sync::mpsc::channel();
+            // The shadow is made on its thread (a backend stays on the thread that made it).
+            std::thread::spawn(move || {
+                let mut shadow = shadow();
+                for r in requests {
+                    if verdicts.send(pollster::block_on(shadow.step(r))).is_err() {
+                        break;
+                    }
+                }
+            });
+            Runner::Thread {
+                tx,
+                rx,
+                pending: false,
+            }
+        } else {
+            Runner::Inline(Box::new(shadow()))
+        };
+        #[cfg(target_arch = "wasm32")]
+        let runner = {
+            let _ = background;
+            Runner::Inline(Box::new(shadow()))
+        };
+        DriftGuard {
+            every,
+            file,
+            runner,
+            held: Vec::new(),
+            stats: DriftStats::default(),
+            tripped: None,
+        }
+    }
+
+    /// Checks every this many tokens (0: never).
+    pub fn every(&self) -> usize {
+        self.every
+    }
+
+    /// Whether a check is due now that the token at `position` has been fed: at positions every−1,
+    /// 2·every−1, ... (wherever the sequence was rolled back to), while the guard has not tripped.
+    pub fn due(&self, position: usize) -> bool {
+        self.every > 0 && self.tripped.is_none() && (position + 1).is_multiple_of(self.every)
+    }
+
+    /// What the checks so far measured.
+    pub fn stats(&self) -> DriftStats {
+        self.stats
+    }
+
+    /// The check that tripped the guard, if one did.
+    pub fn tripped(&self) -> Option<&DriftEvent> {
+        self.tripped.as_ref()
+    }
+
+    /// Starts checking `llm`'s last step, whose logits (on its fast paths) are `fast`, against the f32
+    /// path from the same state: the cache rows the shadow lacks are read from the device, then the
+    /// shadow takes the step (in line, or on its thread after the verdict of an earlier check is
+    /// taken). A verdict taken past the bound moves `llm` to the f32 path (its next logits are then
+    /// the f32 path's after the same tokens) and is returned.
+    pub async fn check(
+        &mut self,
+        be: &Backend,
+        llm: &mut Llm,
+        fast: &[f32],
+    ) -> Result<Option<DriftEvent>> {
+        let Some(p) = llm.position().checked_sub(1) else {
+            return Ok(None);
+        };
+        if let Some(e) = self.settle(be, llm).await? {
+            return Ok(Some(e));
+        }
+        let history = llm.history();
+        let id = match history.get(p) {
+            Some(&id) if (id as usize) < llm.config().vocab => id,
+            _ => {
+                return Err(LlmError::Options(format!(
+                    "the token at position {p} is not known on the host yet"
+                )));
+            }
+        };
+        // Rows the shadow holds stay valid while the tokens before them are the same.
+        let from = self
+            .held
+            .iter()
+            .zip(&history[..p])
+            .take_while(|(a, b)| a == b)
+            .count();
+        let tokens = history[from..p].to_vec();
+        self.held.truncate(from);
+        self.held.extend_from_slice(&tokens);
+        let kv = llm.read_kv(be, from, p - from).await?;
+        let r = Request {
+            from,
+            kv,
+            tokens,
+            id,
+            fast: fast.to_vec(),
+        };
+        match &mut self.runner {
+            Runner::Inline(shadow) => {
+                let v = shadow.step(r).await?;
+                self.take(be, llm, v)
+            }
+            #[cfg(not(target_arch = "wasm32"))]
+            Runner::Thread { tx, pending, .. } => {
+                tx.send(r)
+                    .map_err(|_| LlmError::Options("the drift guard's shadow stopped".into()))?;
+                *pending = true;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Takes the verdict of the last check if it is ready (native background shadow; in line every
+    /// verdict is taken by [`DriftGuard::check`]).
+    pub fn poll(&mut self, be: &Backend, llm: &mut Llm) -> Result<Option<DriftEvent>> {
+        match &mut self.runner {
+            Runner::Inline(_) => Ok(None),
+            #[cfg(not(target_arch = "wasm32"))]
+            Runner::Thread { rx, pending, .. } => {
+                if !*pending {
+                    return Ok(None);
+                }
+                match rx.try_recv() {
+                    Ok(v) => {
+                        *pending = false;
+                        let v = v?;
+                        self.take(be, llm, v)
+                    }
+                    Err(std::sync::mpsc::TryRecvError::Empty) => Ok(None),
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                        Err(LlmError::Options("the drift guard's shadow stopped".into()))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Waits for the verdict of the last check, if one is outstanding, and takes it.
+    pub async fn settle(&mut self, be: &Backend, llm: &mut Llm) -> Result<Option<DriftEvent>> {
+        match &mut self.runner {
+            Runner::Inline(_) => Ok(None),
+            #[cfg(not(target_arch = "wasm32"))]
+            Runner::Thread { rx, pending, .. } => {
+                if !*pending {
+                    return Ok(None);
+                }
+                *pending = false;
+                let v = rx
+                    .recv()
+                    .map_err(|_| LlmError::Options("the drift guard's shadow stopped".into()))??;
+                self.take(be, llm, v)
+            }
+        }
+    }
+
+    /// Counts a verdict; past the bound, moves `llm` to the f32 path.
+    fn take(&mut self, be: &Backend, llm: &mut Llm, v: Verdict) -> Result<Option<DriftEvent>> {
+        let s = &mut self.stats;
+        s.checks += 1;
+        if v.same_top1 {
+            s.same_top1 += 1;
+        }
+        let ratio = if v.kl.is_nan() {
+            f64::INFINITY
+        } else {
+            v.kl / v.bound
+        };
+        if ratio >= s.worst_ratio {
+            s.worst_ratio = ratio;
+            s.worst_kl = v.kl;
+        }
+        if ratio <= 1.0 || self.tripped.is_some() {
+            return Ok(None);
+        }
+        let event = DriftEvent {
+            position: v.position,
+            kl: v.kl,
+            bound: v.bound,
+            same_top1: s.same_top1,
+            checks: s.checks,
+            paths: llm.paths(),
+        };
+        llm.switch_paths(be, &self.file, PathSet::F32)?;
+        self.tripped = Some(event.clone());
+        Ok(Some(event))
+    }
+}
+
+/// KL(base ‖ test) of the two distributions the logits give (f64 log-softmax of each); 0 for equal
+/// rows, NaN when either holds a NaN.
+pub fn kl_divergence(base: &[f32], test: &[f32]) -> f64 {
+    let lb = log_softmax(base);
+    let lt = log_softmax(test);
+    let kl: f64 = lb.iter().zip(&lt).map(|(b, t)| b.exp() * (b - t)).sum();
+    if kl.is_nan() { kl } else { kl.max(0.0) }
+}
+
+fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max
+        + logits
+            .iter()
+            .map(|&x| (x as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
+    logits.iter().map(|&x| x as f64 - lse).collect()
+}
+
+/// The largest KL divergence a step may show: what the op gate's own limit allows at the logits. The
+/// gate passes an output whose every element is within 1% of the reference's mean magnitude
+/// (`max_abs < 0.01 · mean|ref|`). Logits z + δ with |δᵢ| ≤ ε give q ∝ p·e^δ, so
+/// KL(p ‖ q) = log E_p[e^δ] − E_p[δ] ≤ (2ε)²/8 = ½ ε² (Hoeffding's lemma: δ lies in a range of 2ε),
+/// hence bound = ½ (0.01 · mean|z|)², z the f32 path's logits. docs/precision.md gives the figures.
+pub fn kl_bound(reference: &[f32]) -> f64 {
+    let mean =
+        reference.iter().map(|&x| (x as f64).abs()).sum::<f64>() / reference.len().max(1) as f64;
+    0.5 * (0.01 * mean).powi(2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kl_is_zero_for_equal_rows_and_matches_its_definition() {
+        assert_eq!(kl_divergence(&[1.0, 2.0, 3.0], &[1.0, 2.0, 3.0]), 0.0);
+        let (p, q) = ([0.0f32, 0.0], [0.0f32, (3.0f64).ln() as f32]);
+        // KL(½,½ ‖ ¼,¾) = ½ ln 2 + ½ ln(2/3).
+        let want = 0.5 * 2f64.ln() + 0.5 * (2.0f64 / 3.0).ln();
+        assert!((kl_divergence(&p, &q) - want).abs() < 1e-6);
+        assert!(kl_divergence(&[0.0, f32::NAN], &[0.0, 1.0]).is_nan());
+    }
+
+    #[test]
+    fn the_bound_holds_for_any_perturbation_within_the_gates_limit() {
+        // Logits of a spread like a real model's, and perturbations at the gate's limit ε: alternating
+        // signs, all one sign (KL 0: a shift), and one spike on the most likely token.
+        let z: Vec<f32> = (0..1000)
+            .map(|i| ((i * 7919) % 1000) as f32 / 50.0 - 10.0)
+            .collect();
+        let bound = kl_bound(&z);
+        let mean = z.iter().map(|x| x.abs()).sum::<f32>() / z.len() as f32;
+        let eps = 0.01 * mean;
+        let top = crate::sampler::argmax(&z) as usize;
+        let perturbed: [Box<dyn Fn(usize) -> f32>; 3] = [
+            Box::new(|i| if i % 2 == 0 { eps } else { -eps }),
+            Box::new(|_| eps),
+            Box::new(|i| if i == top { eps } else { 0.0 }),
+        ];
+        for d in perturbed {
+            let q: Vec<f32> = z.iter().enumerate().map(|(i, x)| x + d(i)).collect();
+            let kl = kl_divergence(&z, &q);
+            assert!(kl <= bound, "{kl} > {bound}");
+        }
+        // Ten times the limit on alternate tokens is past it.
+        let q: Vec<f32> = z
+            .iter()
+            .enumerate()
+            .map(|(i, x)| x + if i % 2 == 0 { 10.0 * eps } else { 0.0 })
+            .collect();
+        assert!(kl_divergence(&z, &q) > bound);
+    }
+}
