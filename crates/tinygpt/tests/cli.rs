@@ -646,6 +646,25 @@ fn gate_history_summarises_every_run_this_machine_recorded() {
     let o = with_cache(&["gates", "--history"]);
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("2 runs") && text.contains("UTC"), "{text}");
+    // A drift-guard event, as `run` records one, is listed under its adapter.
+    let event = serde_json::json!({"kind": "drift", "time_unix": 1_796_000_000u64,
+        "adapter": adapters[0]["adapter"], "driver": adapters[0]["driver"],
+        "subject": "SmolLM2-135M-Instruct", "position": 511, "kl": 0.25, "bound": 0.001,
+        "same_top1": 3, "checks": 4, "paths": ["q8-matmul"]});
+    std::io::Write::write_all(&mut f, format!("{event}\n").as_bytes()).unwrap();
+    let o = with_cache(&["gates", "--history", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["unreadable_lines"], 1, "{v}");
+    assert_eq!(v["adapters"].as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(v["adapters"][0]["drift_events"][0][1], 511, "{v}");
+    let o = with_cache(&["gates", "--history"]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("drift guard    1 events")
+            && text.contains("SmolLM2-135M-Instruct: position 511")
+            && text.contains("q8-matmul turned off"),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(&cache);
 }
 

@@ -269,6 +269,8 @@ impl DriftGuard {
 
     /// Takes the verdict of the last check if it is ready (native background shadow; in line every
     /// verdict is taken by [`DriftGuard::check`]).
+    // In the browser every verdict is taken in line.
+    #[cfg_attr(target_arch = "wasm32", allow(unused_variables))]
     pub fn poll(&mut self, be: &Backend, llm: &mut Llm) -> Result<Option<DriftEvent>> {
         match &mut self.runner {
             Runner::Inline(_) => Ok(None),
@@ -293,6 +295,8 @@ impl DriftGuard {
     }
 
     /// Waits for the verdict of the last check, if one is outstanding, and takes it.
+    // In the browser every verdict is taken in line.
+    #[cfg_attr(target_arch = "wasm32", allow(unused_variables))]
     pub async fn settle(&mut self, be: &Backend, llm: &mut Llm) -> Result<Option<DriftEvent>> {
         match &mut self.runner {
             Runner::Inline(_) => Ok(None),

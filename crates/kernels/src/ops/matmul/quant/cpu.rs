@@ -484,6 +484,8 @@ fn q8_tile(
 }
 
 /// R activation rows (from `x`, K apart) against Q8 weight rows n0..n1.
+// `alone` only steers the x86-64 kernels.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 fn q8_group<const R: usize>(
     (isa, alone): (CpuIsa, bool),
     x: &[f32],
@@ -591,6 +593,8 @@ fn q4_tile(
 
 /// R prepared activation rows against Q4 weight rows n0..n1.
 #[allow(clippy::too_many_arguments)]
+// `alone` only steers the x86-64 kernels.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 fn q4_group<const R: usize>(
     (isa, alone): (CpuIsa, bool),
     xs: &[f32],
