@@ -244,7 +244,11 @@ fn history(cmd: &GatesCmd) -> Result<()> {
             );
         }
         if !a.drift_events.is_empty() {
-            println!("  drift guard    {} events", a.drift_events.len());
+            let n = a.drift_events.len();
+            println!(
+                "  drift guard    {n} event{}",
+                if n == 1 { "" } else { "s" }
+            );
             for (model, pos, kl, bound, paths, at) in &a.drift_events {
                 println!(
                     "    {model}: position {pos}, KL={kl:.3e} (bound {bound:.3e}), {paths} turned off ({})",

@@ -660,7 +660,7 @@ fn gate_history_summarises_every_run_this_machine_recorded() {
     let o = with_cache(&["gates", "--history"]);
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(
-        text.contains("drift guard    1 events")
+        text.contains("drift guard    1 event\n")
             && text.contains("SmolLM2-135M-Instruct: position 511")
             && text.contains("q8-matmul turned off"),
         "{text}"
