@@ -117,49 +117,13 @@ pub fn gguf(preset: Preset, seed: u64) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// GPT-2's byte-level alphabet: the character that stands for each byte.
-fn byte_chars() -> Vec<char> {
-    let printable = |b: u32| {
-        (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
-    };
-    let mut next = 256;
-    (0u32..256)
-        .map(|b| {
-            if printable(b) {
-                char::from_u32(b).unwrap_or('?')
-            } else {
-                next += 1;
-                char::from_u32(next - 1).unwrap_or('?')
-            }
-        })
-        .collect()
-}
-
-/// A placeholder byte-level BPE vocabulary of `n` tokens (see the module docs).
+/// A placeholder byte-level BPE vocabulary of `n` tokens (see the module docs): the 256 bytes,
+/// placeholders, and the end-of-text token.
 fn add_vocab(w: &mut GgufWriter, n: usize) -> Result<()> {
-    use tinygpt_formats::{MetadataArray, MetadataValue};
-    let mut tokens: Vec<String> = byte_chars().into_iter().map(String::from).collect();
+    let mut tokens: Vec<String> = (0..=255u8)
+        .map(|b| tinygpt_models::tokenizer::byte_level_char(b).to_string())
+        .collect();
     tokens.extend((256..n - 1).map(|i| format!("<t{i}>")));
-    tokens.push("<|endoftext|>".into());
-    let mut types = vec![1i32; n - 1];
-    types.push(3);
-    let eos = (n - 1) as u32;
-    w.add_metadata("tokenizer.ggml.model", "gpt2")?;
-    w.add_metadata("tokenizer.ggml.pre", "gpt-2")?;
-    w.add_metadata(
-        "tokenizer.ggml.tokens",
-        MetadataValue::Array(MetadataArray::String(tokens)),
-    )?;
-    w.add_metadata(
-        "tokenizer.ggml.token_type",
-        MetadataValue::Array(MetadataArray::I32(types)),
-    )?;
-    w.add_metadata(
-        "tokenizer.ggml.merges",
-        MetadataValue::Array(MetadataArray::String(vec![])),
-    )?;
-    w.add_metadata("tokenizer.ggml.bos_token_id", eos)?;
-    w.add_metadata("tokenizer.ggml.eos_token_id", eos)?;
-    w.add_metadata("tokenizer.ggml.add_bos_token", false)?;
+    tinygpt_models::gpt::export::add_byte_level_vocabulary(w, tokens, Vec::new())?;
     Ok(())
 }

@@ -214,9 +214,20 @@ fn vocabulary(w: &mut GgufWriter, config: &CheckpointConfig) -> Result<(), Forma
     // Characters sharing leading bytes share merges; keep each once, first occurrence first.
     let mut seen = std::collections::HashSet::new();
     merges.retain(|m| seen.insert(m.clone()));
-    let eos = chars.len() as u32;
+    add_byte_level_vocabulary(w, tokens, merges)
+}
+
+/// Writes a byte-level BPE ("gpt2") vocabulary: `tokens` (normal tokens, in byte-level characters) and
+/// `merges` in rank order, then [`EOS_TOKEN`] as the control token that begins and ends a text (never
+/// added by the tokenizer).
+pub fn add_byte_level_vocabulary(
+    w: &mut GgufWriter,
+    mut tokens: Vec<String>,
+    merges: Vec<String>,
+) -> Result<(), FormatError> {
+    let eos = tokens.len() as u32;
+    let mut types = vec![1i32; tokens.len()]; // LLAMA_TOKEN_TYPE_NORMAL
     tokens.push(EOS_TOKEN.to_string());
-    let mut types = vec![1i32; chars.len()]; // LLAMA_TOKEN_TYPE_NORMAL
     types.push(3); // LLAMA_TOKEN_TYPE_CONTROL
     w.add_metadata("tokenizer.ggml.model", "gpt2")?;
     w.add_metadata("tokenizer.ggml.pre", "gpt-2")?;

@@ -27,7 +27,7 @@ pub(crate) fn byte_to_char_table() -> [char; 256] {
 }
 
 /// The character that stands for `byte`.
-pub(crate) fn byte_char(byte: u8) -> char {
+pub fn byte_char(byte: u8) -> char {
     static TABLE: OnceLock<[char; 256]> = OnceLock::new();
     TABLE.get_or_init(byte_to_char_table)[usize::from(byte)]
 }

@@ -30,7 +30,8 @@ use std::collections::BTreeSet;
 
 use tinygpt_formats::Metadata;
 
-pub(crate) use byte_level::byte_char as byte_level_char;
+/// The character byte-level BPE vocabularies (GPT-2's) spell byte `b` with.
+pub use byte_level::byte_char as byte_level_char;
 pub use error::TokenizerError;
 pub use spec::{TokenizerModel, TokenizerSpec};
 pub use stream::StreamDecoder;
