@@ -397,6 +397,11 @@ impl Backend {
         }
     }
 
+    /// The elements of a [`Backend::read_start`] as f32.
+    pub async fn read_finish_f32(&self, p: PendingRead) -> Result<Vec<f32>> {
+        Ok(bytemuck::cast_vec(self.read_finish(p).await?))
+    }
+
     /// Reads a whole tensor as f32, blocking (native only; the web awaits [`Backend::read_f32`]).
     #[cfg(not(target_arch = "wasm32"))]
     pub fn to_vec(&self, t: &Tensor) -> Result<Vec<f32>> {

@@ -578,10 +578,7 @@ fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet, drift_check: usize)
             GgufFile::from_bytes(file.bytes().to_vec())?,
             llm.context(),
             drift_check,
-            Some(
-                std::thread::available_parallelism()
-                    .map_or(1, |n| n.get().saturating_sub(1).max(1)),
-            ),
+            None,
             true,
         );
         let mut guarded = Vec::new();

@@ -171,14 +171,11 @@ fn load_with(
     let guard =
         if be.as_gpu().is_some() && !llm.paths().is_empty() && gate.drift_check > 0 && !serving {
             let file = GgufFile::open(path).context("cannot open the model")?;
-            // The shadow's thread leaves a core to the thread that drives the device.
-            let threads = std::thread::available_parallelism()
-                .map_or(1, |n| n.get().saturating_sub(1).max(1));
             Some(DriftGuard::new(
                 file,
                 llm.context(),
                 gate.drift_check,
-                Some(threads),
+                None,
                 true,
             ))
         } else {

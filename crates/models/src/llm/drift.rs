@@ -132,8 +132,9 @@ pub struct DriftGuard {
 
 impl DriftGuard {
     /// A guard for a model of `file` holding `context` positions, checking every `every` tokens (0:
-    /// never). The shadow runs on a CPU backend of `threads` threads (None: every core); with
-    /// `background` (native only) on a thread of its own, its verdict taken when it is ready.
+    /// never). The shadow runs on a CPU backend of `threads` threads (None: every core but one, left to
+    /// the thread that drives the device); with `background` (native only) on a thread of its own, its
+    /// verdict taken when it is ready.
     pub fn new(
         file: GgufFile,
         context: usize,
@@ -142,6 +143,12 @@ impl DriftGuard {
         background: bool,
     ) -> DriftGuard {
         let file = Arc::new(file);
+        #[cfg(not(target_arch = "wasm32"))]
+        let threads = threads.or_else(|| {
+            std::thread::available_parallelism()
+                .ok()
+                .map(|n| n.get().saturating_sub(1).max(1))
+        });
         let shadow = {
             let file = file.clone();
             move || Shadow {
@@ -259,8 +266,7 @@ impl DriftGuard {
             }
             #[cfg(not(target_arch = "wasm32"))]
             Runner::Thread { tx, pending, .. } => {
-                tx.send(r)
-                    .map_err(|_| LlmError::Options("the drift guard's shadow stopped".into()))?;
+                tx.send(r).map_err(|_| stopped())?;
                 *pending = true;
                 Ok(None)
             }
@@ -269,35 +275,19 @@ impl DriftGuard {
 
     /// Takes the verdict of the last check if it is ready (native background shadow; in line every
     /// verdict is taken by [`DriftGuard::check`]).
-    // In the browser every verdict is taken in line.
-    #[cfg_attr(target_arch = "wasm32", allow(unused_variables))]
     pub fn poll(&mut self, be: &Backend, llm: &mut Llm) -> Result<Option<DriftEvent>> {
-        match &mut self.runner {
-            Runner::Inline(_) => Ok(None),
-            #[cfg(not(target_arch = "wasm32"))]
-            Runner::Thread { rx, pending, .. } => {
-                if !*pending {
-                    return Ok(None);
-                }
-                match rx.try_recv() {
-                    Ok(v) => {
-                        *pending = false;
-                        let v = v?;
-                        self.take(be, llm, v)
-                    }
-                    Err(std::sync::mpsc::TryRecvError::Empty) => Ok(None),
-                    Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                        Err(LlmError::Options("the drift guard's shadow stopped".into()))
-                    }
-                }
-            }
-        }
+        self.receive(be, llm, false)
     }
 
     /// Waits for the verdict of the last check, if one is outstanding, and takes it.
+    pub async fn settle(&mut self, be: &Backend, llm: &mut Llm) -> Result<Option<DriftEvent>> {
+        self.receive(be, llm, true)
+    }
+
+    /// Takes the shadow thread's outstanding verdict: waiting for it, or only if it is ready.
     // In the browser every verdict is taken in line.
     #[cfg_attr(target_arch = "wasm32", allow(unused_variables))]
-    pub async fn settle(&mut self, be: &Backend, llm: &mut Llm) -> Result<Option<DriftEvent>> {
+    fn receive(&mut self, be: &Backend, llm: &mut Llm, wait: bool) -> Result<Option<DriftEvent>> {
         match &mut self.runner {
             Runner::Inline(_) => Ok(None),
             #[cfg(not(target_arch = "wasm32"))]
@@ -305,11 +295,17 @@ impl DriftGuard {
                 if !*pending {
                     return Ok(None);
                 }
+                let v = if wait {
+                    rx.recv().map_err(|_| stopped())?
+                } else {
+                    match rx.try_recv() {
+                        Ok(v) => v,
+                        Err(std::sync::mpsc::TryRecvError::Empty) => return Ok(None),
+                        Err(std::sync::mpsc::TryRecvError::Disconnected) => return Err(stopped()),
+                    }
+                };
                 *pending = false;
-                let v = rx
-                    .recv()
-                    .map_err(|_| LlmError::Options("the drift guard's shadow stopped".into()))??;
-                self.take(be, llm, v)
+                self.take(be, llm, v?)
             }
         }
     }
@@ -345,6 +341,12 @@ impl DriftGuard {
         self.tripped = Some(event.clone());
         Ok(Some(event))
     }
+}
+
+/// The error of a shadow thread that is gone (it ends only when its guard is dropped, or panicked).
+#[cfg(not(target_arch = "wasm32"))]
+fn stopped() -> LlmError {
+    LlmError::Options("the drift guard's shadow stopped".into())
 }
 
 /// KL(base ‖ test) of the two distributions the logits give (f64 log-softmax of each); 0 for equal

@@ -437,7 +437,7 @@ impl Llm {
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let mut out = Vec::with_capacity(reads.len());
         for r in reads {
-            out.push(bytemuck_f32(be.read_finish(r).await?));
+            out.push(be.read_finish_f32(r).await?);
         }
         Ok(out)
     }
@@ -1514,9 +1514,4 @@ fn rope_tables(
         layer_rope.push(i);
     }
     Ok((ropes, layer_rope))
-}
-
-/// Raw words read back as f32.
-fn bytemuck_f32(words: Vec<u32>) -> Vec<f32> {
-    words.into_iter().map(f32::from_bits).collect()
 }
