@@ -103,6 +103,26 @@ struct AdapterHistory {
     drift_events: Vec<(String, usize, f64, f64, String, u64)>,
 }
 
+/// The history of `name` and `driver` in `by` (made on first sight), its time span widened to `t`.
+fn adapter_entry<'a>(
+    by: &'a mut BTreeMap<(String, String), AdapterHistory>,
+    name: &str,
+    driver: &str,
+    t: u64,
+) -> &'a mut AdapterHistory {
+    let a = by
+        .entry((name.to_string(), driver.to_string()))
+        .or_insert_with(|| AdapterHistory {
+            adapter: name.to_string(),
+            driver: driver.to_string(),
+            first_time_unix: t,
+            ..Default::default()
+        });
+    a.first_time_unix = a.first_time_unix.min(t);
+    a.last_time_unix = a.last_time_unix.max(t);
+    a
+}
+
 /// `tinygpt gates --history`: reads the history file, skipping (and counting) lines it cannot parse.
 fn history(cmd: &GatesCmd) -> Result<()> {
     let Some(dir) = cache_dir() else {
@@ -116,26 +136,12 @@ fn history(cmd: &GatesCmd) -> Result<()> {
     };
     let mut by: BTreeMap<(String, String), AdapterHistory> = BTreeMap::new();
     let mut bad = 0usize;
-    let adapter =
-        |by: &mut BTreeMap<(String, String), AdapterHistory>, name: &str, driver: &str, t: u64| {
-            let a = by
-                .entry((name.to_string(), driver.to_string()))
-                .or_insert_with(|| AdapterHistory {
-                    adapter: name.to_string(),
-                    driver: driver.to_string(),
-                    first_time_unix: t,
-                    ..Default::default()
-                });
-            a.first_time_unix = a.first_time_unix.min(t);
-            a.last_time_unix = a.last_time_unix.max(t);
-        };
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
         if let Ok(d) = serde_json::from_str::<DriftRecord>(line)
             .map_err(drop)
             .and_then(|d| if d.kind == "drift" { Ok(d) } else { Err(()) })
         {
-            adapter(&mut by, &d.adapter, &d.driver, d.time_unix);
-            let a = by.get_mut(&(d.adapter, d.driver)).expect("just added");
+            let a = adapter_entry(&mut by, &d.adapter, &d.driver, d.time_unix);
             a.drift_events.push((
                 d.subject,
                 d.position,
@@ -150,10 +156,7 @@ fn history(cmd: &GatesCmd) -> Result<()> {
             bad += 1;
             continue;
         };
-        adapter(&mut by, &r.adapter, &r.driver, r.time_unix);
-        let a = by
-            .get_mut(&(r.adapter.clone(), r.driver.clone()))
-            .expect("just added");
+        let a = adapter_entry(&mut by, &r.adapter, &r.driver, r.time_unix);
         for p in r
             .paths
             .iter()
