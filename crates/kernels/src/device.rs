@@ -254,7 +254,7 @@ pub async fn open_gpu(opts: &DeviceOptions) -> Result<GpuBackend> {
     } else {
         Vec::new()
     };
-    GpuBackend::new(
+    let mut g = GpuBackend::new(
         device,
         queue,
         info,
@@ -262,5 +262,7 @@ pub async fn open_gpu(opts: &DeviceOptions) -> Result<GpuBackend> {
         opts.low_end,
         opts.max_binding_override,
         coop,
-    )
+    )?;
+    g.set_opened_with(opts.clone());
+    Ok(g)
 }

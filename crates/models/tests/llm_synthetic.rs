@@ -879,3 +879,72 @@ fn the_drift_guard_catches_a_fault_the_start_up_gates_pass() {
         assert_nmse("after the switch", &want, &last, 1e-10);
     }
 }
+
+/// A model that starts on the f32 path while its fast paths are gated elsewhere moves to them between
+/// two tokens (`generate_watched`'s switch, as `run` and `chat` take a background gate's verdict):
+/// generation goes on without a gap or a repeated token, on the fast paths from then on, and the
+/// model's state is exactly that of a model loaded on them and fed the same tokens.
+#[test]
+fn a_model_moves_to_its_fast_paths_between_two_tokens() {
+    use tinygpt_models::llm::generate_watched;
+    use tinygpt_models::sampler::{Sampler, SamplerConfig};
+    let Some(be) = gpu_backend(None) else { return };
+    let bytes = write(&LONG, &|_| GgmlType::Q8_0, &random);
+    let q = GgufFile::from_bytes(bytes.clone()).unwrap();
+    let fast = PathSet::of(&[PathId::QuantMatmul]);
+    for temperature in [0.0, 0.8] {
+        let mut llm = load_with(&be, &q, 512, PathSet::F32);
+        llm.feed(&be, &PROMPT).unwrap();
+        let mut sampler = Sampler::new(SamplerConfig {
+            temperature,
+            seed: 7,
+            ..Default::default()
+        });
+        let (mut got, mut calls, mut moved_at) = (Vec::new(), 0, None);
+        let g = pollster::block_on(generate_watched(
+            &be,
+            &mut llm,
+            &mut sampler,
+            24,
+            |_| false,
+            async |id| -> Result<bool, LlmError> {
+                got.push(id);
+                Ok(true)
+            },
+            None,
+            |_| {},
+            |llm| {
+                calls += 1;
+                if calls != 6 {
+                    return Ok(false);
+                }
+                moved_at = Some(llm.position());
+                llm.switch_paths(&be, &q, fast)?;
+                Ok(true)
+            },
+        ))
+        .unwrap();
+        let what = format!("temperature {temperature}");
+        assert_eq!((g.tokens, got.len()), (24, 24), "{what}");
+        assert_eq!(
+            llm.paths(),
+            fast,
+            "{what}: on the fast paths after the switch"
+        );
+        let at = moved_at.expect("the switch was asked at the sixth step");
+        assert!(at > PROMPT.len(), "{what}: switched at {at}");
+        // The prompt and every token but the last, in order: nothing lost or fed twice.
+        let history = llm.history().to_vec();
+        assert_eq!(history.len(), PROMPT.len() + 23, "{what}");
+        assert_eq!(history[PROMPT.len()..], got[..23], "{what}");
+        // From the switch on, the model computed on the fast paths from the same tokens.
+        let mut reference = load_with(&be, &q, 512, fast);
+        reference.feed(&be, &history[..at]).unwrap();
+        for &t in &history[at..] {
+            reference.decode(&be, t).unwrap();
+        }
+        let want = reference.decode(&be, got[23]).unwrap();
+        let last = llm.decode(&be, got[23]).unwrap();
+        assert_nmse(&what, &want, &last, 1e-10);
+    }
+}

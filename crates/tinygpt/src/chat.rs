@@ -13,7 +13,9 @@ use tinygpt_models::chat_template::ChatTemplate;
 use tinygpt_models::tokenizer::Tokenizer;
 
 use crate::gates::GateArgs;
-use crate::llm_common::{ModelArgs, SamplingArgs, generate, load, print_flush};
+use crate::llm_common::{
+    ModelArgs, SamplingArgs, finish_gating, generate, load_interactive, print_flush,
+};
 
 #[derive(Args, Debug)]
 pub struct ChatArgs {
@@ -43,7 +45,7 @@ pub(crate) fn builtin_template(tok: &Tokenizer) -> Result<ChatTemplate> {
 
 pub fn run(be: &Backend, gate: &GateArgs, a: &ChatArgs) -> Result<()> {
     let mut sampler = a.sampling.sampler()?;
-    let mut m = load(be, gate, &a.model)?;
+    let mut m = load_interactive(be, gate, &a.model)?;
     let template = match &m.chat_template {
         Some(src) => ChatTemplate::new(src).context("the model's chat template")?,
         None => builtin_template(&m.tok)?,
@@ -137,5 +139,6 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &ChatArgs) -> Result<()> {
         messages.push(("assistant".into(), text));
         eprintln!("[{} · stop: {stop:?}]", tm.summary());
     }
+    finish_gating(&mut m);
     Ok(())
 }

@@ -455,7 +455,7 @@ fn allowed(args: &GateArgs) -> Result<Vec<PathId>> {
         .collect())
 }
 
-fn options(args: &GateArgs) -> Result<GateOptions> {
+pub(crate) fn options(args: &GateArgs) -> Result<GateOptions> {
     Ok(GateOptions {
         only: Some(allowed(args)?),
         regate: args.regate,

@@ -1,6 +1,7 @@
 //! The `tinygpt` command line, as a library: the binary is `main` around [`main`]; the server's request
 //! handling is also reachable from outside for fuzzing ([`serve::fuzzing`]).
 
+mod background_gate;
 mod bench;
 mod chat;
 mod device;

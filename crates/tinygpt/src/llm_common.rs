@@ -16,6 +16,7 @@ use tinygpt_kernels::ops::matmul::quant::cpu::CpuIsa;
 use tinygpt_models::gating::GgufGate;
 use tinygpt_models::llm::{DriftGuard, Finish, Llm, LlmConfig, LoadOptions};
 
+use crate::background_gate::{BackgroundGate, Verdict};
 use crate::gates::GateArgs;
 use tinygpt_models::sampler::{Sampler, SamplerConfig};
 use tinygpt_models::tokenizer::Tokenizer;
@@ -70,6 +71,8 @@ pub struct Loaded {
     pub load_secs: f64,
     /// Watches generation on fast paths (`--drift-check`); None on the f32 path or when turned off.
     pub guard: Option<DriftGuard>,
+    /// Fast paths still being gated while the model serves on the f32 path.
+    pub gating: Option<BackgroundGate>,
 }
 
 /// Files at least this large get a progress bar while they load.
@@ -79,16 +82,25 @@ const BAR_BYTES: u64 = 32 << 20;
 /// a GPU the numerics gate runs first, with the model's own shapes: the quantized kernels are used only
 /// if they pass it (otherwise the weights are held dequantized).
 pub fn load(be: &Backend, gate: &GateArgs, args: &ModelArgs) -> Result<Loaded> {
-    load_with(be, gate, args, 1, false)
+    load_with(be, gate, args, 1, false, false)
 }
 
-/// [`load`] with room for `parallel` sequences decoded together (of their own, `serving`).
+/// [`load`] for generating at once: when some gate verdict is not stored, the model starts on the f32
+/// path and its fast paths are gated in the background ([`BackgroundGate`]); [`generate`] moves it to
+/// them between two tokens when they pass.
+pub fn load_interactive(be: &Backend, gate: &GateArgs, args: &ModelArgs) -> Result<Loaded> {
+    load_with(be, gate, args, 1, false, true)
+}
+
+/// [`load`] with room for `parallel` sequences decoded together (of their own, `serving`), gating in
+/// the `background` where a verdict is missing.
 fn load_with(
     be: &Backend,
     gate: &GateArgs,
     args: &ModelArgs,
     parallel: usize,
     serving: bool,
+    background: bool,
 ) -> Result<Loaded> {
     let t = Instant::now();
     let path = &args.model;
@@ -108,7 +120,37 @@ fn load_with(
         name: display_name(path, ""),
         tokens: tinygpt_models::gating::token_budget(be),
     };
-    let paths = crate::gates::prepare(be, gate, &gate_model)?;
+    let mut gating = None;
+    let paths = match be.as_gpu().and_then(|g| g.opened_with()) {
+        Some(device) if background && !gate.f32_only => {
+            let opts = crate::gates::options(gate)?;
+            let stored = tinygpt_kernels::gate::stored_verdict(
+                be,
+                &mut crate::gates::FileStore::open(),
+                &gate_model,
+                &opts,
+            );
+            match stored {
+                // Every verdict is stored: gating takes no time (and prints the cached verdicts).
+                Some(_) => crate::gates::prepare(be, gate, &gate_model)?,
+                None => {
+                    eprintln!(
+                        "[ops] gating the fast paths in the background; the f32 path serves until they pass"
+                    );
+                    gating = Some(BackgroundGate::start(
+                        device.clone(),
+                        opts,
+                        path,
+                        gate_model.prompt.clone(),
+                        gate_model.name.clone(),
+                        gate_model.tokens,
+                    ));
+                    tinygpt_kernels::PathSet::F32
+                }
+            }
+        }
+        _ => crate::gates::prepare(be, gate, &gate_model)?,
+    };
     // The model maps the file again and releases each tensor's pages as it converts them, so memory
     // does not peak at the file plus the converted weights.
     drop(file);
@@ -160,27 +202,30 @@ fn load_with(
         mb(mem.kv_cache),
         llm.context(),
         be.describe(),
-        if be.as_gpu().is_some() {
-            format!(" · {}", pills(llm.paths()))
-        } else {
-            String::new()
+        match (be.as_gpu(), &gating) {
+            (Some(_), Some(_)) => " · gating… (f32 path until then)".to_string(),
+            (Some(_), None) => format!(" · {}", pills(llm.paths())),
+            (None, _) => String::new(),
         },
     );
     // The drift guard's shadow runs the f32 path on the CPU; a server's batched decoding is not
     // watched (see docs/precision.md).
-    let guard =
-        if be.as_gpu().is_some() && !llm.paths().is_empty() && gate.drift_check > 0 && !serving {
-            let file = GgufFile::open(path).context("cannot open the model")?;
-            Some(DriftGuard::new(
-                file,
-                llm.context(),
-                gate.drift_check,
-                None,
-                true,
-            ))
-        } else {
-            None
-        };
+    let guard = if be.as_gpu().is_some()
+        && (!llm.paths().is_empty() || gating.is_some())
+        && gate.drift_check > 0
+        && !serving
+    {
+        let file = GgufFile::open(path).context("cannot open the model")?;
+        Some(DriftGuard::new(
+            file,
+            llm.context(),
+            gate.drift_check,
+            None,
+            true,
+        ))
+    } else {
+        None
+    };
     Ok(Loaded {
         llm,
         tok,
@@ -188,6 +233,7 @@ fn load_with(
         name,
         load_secs,
         guard,
+        gating,
     })
 }
 
@@ -210,7 +256,7 @@ pub fn load_for_serving(
     // f32 keys and values of every layer, per position.
     let seq_bytes = (cfg.n_layer * ctx * 2 * cfg.kv_dim() * 4) as u64;
     let n = parallel(seq_bytes).max(1);
-    Ok((load_with(be, gate, args, n, true)?, n))
+    Ok((load_with(be, gate, args, n, true, false)?, n))
 }
 
 /// Total memory of the machine, where /proc says.
@@ -305,12 +351,15 @@ pub fn generate(
         tok,
         guard,
         name,
+        gating,
         ..
     } = m;
     let mut tm = Timings {
         prompt_tokens: new_ids.len(),
         ..Timings::default()
     };
+    // Gates that finished since the last turn take effect before the prompt.
+    take_gate_verdict(be, llm, gating, false)?;
     let t = Instant::now();
     llm.feed(be, new_ids)?;
     if let Some(g) = be.as_gpu() {
@@ -321,7 +370,7 @@ pub fn generate(
     let t = Instant::now();
     let mut out = Vec::new();
     let mut text = tok.stream_decoder(false);
-    let g = pollster::block_on(tinygpt_models::llm::generate_guarded(
+    let g = pollster::block_on(tinygpt_models::llm::generate_watched(
         be,
         llm,
         sampler,
@@ -345,6 +394,10 @@ pub fn generate(
             );
             crate::gates::record_drift(be, name, e);
         },
+        |llm| {
+            take_gate_verdict(be, llm, gating, true)
+                .map_err(|e| tinygpt_models::llm::LlmError::Options(format!("{e:#}")))
+        },
     ))?;
     emit(&text.finish())?;
     tm.decode_secs = t.elapsed().as_secs_f64();
@@ -356,6 +409,49 @@ pub fn generate(
         Finish::MaxTokens | Finish::Stopped => Stop::MaxTokens,
     };
     Ok((out, stop, tm))
+}
+
+/// Takes the background gate's verdict if it is ready: the model moves to the paths that passed
+/// (returns true when it did). `mid_text`: a line of generated text may be open on the terminal.
+fn take_gate_verdict(
+    be: &Backend,
+    llm: &mut Llm,
+    gating: &mut Option<BackgroundGate>,
+    mid_text: bool,
+) -> Result<bool> {
+    let Some(g) = gating else { return Ok(false) };
+    let Verdict::Done(v) = g.poll() else {
+        return Ok(false);
+    };
+    if mid_text {
+        eprintln!();
+    }
+    let moved = g.apply(be, llm, v)?;
+    *gating = None;
+    Ok(moved)
+}
+
+/// Waits for gates still running in the background, so their verdicts are stored for the next start
+/// (the model's output is complete by then); Ctrl-C skips the wait.
+pub fn finish_gating(m: &mut Loaded) {
+    let Some(mut g) = m.gating.take() else { return };
+    eprintln!(
+        "[ops] the fast paths' gates are still running ({:.1} s so far); waiting so the next start can use \
+         them (Ctrl-C skips: they run again next time)",
+        g.elapsed()
+    );
+    match g.wait() {
+        Ok(paths) if !paths.is_empty() => eprintln!(
+            "[ops] gated in {:.1} s: {} — the next start uses them at once",
+            g.elapsed(),
+            pills(paths)
+        ),
+        Ok(_) => eprintln!(
+            "[ops] gated in {:.1} s: no fast path passed (the f32 path it is)",
+            g.elapsed()
+        ),
+        Err(e) => eprintln!("[ops] gating failed ({e})"),
+    }
 }
 
 /// Writes streamed text to stdout as it arrives.

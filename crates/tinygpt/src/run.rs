@@ -6,7 +6,8 @@ use tinygpt_kernels::Backend;
 
 use crate::gates::GateArgs;
 use crate::llm_common::{
-    ModelArgs, SamplingArgs, active_paths, generate, load, print_flush, process_memory,
+    ModelArgs, SamplingArgs, active_paths, finish_gating, generate, load_interactive, print_flush,
+    process_memory,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -35,7 +36,7 @@ pub struct RunArgs {
 
 pub fn run(be: &Backend, gate: &GateArgs, a: &RunArgs) -> Result<()> {
     let mut sampler = a.sampling.sampler()?;
-    let mut m = load(be, gate, &a.model)?;
+    let mut m = load_interactive(be, gate, &a.model)?;
     // As llama.cpp tokenizes a prompt: BOS if the model adds one, special tokens parsed.
     let prompt_ids = m.tok.encode_with(&a.prompt, true, true);
     if prompt_ids.is_empty() {
@@ -61,6 +62,7 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &RunArgs) -> Result<()> {
     if text_mode {
         print_flush("\n")?;
         eprintln!("{} · stop: {stop:?}", tm.summary());
+        finish_gating(&mut m);
         return Ok(());
     }
     let (rss, hwm) = process_memory().unwrap_or((0, 0));
@@ -106,5 +108,6 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &RunArgs) -> Result<()> {
         }),
     });
     println!("{}", serde_json::to_string_pretty(&v)?);
+    finish_gating(&mut m);
     Ok(())
 }

@@ -877,3 +877,63 @@ fn kl_divergence_compares_the_gated_fast_paths_with_the_f32_path() {
     assert!(stderr(&o).contains("nothing to compare"), "{}", stderr(&o));
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// The first `run` on an adapter whose gates have not run yet does not wait for them: the model is
+/// ready on the f32 path before the token gate has finished (it runs on a thread of its own), the
+/// verdict is stored before the run ends, and the next start uses it at once. Both runs, and the
+/// f32 path alone, give the same greedy tokens.
+#[test]
+fn the_first_run_on_an_ungated_adapter_starts_on_the_f32_path_at_once() {
+    if std::env::var("TINYGPT_SKIP_GPU_TESTS").is_ok_and(|v| v == "1") {
+        return;
+    }
+    let cache = tmp("background-gate");
+    let model =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/data/qwen/qwen2.q8_0.gguf");
+    let greedy = |extra: &[&str]| {
+        let o = bin()
+            .env("TINYGPT_CACHE_DIR", &cache)
+            .args(["--backend", "gpu"])
+            .args(extra)
+            .arg("run")
+            .arg(&model)
+            .args(["-p", "Hello", "-n", "24", "--temperature", "0"])
+            .args(["--format", "json"])
+            .output()
+            .expect("the binary runs");
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+        (v["generated_ids"].clone(), stderr(&o))
+    };
+    let (f32_ids, _) = greedy(&["--f32-only"]);
+    let (cold_ids, cold) = greedy(&[]);
+    let lines: Vec<&str> = cold.lines().collect();
+    let at = |needle: &str| {
+        lines
+            .iter()
+            .position(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no line with {needle:?} in:\n{cold}"))
+    };
+    assert!(
+        cold.contains("gating the fast paths in the background"),
+        "{cold}"
+    );
+    let ready = at("ready.");
+    assert!(lines[ready].contains("gating…"), "{cold}");
+    assert!(
+        ready < at("token gate:"),
+        "the model is ready before the token gate decides:\n{cold}"
+    );
+    // Its verdict arrives during the run (the model moves) or is awaited at the end.
+    assert!(
+        cold.contains("fast paths gated in") || cold.contains("the next start uses them"),
+        "{cold}"
+    );
+    assert_eq!(cold_ids, f32_ids, "{cold}");
+    let (warm_ids, warm) = greedy(&[]);
+    assert!(!warm.contains("background"), "{warm}");
+    assert!(warm.contains("token gate: cached verdict"), "{warm}");
+    assert!(warm.contains("+q8 matmul"), "{warm}");
+    assert_eq!(warm_ids, f32_ids, "{warm}");
+    let _ = std::fs::remove_dir_all(&cache);
+}

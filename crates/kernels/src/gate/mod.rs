@@ -25,7 +25,7 @@ pub mod registry;
 mod store;
 mod token;
 
-pub use model::{GateModel, Gated, gate_device, gate_for_model};
+pub use model::{GateModel, Gated, gate_device, gate_for_model, stored_verdict};
 pub use store::{GateRecord, MemoryStore, VerdictStore};
 pub use token::{TokenOutcome, token_gate};
 
@@ -281,6 +281,50 @@ pub struct GateOptions {
     pub seed: u64,
 }
 
+impl GateOptions {
+    /// The shapes every path is gated at: [`default_cases`] (unless replaced) and the extra ones.
+    pub fn cases(&self) -> Vec<GateCase> {
+        let mut cases = if self.replace_cases {
+            Vec::new()
+        } else {
+            default_cases()
+        };
+        cases.extend(self.extra_cases.iter().cloned());
+        cases
+    }
+
+    /// Whether `opts.only` lets `id` be gated.
+    fn allows(&self, id: PathId) -> bool {
+        self.only.as_ref().is_none_or(|o| o.contains(&id))
+    }
+}
+
+/// The paths [`run_gates`] would pass if every verdict it needs is stored (None as soon as one path
+/// would have to be measured): the way to know, without running a kernel, whether gating will be
+/// instant or whether the caller should start on the f32 path and gate in the background.
+pub fn stored_passes(
+    g: &GpuBackend,
+    opts: &GateOptions,
+    store: &mut dyn VerdictStore,
+) -> Option<PathSet> {
+    if opts.regate {
+        return None;
+    }
+    let cases = opts.cases();
+    let mut passed = PathSet::F32;
+    for def in REGISTRY.iter().filter(|d| opts.allows(d.id)) {
+        if (def.detect)(g).is_err() || def.requires.iter().any(|r| !passed.has(*r)) {
+            continue;
+        }
+        store
+            .load(&cache_key(g, def.id, &cases))
+            .and_then(|s| serde_json::from_str::<PathReport>(&s).ok())
+            .filter(|c| c.status == Status::Active)?;
+        passed = passed.with(def.id);
+    }
+    Some(passed)
+}
+
 /// The adapter's identity in cache keys: name, driver and driver version.
 pub(crate) fn adapter_key(g: &GpuBackend) -> String {
     let i = g.info();
@@ -341,16 +385,11 @@ async fn run_gates_from(
             millis: 0.0,
         };
     };
-    let mut cases = if opts.replace_cases {
-        Vec::new()
-    } else {
-        default_cases()
-    };
-    cases.extend(opts.extra_cases.iter().cloned());
+    let cases = opts.cases();
     let mut reports: Vec<PathReport> = Vec::new();
     let mut passed = PathSet::F32;
     for def in REGISTRY {
-        if opts.only.as_ref().is_some_and(|o| !o.contains(&def.id)) {
+        if !opts.allows(def.id) {
             continue;
         }
         let key = cache_key(g, def.id, &cases);

@@ -78,6 +78,25 @@ pub async fn gate_for_model<M: GateModel>(
     })
 }
 
+/// The paths [`gate_for_model`] would give `model` on `be` if every verdict it needs (op gates at the
+/// model's shapes, then the token gate) is stored; None when something would have to be measured. A
+/// caller that must not hold the first token hostage starts on the f32 path when this is None and
+/// gates in the background. On the CPU backend: the f32 path.
+pub fn stored_verdict<M: GateModel>(
+    be: &Backend,
+    store: &mut dyn VerdictStore,
+    model: &M,
+    opts: &GateOptions,
+) -> Option<PathSet> {
+    let Some(g) = be.as_gpu() else {
+        return Some(PathSet::F32);
+    };
+    let mut opts = opts.clone();
+    opts.extra_cases.extend(model.gate_cases());
+    let passed = super::stored_passes(g, &opts, store)?;
+    super::token::stored_token_verdict(be, store, &model.model_key(), passed)
+}
+
 /// The op gates alone (no model): for `tinygpt gates` and benchmarks of bare kernels.
 pub async fn gate_device(
     be: &Backend,

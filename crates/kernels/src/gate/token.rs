@@ -33,6 +33,42 @@ impl TokenOutcome {
     }
 }
 
+/// The store key of the token gate's verdict for `active` on `be`'s adapter and the model `model_key`
+/// (the paths' kernel versions are part of it).
+fn token_key(be: &Backend, model_key: &str, active: PathSet) -> String {
+    let versions: Vec<String> = active
+        .iter()
+        .map(|p| format!("{}v{}", p.name(), p.kernel_version()))
+        .collect();
+    let adapter = be.as_gpu().map_or_else(|| "cpu".into(), adapter_key);
+    format!("token|{adapter}|{}|{model_key}", versions.join(","))
+}
+
+/// The paths of `active` a stored token verdict kept, if one is stored under `key`.
+fn stored_kept(store: &mut dyn VerdictStore, key: &str, active: PathSet) -> Option<PathSet> {
+    let names = serde_json::from_str::<Vec<String>>(&store.load(key)?).ok()?;
+    Some(
+        active
+            .iter()
+            .filter(|p| names.iter().any(|n| n == p.name()))
+            .collect(),
+    )
+}
+
+/// The paths a stored token verdict keeps of `active` (the paths the op gates passed) for the model
+/// `model_key`, if one is stored: with [`super::stored_passes`], whether gating a model will be instant.
+pub fn stored_token_verdict(
+    be: &Backend,
+    store: &mut dyn VerdictStore,
+    model_key: &str,
+    active: PathSet,
+) -> Option<PathSet> {
+    if active.is_empty() {
+        return Some(active);
+    }
+    stored_kept(store, &token_key(be, model_key, active), active)
+}
+
 /// Runs the token gate for `active` (the paths the op gates passed) and returns its outcome; the paths
 /// to use are `outcome.kept_set(active)`. `greedy(paths)` produces the model's greedy tokens of a fixed
 /// prompt on the kernels of `paths`. An error on the f32 path is the model's own failure and is returned;
@@ -47,12 +83,7 @@ pub async fn token_gate<E: std::fmt::Display>(
     log: &mut dyn FnMut(&str),
 ) -> Result<TokenOutcome, E> {
     let t0 = Instant::now();
-    let versions: Vec<String> = active
-        .iter()
-        .map(|p| format!("{}v{}", p.name(), p.kernel_version()))
-        .collect();
-    let adapter = be.as_gpu().map_or_else(|| "cpu".into(), adapter_key);
-    let key = format!("token|{adapter}|{}|{model_key}", versions.join(","));
+    let key = token_key(be, model_key, active);
     let mut outcome = TokenOutcome {
         key: key.clone(),
         tokens: 0,
@@ -65,14 +96,10 @@ pub async fn token_gate<E: std::fmt::Display>(
         return Ok(outcome);
     }
     let stored = (!regate)
-        .then(|| store.load(&key))
-        .flatten()
-        .and_then(|s| serde_json::from_str::<Vec<String>>(&s).ok());
-    if let Some(names) = stored {
-        outcome.kept = active
-            .iter()
-            .filter(|p| names.iter().any(|n| n == p.name()))
-            .collect();
+        .then(|| stored_kept(store, &key, active))
+        .flatten();
+    if let Some(kept) = stored {
+        outcome.kept = kept.iter().collect();
         outcome.from_cache = true;
         log(&format!(
             "[ops] token gate: cached verdict for this model and adapter — {}",
@@ -86,6 +113,11 @@ pub async fn token_gate<E: std::fmt::Display>(
     }
     let reference = greedy(PathSet::F32).await?;
     outcome.tokens = reference.len();
+    log(&format!(
+        "[ops] token gate: {} greedy tokens on the f32 path in {:.1} s; now the fast paths",
+        reference.len(),
+        t0.elapsed().as_secs_f64()
+    ));
     let fast = greedy(active).await;
     match fast.map(|f| first_divergence(&reference, &f)) {
         Ok(None) => {

@@ -92,6 +92,9 @@ pub struct GpuBackend {
     next_pipeline_id: Cell<u64>,
     scratch: RefCell<HashMap<&'static str, GpuTensor>>,
     profiler: RefCell<Option<Profiler>>,
+    /// How the device was opened (by [`crate::device::open_gpu`]): a second device on the same adapter
+    /// opens with these.
+    opened_with: Option<crate::device::DeviceOptions>,
 }
 
 /// Timestamps around every dispatch, for `bench --profile`: what each kernel costs on the device.
@@ -238,12 +241,23 @@ impl GpuBackend {
             next_pipeline_id: Cell::new(0),
             scratch: RefCell::default(),
             profiler: RefCell::default(),
+            opened_with: None,
         })
     }
 
     /// What the adapter is and what we asked of it.
     pub fn info(&self) -> &GpuInfo {
         &self.info
+    }
+
+    /// The options this device was opened with ([`crate::device::open_gpu`]): another device on the
+    /// same adapter, for work on a thread of its own (gating in the background), opens with them.
+    pub fn opened_with(&self) -> Option<&crate::device::DeviceOptions> {
+        self.opened_with.as_ref()
+    }
+
+    pub(crate) fn set_opened_with(&mut self, opts: crate::device::DeviceOptions) {
+        self.opened_with = Some(opts);
     }
 
     /// Whether the device was opened with `f`.

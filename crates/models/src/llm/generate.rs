@@ -63,9 +63,40 @@ pub async fn generate_guarded<E: From<LlmError>>(
     sampler: &mut Sampler,
     max_new: usize,
     is_eog: impl Fn(u32) -> bool,
+    on_token: impl AsyncFnMut(u32) -> Result<bool, E>,
+    guard: Option<&mut DriftGuard>,
+    on_drift: impl FnMut(&DriftEvent),
+) -> Result<Generated, E> {
+    generate_watched(
+        be,
+        llm,
+        sampler,
+        max_new,
+        is_eog,
+        on_token,
+        guard,
+        on_drift,
+        |_| Ok(false),
+    )
+    .await
+}
+
+/// [`generate_guarded`] that also lets `switch` move the model to other paths between two steps (a
+/// model that started on the f32 path while its fast paths were gated in the background moves to
+/// them when they pass): `switch` returns true when it did, with [`Llm::switch_paths`], so that the
+/// model's next logits are those of its new paths. The guard checks only while the model is on fast
+/// paths.
+#[allow(clippy::too_many_arguments)]
+pub async fn generate_watched<E: From<LlmError>>(
+    be: &Backend,
+    llm: &mut Llm,
+    sampler: &mut Sampler,
+    max_new: usize,
+    is_eog: impl Fn(u32) -> bool,
     mut on_token: impl AsyncFnMut(u32) -> Result<bool, E>,
     mut guard: Option<&mut DriftGuard>,
     mut on_drift: impl FnMut(&DriftEvent),
+    mut switch: impl FnMut(&mut Llm) -> Result<bool, LlmError>,
 ) -> Result<Generated, E> {
     let mut g = Generated {
         finish: Finish::MaxTokens,
@@ -79,7 +110,10 @@ pub async fn generate_guarded<E: From<LlmError>>(
     // at the model's last position when one is due. True when it moved the model to the f32 path
     // (whose logits after the same tokens are then ready).
     let mut check = async |llm: &mut Llm, logits: Option<&[f32]>| -> Result<bool, LlmError> {
-        let Some(guard) = guard.as_deref_mut() else {
+        if switch(llm)? {
+            return Ok(true);
+        }
+        let Some(guard) = guard.as_deref_mut().filter(|_| !llm.paths().is_empty()) else {
             return Ok(false);
         };
         let mut event = guard.poll(be, llm)?;

@@ -24,6 +24,6 @@ mod weights;
 pub use config::{Arch, LayerAttention, LlmConfig};
 pub use drift::{DriftEvent, DriftGuard};
 pub use error::{LlmError, Result};
-pub use generate::{Finish, Generated, generate, generate_guarded};
+pub use generate::{Finish, Generated, generate, generate_guarded, generate_watched};
 pub use model::{DEFAULT_CONTEXT, Feed, Llm, LoadOptions, MemoryReport, Sequence};
 pub use weights::LoadProgress;
