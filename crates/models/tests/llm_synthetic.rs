@@ -948,3 +948,43 @@ fn a_model_moves_to_its_fast_paths_between_two_tokens() {
         assert_nmse(&what, &want, &last, 1e-10);
     }
 }
+
+/// `score_nll` (the log-softmax on the backend, one number per row back) gives what the host computes
+/// from `score`'s logit rows in f64, for every position from `from` to the last but one, across
+/// passes split at the batch size, on the CPU and the GPU.
+#[test]
+fn per_token_nll_on_the_backend_matches_the_host() {
+    let mut backends = vec![cpu_backend()];
+    backends.extend(gpu_backend(None));
+    for s in [LLAMA, GEMMA3] {
+        let (q, _) = quantized_and_dense(&s, &mixed_types);
+        for be in &backends {
+            let mut llm = load(be, &q, 5);
+            let v = llm.config().vocab;
+            let from = 4;
+            let rows = pollster::block_on(llm.score(be, &PROMPT, from)).unwrap();
+            llm.reset();
+            let got = pollster::block_on(llm.score_nll(be, &PROMPT, from)).unwrap();
+            assert_eq!(got.len(), PROMPT.len() - from - 1);
+            assert_eq!(llm.position(), PROMPT.len());
+            for (i, &g) in got.iter().enumerate() {
+                let row = &rows[i * v..(i + 1) * v];
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let lse = max
+                    + row
+                        .iter()
+                        .map(|&x| (x as f64 - max).exp())
+                        .sum::<f64>()
+                        .ln();
+                let want = lse - row[PROMPT[from + i + 1] as usize] as f64;
+                assert!(
+                    (g as f64 - want).abs() <= 1e-4 * want.abs().max(1.0),
+                    "{} on {}: position {}: {g} against {want}",
+                    s.arch,
+                    be.kind(),
+                    from + i
+                );
+            }
+        }
+    }
+}

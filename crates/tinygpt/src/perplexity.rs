@@ -187,11 +187,10 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &PerplexityArgs) -> Result<()> {
         let start = i * n_ctx;
         let chunk = chunk_at(i);
         m.llm.reset();
-        let logits = pollster::block_on(m.llm.score(be, &chunk, first))?;
-        let v = m.llm.config().vocab;
-        for j in first..n_ctx - 1 {
-            let row = &logits[(j - first) * v..(j - first + 1) * v];
-            sums.add(nll(row, tokens[start + j + 1]));
+        // Position j scores the chunk's token j + 1 (the text's, also where BOS replaced the first).
+        debug_assert!((first..n_ctx - 1).all(|j| chunk[j + 1] == tokens[start + j + 1]));
+        for v in pollster::block_on(m.llm.score_nll(be, &chunk, first))? {
+            sums.add(v as f64);
         }
         let tps = ((i + 1) * n_ctx) as f64 / t0.elapsed().as_secs_f64();
         line.push_str(&format!("[{}]{:.4},", i + 1, sums.ppl()));

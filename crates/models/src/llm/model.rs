@@ -714,6 +714,67 @@ impl Llm {
         Ok(out)
     }
 
+    /// Feeds `tokens` (after what the cache holds) and returns, for each position j from `from` to the
+    /// last but one, −log p(tokens[j + 1]) under the model's next-token distribution at j: what
+    /// perplexity sums. The log-softmax runs on the backend (on a GPU only one number per row comes
+    /// back, not a vocabulary of logits), with f32 sums; models that soft-cap their logits are scored
+    /// on the host from [`Llm::score`]'s rows.
+    pub async fn score_nll(
+        &mut self,
+        be: &Backend,
+        tokens: &[u32],
+        from: usize,
+    ) -> Result<Vec<f32>> {
+        let v = self.core.cfg.vocab;
+        let target = |p: usize| {
+            tokens
+                .get(p + 1)
+                .copied()
+                .unwrap_or(tinygpt_kernels::ops::cross_entropy::IGNORE)
+        };
+        if self.core.cfg.final_softcap > 0.0 {
+            let rows = self.score(be, tokens, from).await?;
+            return Ok(rows
+                .chunks(v)
+                .enumerate()
+                .take(tokens.len().saturating_sub(from + 1))
+                .map(|(i, row)| nll_of(row, target(from + i) as usize))
+                .collect());
+        }
+        let c = &mut self.core;
+        self.seq.check(tokens, v)?;
+        let mut out = Vec::with_capacity(tokens.len().saturating_sub(from));
+        for (i, chunk) in tokens.chunks(c.batch).enumerate() {
+            let start = i * c.batch;
+            let f = from.saturating_sub(start);
+            if f >= chunk.len() {
+                c.forward(be, chunk, &mut self.seq, None)?;
+                continue;
+            }
+            c.forward(be, chunk, &mut self.seq, Some(f))?;
+            let rows = chunk.len() - f;
+            let targets: Vec<u32> = (start + f..start + chunk.len()).map(target).collect();
+            let t = be.from_u32(&targets, 1)?;
+            let mut losses = be.zeros(rows, 1)?;
+            let scored = c.scored.as_ref().expect("made by forward");
+            tinygpt_kernels::ops::cross_entropy::cross_entropy(
+                be,
+                scored.at(0),
+                (&t).into(),
+                (&mut losses).into(),
+                None,
+                rows,
+                v,
+                1.0,
+            )?;
+            out.extend(be.read_f32((&losses).into(), rows).await?);
+        }
+        self.history.extend_from_slice(tokens);
+        // The last position has no next token to score.
+        out.truncate(tokens.len().saturating_sub(from + 1));
+        Ok(out)
+    }
+
     /// The logits after the last token fed (host), soft-capped if the model caps them.
     pub async fn read_logits(&self, be: &Backend) -> Result<Vec<f32>> {
         Ok(self.core.read_logits(be, 1).await?.swap_remove(0))
@@ -1514,4 +1575,14 @@ fn rope_tables(
         layer_rope.push(i);
     }
     Ok((ropes, layer_rope))
+}
+
+/// −log softmax(row)[target], with the sums in f64 (0 for a target outside the row).
+fn nll_of(row: &[f32], target: usize) -> f32 {
+    let Some(&x) = row.get(target) else {
+        return 0.0;
+    };
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
+    (-(x as f64 - max - sum.ln())) as f32
 }
