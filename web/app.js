@@ -338,22 +338,36 @@ $('regate').onclick = async () => {
     status(`gates re-run · ${describePaths(pillsNow)} — ready to generate.`);
   } catch (e) { status(e.message, true); }
 };
+// The local telemetry, summarised as `tinygpt gates --history` does: per adapter and path, the gate
+// runs that measured (verdicts from the cache are not counted), passes, failures, the worst figure
+// (max_abs over its limit, at any shape) and when; then the drift-guard events. Nothing leaves the page.
 $('history').onclick = async () => {
   const h = await call('history');
   const per = {};
-  for (const rec of h) {
-    for (const p of rec.paths) {
+  const drifts = h.filter((rec) => rec.kind === 'drift');
+  const runs = h.filter((rec) => rec.kind !== 'drift');
+  const iso = (t) => new Date(t * 1000).toISOString();
+  for (const rec of runs) {
+    for (const p of rec.paths ?? []) {
+      if (p.from_cache || p.status === 'unsupported') continue;
       const k = `${rec.adapter} · ${p.name}`;
-      per[k] ??= { runs: 0, pass: 0, fail: 0, last: 0 };
-      per[k].runs += 1;
-      if (p.status === 'active') per[k].pass += 1;
-      if (p.status === 'rejected') per[k].fail += 1;
-      per[k].last = Math.max(per[k].last, rec.time_unix);
+      per[k] ??= { runs: 0, pass: 0, fail: 0, worst: 0, last: 0 };
+      const v = per[k];
+      v.runs += 1;
+      if (p.status === 'active') v.pass += 1;
+      if (p.status === 'rejected') v.fail += 1;
+      for (const s of p.shapes ?? []) {
+        if (s.limit_abs > 0) v.worst = Math.max(v.worst, s.max_abs / s.limit_abs);
+      }
+      v.last = Math.max(v.last, rec.time_unix);
     }
   }
-  consoleLine(`[ops] telemetry: ${h.length} gating runs kept in this browser`);
+  consoleLine(`[ops] telemetry: ${runs.length} gating runs and ${drifts.length} drift-guard events kept in this browser`);
   for (const [k, v] of Object.entries(per)) {
-    consoleLine(`[ops]   ${k}: ${v.runs} runs, ${v.pass} passes, ${v.fail} failures, last ${new Date(v.last * 1000).toISOString()}`);
+    consoleLine(`[ops]   ${k}: ${v.runs} runs, ${v.pass} passes, ${v.fail} failures, worst max_abs ${(100 * v.worst).toFixed(1)}% of its limit, last ${iso(v.last)}`);
+  }
+  for (const d of drifts) {
+    consoleLine(`[ops]   drift guard on ${d.adapter}: ${d.subject} at position ${d.position}, KL=${d.kl.toExponential(3)} (bound ${d.bound.toExponential(3)}), top-1 ${d.same_top1}/${d.checks}, ${d.paths.join(', ')} off, ${iso(d.time_unix)}`);
   }
 };
 

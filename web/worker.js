@@ -45,14 +45,31 @@ async function idbSet(key, value) {
   } catch { /* storage unavailable: verdicts are simply not kept */ }
 }
 
-// After every gating run: the verdicts, and the telemetry (kept to the last 500 runs).
+// Telemetry records (gating runs, drift-guard events), kept to the last 500 in this browser only.
+async function appendHistory(fresh) {
+  if (!fresh.length) return;
+  const history = JSON.parse((await idbGet('history')) ?? '[]').concat(fresh).slice(-500);
+  await idbSet('history', JSON.stringify(history));
+}
+
+// After every gating run: the verdicts, and the run's telemetry.
 async function persist() {
   await idbSet('verdicts', session.verdicts());
-  const fresh = JSON.parse(session.take_records());
-  if (fresh.length) {
-    const history = JSON.parse((await idbGet('history')) ?? '[]').concat(fresh).slice(-500);
-    await idbSet('history', JSON.stringify(history));
-  }
+  await appendHistory(JSON.parse(session.take_records()));
+}
+
+// The GGUF model the chat runs (named in drift-guard records).
+let chatModel = '';
+
+// A drift-guard event, recorded as the CLI records it (`tinygpt gates --history` reads the same shape).
+async function recordDrift(d) {
+  const info = JSON.parse(session.adapter_info());
+  await appendHistory([{
+    kind: 'drift', time_unix: Math.floor(Date.now() / 1000),
+    adapter: info.name ?? session.backend(), driver: `${info.driver ?? ''} ${info.driver_info ?? ''}`.trim(),
+    subject: chatModel, position: d.position, kl: d.kl, bound: d.bound, same_top1: d.same_top1,
+    checks: d.checks, paths: d.paths,
+  }]);
 }
 
 async function fetchBytes(url) {
@@ -135,12 +152,15 @@ const commands = {
     const bytes = await readFile(file);
     post({ event: 'progress', what: `gating and loading ${file.name}`, done: 0, total: 0 });
     const info = JSON.parse(await session.load_gguf(bytes, file.name.replace(/\.gguf$/i, ''), log));
+    chatModel = info.name;
     await persist();
     return info;
   },
   async chatSend({ message, maxTokens, temperature, seed }) {
-    return JSON.parse(await session.chat_send(message, maxTokens, temperature, BigInt(seed),
+    const r = JSON.parse(await session.chat_send(message, maxTokens, temperature, BigInt(seed),
       (t) => post({ event: 'text', target: 'chat', text: t })));
+    if (r.drift) await recordDrift(r.drift);
+    return r;
   },
   chatReset() { session.chat_reset(); return true; },
   async benchSteps({ n }) { await session.bench_steps(n, log); return true; },

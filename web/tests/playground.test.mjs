@@ -129,6 +129,11 @@ test('WebGPU (SwiftShader): gates, pills, sampling, training, checkpoint', { tim
   assert.ok(pill('webnn').title.length > 0);
   assert.match(await page.textContent('#backend'), /WebGPU/);
   assert.ok(consoleLines.some((l) => l.startsWith('[ops] token gate:')), consoleLines.join('\n'));
+  // The telemetry this browser keeps: the gating runs just recorded, per path, with the worst figure.
+  await page.click('#history');
+  await page.waitForFunction(() => /\[ops\] telemetry: [1-9]\d* gating runs and \d+ drift-guard events/.test(document.getElementById('console').textContent), null, { timeout: MINUTE });
+  const telemetry = await page.textContent('#console');
+  assert.match(telemetry, /\[ops\] {3}.+ · f16-storage: [1-9]\d* runs, [1-9]\d* passes, 0 failures, worst max_abs \d+\.\d% of its limit, last \d{4}-/, telemetry);
   // The same text as the native CPU backend for the same seed, prompt and settings.
   const want = native(['generate', '--prompt', 'ROMEO:', '-n', '30', '--seed', '7']).replace(/\n$/, '');
   assert.equal(await sample(page, { prompt: 'ROMEO:', n: 30, seed: 7 }), want);
