@@ -12,8 +12,9 @@ use super::pretokenize::PreTokenizer;
 use super::vocab::Vocab;
 
 pub(crate) struct Bpe {
-    /// (left, right) -> rank; the first occurrence of a duplicated merge wins, as in llama.cpp.
-    ranks: HashMap<(String, String), u32>,
+    /// left -> right -> rank (two maps, so a lookup borrows both sides instead of building a key);
+    /// the first occurrence of a duplicated merge wins, as in llama.cpp.
+    ranks: HashMap<String, HashMap<String, u32>>,
     pre: PreTokenizer,
     ignore_merges: bool,
     byte_chars: Box<[char; 256]>,
@@ -31,8 +32,10 @@ struct Bigram {
     rank: u32,
     left: usize,
     right: usize,
-    /// The merged text when the pair was found; a pair whose symbols changed since is stale.
-    text: String,
+    /// The two symbols' lengths when the pair was found: symbols only grow (or die), and their starts
+    /// never move, so a pair whose lengths changed since is stale.
+    left_len: usize,
+    right_len: usize,
 }
 
 impl PartialEq for Bigram {
@@ -70,7 +73,9 @@ impl Bpe {
                 None => ("", ""),
             };
             ranks
-                .entry((left.to_string(), right.to_string()))
+                .entry(left.to_string())
+                .or_insert_with(HashMap::new)
+                .entry(right.to_string())
                 .or_insert(rank as u32);
         }
         Bpe {
@@ -82,10 +87,7 @@ impl Bpe {
     }
 
     fn rank(&self, left: &str, right: &str) -> Option<u32> {
-        // Allocation per lookup keeps the map simple; prompts are short next to the model's work.
-        self.ranks
-            .get(&(left.to_string(), right.to_string()))
-            .copied()
+        self.ranks.get(left)?.get(right).copied()
     }
 
     /// Appends the tokens of one text fragment (no special tokens inside).
@@ -127,7 +129,8 @@ impl Bpe {
                         rank,
                         left,
                         right,
-                        text: format!("{l}{r}"),
+                        left_len: l.len(),
+                        right_len: r.len(),
                     });
                 }
             };
@@ -142,7 +145,8 @@ impl Bpe {
             }
             // Stale: one side has grown since the pair was queued.
             if left.start + left.len != right.start
-                || word[left.start..right.start + right.len] != bigram.text
+                || left.len != bigram.left_len
+                || right.len != bigram.right_len
             {
                 continue;
             }
