@@ -937,3 +937,17 @@ fn the_first_run_on_an_ungated_adapter_starts_on_the_f32_path_at_once() {
     assert_eq!(warm_ids, f32_ids, "{warm}");
     let _ = std::fs::remove_dir_all(&cache);
 }
+
+/// `eval` on the CPU backend defaults to a size that finishes in about a minute (and says how many
+/// batches it used and how to get training's 200); zero batches is refused.
+#[test]
+fn eval_on_the_cpu_defaults_to_a_short_run_and_says_so() {
+    let o = run(&["--backend", "cpu", "eval", "--batch-size", "4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("(10 batches of 4 x 256 characters"), "{out}");
+    assert!(stderr(&o).contains("--eval-iters 200"), "{}", stderr(&o));
+    let o = run(&["--backend", "cpu", "eval", "--eval-iters", "0"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("at least 1 batch"), "{}", stderr(&o));
+}
