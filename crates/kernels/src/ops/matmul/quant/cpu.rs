@@ -96,8 +96,8 @@ pub struct QmmOptions {
     /// depends on how many rows share a pass).
     pub max_group: Option<usize>,
     /// Compute every row exactly as it is computed alone, in groups that still share the weights'
-    /// decoding where the instruction set has such kernels (AVX-512: up to [`ALONE_GROUP`] rows; others
-    /// take one row per pass).
+    /// decoding where the instruction set has such kernels (AVX-512 and AVX2: up to [`ALONE_GROUP`]
+    /// rows; the portable path takes one row per pass).
     pub alone: bool,
 }
 
@@ -417,11 +417,12 @@ fn max_group(isa: CpuIsa, k: usize) -> usize {
 }
 
 /// Rows per pass for a call: the instruction set's best, or fewer when the caller asks (rows computed as
-/// alone: the AVX-512 kernels for that, or one row per pass).
+/// alone: the AVX-512 and AVX2 kernels share each unpacked block among up to [`ALONE_GROUP`] rows, the
+/// portable one takes one row per pass).
 fn group_size(opts: QmmOptions, k: usize) -> usize {
     let best = match (opts.alone, opts.isa) {
-        (true, CpuIsa::Avx512) => ALONE_GROUP,
-        (true, _) => 1,
+        (true, CpuIsa::Avx512 | CpuIsa::Avx2Fma) => ALONE_GROUP,
+        (true, CpuIsa::Scalar) => 1,
         (false, isa) => max_group(isa, k),
     };
     opts.max_group.map_or(best, |g| g.clamp(1, best))
@@ -508,9 +509,9 @@ fn q8_group<const R: usize>(
                 let q = w.quants.as_ptr().cast::<u8>().add(n0 * k);
                 let s = w.scales.as_ptr().add(n0 * nb);
                 if w.block == 32 {
-                    avx2::q8_rows::<R, 32>(x.as_ptr(), k, k, q, s, n1 - n0, y.0, ldy)
+                    avx2::q8_rows::<R, 32>(x.as_ptr(), k, k, q, s, n1 - n0, y.0, ldy, alone)
                 } else {
-                    avx2::q8_rows::<R, 16>(x.as_ptr(), k, k, q, s, n1 - n0, y.0, ldy)
+                    avx2::q8_rows::<R, 16>(x.as_ptr(), k, k, q, s, n1 - n0, y.0, ldy, alone)
                 }
             }
         }
@@ -628,6 +629,7 @@ fn q4_group<const R: usize>(
                     n1 - n0,
                     y.0,
                     ldy,
+                    alone,
                 )
             }
         }

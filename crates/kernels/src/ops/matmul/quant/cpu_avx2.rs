@@ -9,7 +9,10 @@
 //! * `y` points at output (row 0, column 0) of the tile; output (r, j) is `y[r * ldy + j]`, j < `rows`.
 //!
 //! Summation order (per output): each 8-lane vector accumulates `scale_b * Σ_{4 or 2 vectors} q·x` over
-//! blocks, then the lanes are added. That differs from a sequential dot only by f32 rounding.
+//! blocks, then the lanes are added. That differs from a sequential dot only by f32 rounding. One row
+//! alone splits the blocks between two accumulators (even and odd blocks); with `alone`, every row of a
+//! multi-row pass does the same, so batched rows equal single-row calls bit for bit while the weights
+//! are still unpacked once per pass.
 
 use std::arch::x86_64::*;
 
@@ -145,6 +148,7 @@ pub(super) unsafe fn q8_rows<const R: usize, const BLOCK: usize>(
     rows: usize,
     y: *mut f32,
     ldy: usize,
+    alone: bool,
 ) {
     let nb = k / BLOCK;
     let ahead = (PREFETCH_BYTES / (k + 4 * nb)).max(1);
@@ -159,7 +163,9 @@ pub(super) unsafe fn q8_rows<const R: usize, const BLOCK: usize>(
             let mut acc0 = [_mm256_setzero_ps(); R];
             let mut acc1 = [_mm256_setzero_ps(); R];
             let mut b = 0;
-            if R == 1 {
+            // One row alternates two accumulators over the blocks (more FMAs in flight); with `alone`,
+            // every row of a pass does, so each comes out bit for bit as in a call of its own.
+            if R == 1 || alone {
                 while b + 2 <= nb {
                     q8_block::<R, BLOCK>(
                         x.add(b * BLOCK),
@@ -271,6 +277,7 @@ pub(super) unsafe fn q4_rows<const R: usize>(
     rows: usize,
     y: *mut f32,
     ldy: usize,
+    alone: bool,
 ) {
     let nb = k / 32;
     let ahead = (PREFETCH_BYTES / (k / 2 + 8 * nb)).max(1);
@@ -289,7 +296,9 @@ pub(super) unsafe fn q4_rows<const R: usize>(
             let mut acc0 = [_mm256_setzero_ps(); R];
             let mut acc1 = [_mm256_setzero_ps(); R];
             let mut b = 0;
-            if R == 1 {
+            // One row alternates two accumulators over the blocks (more FMAs in flight); with `alone`,
+            // every row of a pass does, so each comes out bit for bit as in a call of its own.
+            if R == 1 || alone {
                 while b + 2 <= nb {
                     q4_block(
                         x.add(b * 32),
