@@ -958,8 +958,9 @@ fn per_token_nll_on_the_backend_matches_the_host() {
     backends.extend(gpu_backend(None));
     for s in [LLAMA, GEMMA3] {
         let (q, _) = quantized_and_dense(&s, &mixed_types);
-        for be in &backends {
-            let mut llm = load(be, &q, 5);
+        // Batch 5: three passes; batch 16: one (score_nll_start and _finish).
+        for (be, batch) in backends.iter().flat_map(|b| [(b, 5), (b, 16)]) {
+            let mut llm = load(be, &q, batch);
             let v = llm.config().vocab;
             let from = 4;
             let rows = pollster::block_on(llm.score(be, &PROMPT, from)).unwrap();
@@ -979,7 +980,7 @@ fn per_token_nll_on_the_backend_matches_the_host() {
                 let want = lse - row[PROMPT[from + i + 1] as usize] as f64;
                 assert!(
                     (g as f64 - want).abs() <= 1e-4 * want.abs().max(1.0),
-                    "{} on {}: position {}: {g} against {want}",
+                    "{} on {}, batch {batch}: position {}: {g} against {want}",
                     s.arch,
                     be.kind(),
                     from + i

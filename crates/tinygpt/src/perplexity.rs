@@ -183,19 +183,45 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &PerplexityArgs) -> Result<()> {
     let mut sums = NllSums::default();
     let mut line = String::new();
     let t0 = Instant::now();
-    for i in 0..n_chunks {
-        let start = i * n_ctx;
-        let chunk = chunk_at(i);
-        m.llm.reset();
-        // Position j scores the chunk's token j + 1 (the text's, also where BOS replaced the first).
-        debug_assert!((first..n_ctx - 1).all(|j| chunk[j + 1] == tokens[start + j + 1]));
-        for v in pollster::block_on(m.llm.score_nll(be, &chunk, first))? {
+    // Position j of a chunk scores its token j + 1 (the text's, also where BOS replaced the first).
+    // A chunk that fits one pass is recorded before the numbers of the one before are waited for, so
+    // the device goes from one chunk to the next without waiting for the host.
+    let pipelined = n_ctx <= m.llm.batch() && m.llm.config().final_softcap <= 0.0;
+    let mut pending: Option<tinygpt_models::llm::NllRead> = None;
+    let mut done = 0;
+    let mut take = |nll: Vec<f32>, sums: &mut NllSums, line: &mut String| {
+        for v in nll {
             sums.add(v as f64);
         }
-        let tps = ((i + 1) * n_ctx) as f64 / t0.elapsed().as_secs_f64();
-        line.push_str(&format!("[{}]{:.4},", i + 1, sums.ppl()));
+        done += 1;
+        let tps = (done * n_ctx) as f64 / t0.elapsed().as_secs_f64();
+        line.push_str(&format!("[{done}]{:.4},", sums.ppl()));
         pb.set_message(format!("PPL {:.4} · {tps:.0} tokens/s", sums.ppl()));
         pb.inc(1);
+    };
+    for i in 0..n_chunks {
+        let chunk = chunk_at(i);
+        m.llm.reset();
+        if !pipelined {
+            let nll = pollster::block_on(m.llm.score_nll(be, &chunk, first))?;
+            take(nll, &mut sums, &mut line);
+            continue;
+        }
+        let next = m.llm.score_nll_start(be, &chunk, first)?;
+        if let Some(p) = pending.replace(next) {
+            take(
+                pollster::block_on(m.llm.score_nll_finish(be, p))?,
+                &mut sums,
+                &mut line,
+            );
+        }
+    }
+    if let Some(p) = pending {
+        take(
+            pollster::block_on(m.llm.score_nll_finish(be, p))?,
+            &mut sums,
+            &mut line,
+        );
     }
     pb.finish_and_clear();
     let secs = t0.elapsed().as_secs_f64();

@@ -25,5 +25,5 @@ pub use config::{Arch, LayerAttention, LlmConfig};
 pub use drift::{DriftEvent, DriftGuard};
 pub use error::{LlmError, Result};
 pub use generate::{Finish, Generated, generate, generate_guarded, generate_watched};
-pub use model::{DEFAULT_CONTEXT, Feed, Llm, LoadOptions, MemoryReport, Sequence};
+pub use model::{DEFAULT_CONTEXT, Feed, Llm, LoadOptions, MemoryReport, NllRead, Sequence};
 pub use weights::LoadProgress;

@@ -741,6 +741,10 @@ impl Llm {
                 .map(|(i, row)| nll_of(row, target(from + i) as usize))
                 .collect());
         }
+        if tokens.len() <= self.core.batch {
+            let r = self.score_nll_start(be, tokens, from)?;
+            return self.score_nll_finish(be, r).await;
+        }
         let c = &mut self.core;
         self.seq.check(tokens, v)?;
         let mut out = Vec::with_capacity(tokens.len().saturating_sub(from));
@@ -773,6 +777,77 @@ impl Llm {
         // The last position has no next token to score.
         out.truncate(tokens.len().saturating_sub(from + 1));
         Ok(out)
+    }
+
+    /// [`Llm::score_nll`] in two halves, for `tokens` that fit one pass ([`Llm::batch`]) of a model that
+    /// does not soft-cap its logits: this records the pass and the losses and starts reading them
+    /// back, so a caller can record the next sequence's pass before waiting for this one's numbers
+    /// ([`Llm::score_nll_finish`]); the device then never waits for the host between the two.
+    pub fn score_nll_start(
+        &mut self,
+        be: &Backend,
+        tokens: &[u32],
+        from: usize,
+    ) -> Result<NllRead> {
+        let c = &mut self.core;
+        let v = c.cfg.vocab;
+        if tokens.len() > c.batch || c.cfg.final_softcap > 0.0 {
+            return Err(LlmError::Options(format!(
+                "score_nll_start takes at most {} tokens of a model without soft-capped logits",
+                c.batch
+            )));
+        }
+        self.seq.check(tokens, v)?;
+        let want = tokens.len().saturating_sub(from + 1);
+        if from >= tokens.len() {
+            c.forward(be, tokens, &mut self.seq, None)?;
+            self.history.extend_from_slice(tokens);
+            return Ok(NllRead { losses: None, want });
+        }
+        c.forward(be, tokens, &mut self.seq, Some(from))?;
+        let rows = tokens.len() - from;
+        let targets: Vec<u32> = (from..tokens.len())
+            .map(|p| {
+                tokens
+                    .get(p + 1)
+                    .copied()
+                    .unwrap_or(tinygpt_kernels::ops::cross_entropy::IGNORE)
+            })
+            .collect();
+        let t = be.from_u32(&targets, 1)?;
+        let mut losses = be.zeros(rows, 1)?;
+        let scored = c.scored.as_ref().expect("made by forward");
+        tinygpt_kernels::ops::cross_entropy::cross_entropy(
+            be,
+            scored.at(0),
+            (&t).into(),
+            (&mut losses).into(),
+            None,
+            rows,
+            v,
+            1.0,
+        )?;
+        let read = be.read_start((&losses).into(), rows)?;
+        self.history.extend_from_slice(tokens);
+        Ok(NllRead {
+            losses: Some((losses, read)),
+            want,
+        })
+    }
+
+    /// The numbers of a [`Llm::score_nll_start`].
+    pub async fn score_nll_finish(&self, be: &Backend, r: NllRead) -> Result<Vec<f32>> {
+        let Some((_losses, read)) = r.losses else {
+            return Ok(Vec::new());
+        };
+        let mut out = be.read_finish_f32(read).await?;
+        out.truncate(r.want);
+        Ok(out)
+    }
+
+    /// Most tokens one pass takes.
+    pub fn batch(&self) -> usize {
+        self.core.batch
     }
 
     /// The logits after the last token fed (host), soft-capped if the model caps them.
@@ -1575,6 +1650,13 @@ fn rope_tables(
         layer_rope.push(i);
     }
     Ok((ropes, layer_rope))
+}
+
+/// A [`Llm::score_nll_start`] whose numbers are on their way back (the losses tensor stays alive until
+/// they are read).
+pub struct NllRead {
+    losses: Option<(Tensor, PendingRead)>,
+    want: usize,
 }
 
 /// −log softmax(row)[target], with the sums in f64 (0 for a target outside the row).
