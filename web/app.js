@@ -347,10 +347,12 @@ $('history').onclick = async () => {
   const drifts = h.filter((rec) => rec.kind === 'drift');
   const runs = h.filter((rec) => rec.kind !== 'drift');
   const iso = (t) => new Date(t * 1000).toISOString();
+  // Browsers may hide the adapter's name (WebGPU's adapter info can be empty).
+  const adapterOf = (rec) => rec.adapter || rec.driver || 'WebGPU adapter';
   for (const rec of runs) {
     for (const p of rec.paths ?? []) {
       if (p.from_cache || p.status === 'unsupported') continue;
-      const k = `${rec.adapter} · ${p.name}`;
+      const k = `${adapterOf(rec)} · ${p.name}`;
       per[k] ??= { runs: 0, pass: 0, fail: 0, worst: 0, last: 0 };
       const v = per[k];
       v.runs += 1;
@@ -367,7 +369,7 @@ $('history').onclick = async () => {
     consoleLine(`[ops]   ${k}: ${v.runs} runs, ${v.pass} passes, ${v.fail} failures, worst max_abs ${(100 * v.worst).toFixed(1)}% of its limit, last ${iso(v.last)}`);
   }
   for (const d of drifts) {
-    consoleLine(`[ops]   drift guard on ${d.adapter}: ${d.subject} at position ${d.position}, KL=${d.kl.toExponential(3)} (bound ${d.bound.toExponential(3)}), top-1 ${d.same_top1}/${d.checks}, ${d.paths.join(', ')} off, ${iso(d.time_unix)}`);
+    consoleLine(`[ops]   drift guard on ${adapterOf(d)}: ${d.subject} at position ${d.position}, KL=${d.kl.toExponential(3)} (bound ${d.bound.toExponential(3)}), top-1 ${d.same_top1}/${d.checks}, ${d.paths.join(', ')} off, ${iso(d.time_unix)}`);
   }
 };
 
