@@ -756,22 +756,9 @@ impl Llm {
                 continue;
             }
             c.forward(be, chunk, &mut self.seq, Some(f))?;
-            let rows = chunk.len() - f;
             let targets: Vec<u32> = (start + f..start + chunk.len()).map(target).collect();
-            let t = be.from_u32(&targets, 1)?;
-            let mut losses = be.zeros(rows, 1)?;
-            let scored = c.scored.as_ref().expect("made by forward");
-            tinygpt_kernels::ops::cross_entropy::cross_entropy(
-                be,
-                scored.at(0),
-                (&t).into(),
-                (&mut losses).into(),
-                None,
-                rows,
-                v,
-                1.0,
-            )?;
-            out.extend(be.read_f32((&losses).into(), rows).await?);
+            let losses = c.scored_losses(be, &targets)?;
+            out.extend(be.read_f32((&losses).into(), targets.len()).await?);
         }
         self.history.extend_from_slice(tokens);
         // The last position has no next token to score.
@@ -805,7 +792,6 @@ impl Llm {
             return Ok(NllRead { losses: None, want });
         }
         c.forward(be, tokens, &mut self.seq, Some(from))?;
-        let rows = tokens.len() - from;
         let targets: Vec<u32> = (from..tokens.len())
             .map(|p| {
                 tokens
@@ -814,20 +800,8 @@ impl Llm {
                     .unwrap_or(tinygpt_kernels::ops::cross_entropy::IGNORE)
             })
             .collect();
-        let t = be.from_u32(&targets, 1)?;
-        let mut losses = be.zeros(rows, 1)?;
-        let scored = c.scored.as_ref().expect("made by forward");
-        tinygpt_kernels::ops::cross_entropy::cross_entropy(
-            be,
-            scored.at(0),
-            (&t).into(),
-            (&mut losses).into(),
-            None,
-            rows,
-            v,
-            1.0,
-        )?;
-        let read = be.read_start((&losses).into(), rows)?;
+        let losses = c.scored_losses(be, &targets)?;
+        let read = be.read_start((&losses).into(), targets.len())?;
         self.history.extend_from_slice(tokens);
         Ok(NllRead {
             losses: Some((losses, read)),
@@ -910,6 +884,26 @@ impl Core {
                 row
             })
             .collect())
+    }
+
+    /// −log softmax(row)[targets[r]] for each row r of the last pass's `scored` logits (one row per
+    /// target; a target of `IGNORE` scores 0), on the backend.
+    fn scored_losses(&self, be: &Backend, targets: &[u32]) -> Result<Tensor> {
+        let rows = targets.len();
+        let t = be.from_u32(targets, 1)?;
+        let mut losses = be.zeros(rows, 1)?;
+        let scored = self.scored.as_ref().expect("made by forward");
+        tinygpt_kernels::ops::cross_entropy::cross_entropy(
+            be,
+            scored.at(0),
+            (&t).into(),
+            (&mut losses).into(),
+            None,
+            rows,
+            self.cfg.vocab,
+            1.0,
+        )?;
+        Ok(losses)
     }
 
     /// One prompt pass over `tokens` of `seq`; with `scored_from = Some(f)` the logits of rows f.. go
