@@ -10,6 +10,7 @@ pub mod attention;
 pub mod cross_entropy;
 pub mod dropout;
 pub mod embedding;
+pub mod fastmath;
 pub mod fill;
 pub mod gelu;
 pub mod glu;

@@ -299,31 +299,48 @@ impl Trainer {
         let seed0 = drop_seed(seed, self.step, n_layer, 0);
         dropout(be, tmp.at(0), self.layers[0].x.at_mut(0), n * c, p, seed0)?;
 
-        for l in 0..n_layer {
+        for (l, &drop) in drops.iter().enumerate() {
             let (head, rest) = self.layers.split_at_mut(l + 1);
-            let a = &mut head[l];
+            let (before, cur) = head.split_at_mut(l);
+            let LayerActs {
+                x,
+                acts,
+                qkv,
+                probs,
+                dropped,
+            } = &mut cur[0];
+            // Without a backward pass to follow, every block reuses the first block's activations:
+            // an evaluation touches one layer's worth of memory instead of all of them.
+            let (acts, qkv, probs, dropped) = match before.first_mut() {
+                Some(first) if !train => (
+                    &mut first.acts,
+                    &mut first.qkv,
+                    &mut first.probs,
+                    &mut first.dropped,
+                ),
+                _ => (acts, qkv, probs, dropped),
+            };
             let next = match rest.first_mut() {
                 Some(nx) => &mut nx.x,
                 None => &mut self.x_final,
             };
             let attn = Attention::Batch {
-                qkv: &mut a.qkv,
-                probs: &mut a.probs,
-                dropped: a.dropped.as_mut(),
+                qkv,
+                probs,
+                dropped: dropped.as_mut(),
                 shape,
                 drop: (p > 0.0).then(|| (p, drop_seed(seed, self.step, l, 1))),
             };
-            let (o, x) = (lay.block(l), a.x.at(0));
             block_forward(
                 be,
                 w,
-                o,
+                lay.block(l),
                 d,
-                x,
+                x.at(0),
                 next.at_mut(0),
-                &mut a.acts,
+                acts,
                 attn,
-                drops[l],
+                drop,
                 tmp,
             )?;
         }

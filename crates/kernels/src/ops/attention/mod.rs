@@ -7,6 +7,8 @@
 //! Inference ([`attend`]) runs query rows against a KV cache with grouped-query heads and an optional
 //! sliding window, in one kernel.
 
+mod causal_cpu;
+
 use super::common::row_kernel;
 use super::dropout::dropout;
 use super::matmul::{Gemm, matmul};
@@ -66,6 +68,32 @@ pub fn attention_forward(
     drop: AttnDropout,
 ) -> Result<()> {
     let (t, c, hd) = (s.t, s.c(), s.head_dim);
+    if let Backend::Cpu(cpu) = be {
+        const OP: &str = "attention_forward";
+        if matches!(drop, Some((p, _)) if !(0.0..1.0).contains(&p)) {
+            return Err(Error::Shape {
+                op: OP,
+                msg: "the drop probability must be in [0, 1)".into(),
+            });
+        }
+        let rows = s.batch * t;
+        let qs = qkv.cpu(OP, "qkv", rows * 3 * c)?;
+        let ys = y.cpu(OP, "y", rows * c)?;
+        let ps = probs.cpu(OP, "probs", s.probs_len())?;
+        let mut dropped = dropped;
+        let ds = match (drop, dropped.as_mut()) {
+            (Some((p, _)), Some(d)) if p > 0.0 => Some(d.cpu(OP, "dropped", s.probs_len())?),
+            (Some((p, _)), None) if p > 0.0 => {
+                return Err(Error::Shape {
+                    op: OP,
+                    msg: "dropout needs a tensor for the dropped-out probabilities".into(),
+                });
+            }
+            _ => None,
+        };
+        causal_cpu::forward(cpu, qs, ys, ps, ds, s, drop);
+        return Ok(());
+    }
     let scores = Gemm::nt(t, t, hd)
         .lda(3 * c)
         .ldb(3 * c)
@@ -335,7 +363,7 @@ pub fn attend(
                         let m = sc.iter().fold(f32::MIN, |m, &x| m.max(x));
                         let mut sum = 0.0f32;
                         for x in &mut sc {
-                            *x = (*x - m).exp();
+                            *x = super::fastmath::exp(*x - m);
                             sum += *x;
                         }
                         let inv = 1.0 / sum;

@@ -2,13 +2,14 @@
 //! forward and backward passes, and the CPU and GPU backends, all draw the same mask without storing it.
 
 use super::common::{Grid, kernel, run};
+use super::fastmath::{map1i, map2i};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, Operand};
 use rayon::prelude::*;
 
 /// "lowbias32" (Chris Wellons' hash-prospector): a fast, well-mixed 32-bit integer hash.
-#[inline]
+#[inline(always)]
 pub fn hash(v: u32) -> u32 {
     let mut h = v;
     h ^= h >> 16;
@@ -20,9 +21,19 @@ pub fn hash(v: u32) -> u32 {
 }
 
 /// Whether element `i` survives dropout with probability `p` under `seed`.
-#[inline]
+#[inline(always)]
 pub fn keep(i: u32, seed: u32, threshold: u32) -> bool {
     hash(i ^ hash(seed)) >= threshold
+}
+
+/// The CPU twin of one element: element `i` of x after dropout with probability `p` under `seed`
+/// (x / (1 − p), or 0).
+#[inline(always)]
+pub(crate) fn kept_fn(p: f32, seed: u32) -> impl Fn(u32, f32) -> f32 + Copy + Send + Sync {
+    let (th, scale, hs) = (threshold(p), 1.0 / (1.0 - p), hash(seed));
+    move |i: u32, x: f32| {
+        if hash(i ^ hs) >= th { x * scale } else { 0.0 }
+    }
 }
 
 fn threshold(p: f32) -> u32 {
@@ -71,19 +82,22 @@ fn launch(
             let rs = residual.map(|r| r.cpu(OP, "residual", n)).transpose()?;
             let xs = x.cpu(OP, "x", n)?;
             let os = out.cpu(OP, "out", n)?;
-            c.install(|| {
-                os.par_iter_mut()
-                    .with_min_len(1 << 14)
-                    .zip(xs)
+            // Chunks of whole vectors, each with its first index, so the hash loop vectorises.
+            const CHUNK: usize = 1 << 14;
+            let kept = kept_fn(p, seed);
+            c.install(|| match rs {
+                None => os
+                    .par_chunks_mut(CHUNK)
+                    .zip(xs.par_chunks(CHUNK))
                     .enumerate()
-                    .for_each(|(i, (o, &x))| {
-                        let kept = if keep(i as u32, seed, th) {
-                            x * scale
-                        } else {
-                            0.0
-                        };
-                        *o = rs.map_or(kept, |r| r[i] + kept);
-                    })
+                    .for_each(|(k, (o, x))| map1i(o, x, (k * CHUNK) as u32, kept)),
+                Some(rs) => os
+                    .par_chunks_mut(CHUNK)
+                    .zip(xs.par_chunks(CHUNK).zip(rs.par_chunks(CHUNK)))
+                    .enumerate()
+                    .for_each(|(k, (o, (x, r)))| {
+                        map2i(o, x, r, (k * CHUNK) as u32, |i, x, r| r + kept(i, x))
+                    }),
             });
             Ok(())
         }

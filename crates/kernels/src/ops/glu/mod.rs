@@ -2,6 +2,7 @@
 //! and their backward. SiLU alone is SwiGLU with `up` = 1.
 
 use super::common::{Grid, kernel, run};
+use super::fastmath::{self, map2};
 use super::gelu::{gelu_grad_scalar, gelu_scalar};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
@@ -16,11 +17,11 @@ pub enum Activation {
 }
 
 /// (act(x), act'(x)): the scalar twin.
-#[inline]
+#[inline(always)]
 pub fn act_scalar(a: Activation, x: f32) -> (f32, f32) {
     match a {
         Activation::Silu => {
-            let s = 1.0 / (1.0 + (-x).exp());
+            let s = 1.0 / (1.0 + fastmath::exp(-x));
             (x * s, s * (1.0 + x * (1.0 - s)))
         }
         Activation::Gelu => (gelu_scalar(x), gelu_grad_scalar(x)),
@@ -40,11 +41,16 @@ pub fn glu(
         Backend::Cpu(c) => {
             let (g, u) = (gate.cpu("glu", "gate", n)?, up.cpu("glu", "up", n)?);
             let o = out.cpu("glu", "out", n)?;
+            const CHUNK: usize = 1 << 14;
             c.install(|| {
-                o.par_iter_mut()
-                    .with_min_len(1 << 14)
-                    .zip(g.par_iter().zip(u))
-                    .for_each(|(o, (&g, &u))| *o = act_scalar(act, g).0 * u)
+                o.par_chunks_mut(CHUNK)
+                    .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
+                    .for_each(|(o, (g, u))| match act {
+                        Activation::Silu => {
+                            map2(o, g, u, |g, u| act_scalar(Activation::Silu, g).0 * u)
+                        }
+                        Activation::Gelu => map2(o, g, u, |g, u| gelu_scalar(g) * u),
+                    })
             });
             Ok(())
         }

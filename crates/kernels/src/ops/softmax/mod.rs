@@ -2,6 +2,7 @@
 //! incoming gradient).
 
 use super::common::{Grid, row_kernel, run};
+use super::fastmath;
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, Operand};
@@ -48,17 +49,29 @@ impl SoftmaxShape {
 }
 
 /// CPU twin of one row of the forward pass.
-fn row_forward(x: &mut [f32], valid: usize, scale: f32) {
-    let m = x[..valid].iter().fold(f32::MIN, |m, &v| m.max(scale * v));
-    let mut s = 0.0f32;
-    for v in &x[..valid] {
-        s += (scale * v - m).exp();
+#[inline(always)]
+pub(crate) fn row_forward(x: &mut [f32], valid: usize, scale: f32) {
+    let (live, masked) = x.split_at_mut(valid);
+    // max(scale · v) is scale · max(v) for the usual scale ≥ 0.
+    let m = if scale >= 0.0 {
+        scale * fastmath::max(live)
+    } else {
+        live.iter().fold(f32::MIN, |m, &v| m.max(scale * v))
+    };
+    live.iter_mut()
+        .for_each(|v| *v = fastmath::exp(scale * *v - m));
+    let inv = 1.0 / fastmath::sum(live);
+    live.iter_mut().for_each(|v| *v *= inv);
+    masked.fill(0.0);
+}
+
+/// CPU twin of one row of the backward pass.
+#[inline(always)]
+fn row_backward(g: &mut [f32], y: &[f32], valid: usize, scale: f32) {
+    let d = fastmath::dot(&g[..valid], y);
+    for (g, &yv) in g.iter_mut().zip(y) {
+        *g = scale * yv * (*g - d);
     }
-    let inv = 1.0 / s;
-    for v in &mut x[..valid] {
-        *v = (scale * *v - m).exp() * inv;
-    }
-    x[valid..].fill(0.0);
 }
 
 /// x ← softmax(scale · x) per row.
@@ -83,20 +96,26 @@ fn launch(be: &Backend, mut x: TMut<'_>, y: Option<TRef<'_>>, s: SoftmaxShape) -
         Backend::Cpu(c) => {
             let ys = y.map(|y| y.cpu("softmax", "y", n)).transpose()?;
             let xs = x.cpu("softmax", "x", n)?;
+            // Blocks of rows, each block's loops compiled wide (see fastmath::wide).
+            const ROWS: usize = 64;
             c.install(|| {
-                xs.par_chunks_mut(s.cols).enumerate().for_each(|(r, row)| {
-                    let valid = s.valid(r);
-                    match ys {
-                        None => row_forward(row, valid, s.scale),
-                        Some(ys) => {
-                            let yr = &ys[r * s.cols..][..s.cols];
-                            let d: f32 = row[..valid].iter().zip(yr).map(|(a, b)| a * b).sum();
-                            for (g, &yv) in row.iter_mut().zip(yr) {
-                                *g = s.scale * yv * (*g - d);
+                xs.par_chunks_mut(s.cols * ROWS)
+                    .enumerate()
+                    .for_each(|(b, block)| {
+                        fastmath::wide(|| {
+                            for (i, row) in block.chunks_mut(s.cols).enumerate() {
+                                let r = b * ROWS + i;
+                                let valid = s.valid(r);
+                                match ys {
+                                    None => row_forward(row, valid, s.scale),
+                                    Some(ys) => {
+                                        let yr = &ys[r * s.cols..][..s.cols];
+                                        row_backward(row, yr, valid, s.scale)
+                                    }
+                                }
                             }
-                        }
-                    }
-                })
+                        })
+                    })
             });
             Ok(())
         }
