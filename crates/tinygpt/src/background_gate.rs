@@ -140,12 +140,14 @@ impl BackgroundGate {
         self.started.elapsed().as_secs_f64()
     }
 
-    /// Moves `llm` (on the f32 path) to the paths the gate passed, saying so; true when it moved.
+    /// Moves `llm` (on the f32 path) to the paths the gate passed, saying so (`at`: where in the
+    /// work it moves, "at position 12"); true when it moved.
     pub fn apply(
         &self,
         be: &Backend,
         llm: &mut Llm,
         verdict: std::result::Result<PathSet, String>,
+        at: &str,
     ) -> Result<bool> {
         let secs = self.elapsed();
         match verdict {
@@ -155,10 +157,9 @@ impl BackgroundGate {
                 llm.switch_paths(be, &file, paths)?;
                 be.sync()?;
                 eprintln!(
-                    "[ops] fast paths gated in {secs:.1} s: {} — the model moves to them at position {} \
+                    "[ops] fast paths gated in {secs:.1} s: {} — the model moves to them {at} \
                      (in {:.1} s; the f32 path served until now)",
                     pills(paths),
-                    llm.position(),
                     t.elapsed().as_secs_f64()
                 );
                 Ok(true)

@@ -238,7 +238,8 @@ fn load_with(
 }
 
 /// [`load`] for a server: the model with room for `parallel(kv bytes of one sequence)` sequences decoded
-/// together (the count can depend on a sequence's size).
+/// together (the count can depend on a sequence's size). Like [`load_interactive`], it serves on the
+/// f32 path at once while missing gate verdicts are found in the background (`Loaded::gating`).
 pub fn load_for_serving(
     be: &Backend,
     gate: &GateArgs,
@@ -256,7 +257,7 @@ pub fn load_for_serving(
     // f32 keys and values of every layer, per position.
     let seq_bytes = (cfg.n_layer * ctx * 2 * cfg.kv_dim() * 4) as u64;
     let n = parallel(seq_bytes).max(1);
-    Ok((load_with(be, gate, args, n, true, false)?, n))
+    Ok((load_with(be, gate, args, n, true, true)?, n))
 }
 
 /// Total memory of the machine, where /proc says.
@@ -426,7 +427,8 @@ fn take_gate_verdict(
     if mid_text {
         eprintln!();
     }
-    let moved = g.apply(be, llm, v)?;
+    let at = format!("at position {}", llm.position());
+    let moved = g.apply(be, llm, v, &at)?;
     *gating = None;
     Ok(moved)
 }

@@ -3,6 +3,7 @@
 //! Shakespeare model for plain completions.
 
 use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -20,6 +21,8 @@ struct Server {
     log: mpsc::Receiver<String>,
     /// Whether /health answered 503 before the model was ready.
     saw_loading: bool,
+    /// The line that said the server is ready.
+    ready: String,
 }
 
 impl Drop for Server {
@@ -45,7 +48,12 @@ fn start(args: &[&str]) -> Server {
 
 /// [`start`] on `backend` (cpu or gpu).
 fn start_on(backend: &str, args: &[&str]) -> Server {
-    let mut child = bin()
+    start_with(bin(), backend, args)
+}
+
+/// [`start_on`] from the command `cmd` (its environment set).
+fn start_with(mut cmd: Command, backend: &str, args: &[&str]) -> Server {
+    let mut child = cmd
         .args(["--backend", backend, "serve", "--port", "0"])
         .args(args)
         .stdout(Stdio::null())
@@ -65,7 +73,7 @@ fn start_on(backend: &str, args: &[&str]) -> Server {
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut base = None;
     let mut saw_loading = false;
-    loop {
+    let ready = loop {
         let line = rx
             .recv_timeout(deadline.saturating_duration_since(Instant::now()))
             .expect("the server starts within two minutes");
@@ -78,14 +86,15 @@ fn start_on(backend: &str, args: &[&str]) -> Server {
             base = Some(format!("http://{addr}"));
         }
         if line.starts_with("ready:") {
-            break;
+            break line;
         }
-    }
+    };
     Server {
         child,
         base: base.expect("the server printed its address"),
         log: rx,
         saw_loading,
+        ready,
     }
 }
 
@@ -329,6 +338,91 @@ fn greedy_requests_decoded_together_on_the_gpu_match_tinygpt_run() {
             .collect()
     });
     assert_eq!(got, want);
+}
+
+/// On an adapter without stored gate verdicts the server is ready at once on the f32 path, gates the
+/// fast paths in the background, and moves to them between two requests (never inside one): the texts
+/// before and after equal the f32 path's, and /metrics then lists the fast path.
+#[test]
+fn a_server_on_an_ungated_adapter_serves_at_once_and_moves_to_its_fast_paths_between_requests() {
+    if tinygpt_kernels::testing::skip_gpu() {
+        return;
+    }
+    let cache = std::env::temp_dir().join(format!("tinygpt-serve-gating-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let model =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/data/qwen/qwen2.q8_0.gguf");
+    let f32_text = {
+        let o = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
+            .env("TINYGPT_CACHE_DIR", &cache)
+            .args(["--backend", "gpu", "--f32-only", "run"])
+            .arg(&model)
+            .args([
+                "-p",
+                "Hello",
+                "-n",
+                "12",
+                "--temperature",
+                "0",
+                "--format",
+                "json",
+            ])
+            .output()
+            .expect("run");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: Value = serde_json::from_slice(&o.stdout).expect("json");
+        v["text"].as_str().unwrap().to_string()
+    };
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tinygpt"));
+    cmd.env("TINYGPT_CACHE_DIR", &cache);
+    let s = start_with(cmd, "gpu", &[model.to_str().unwrap(), "--parallel", "2"]);
+    assert!(
+        s.ready
+            .contains("f32 path · gating the fast paths in the background"),
+        "{}",
+        s.ready
+    );
+    let rt = rt();
+    let complete = || {
+        rt.block_on(post(
+            &s.base,
+            "/v1/completions",
+            json!({"prompt": "Hello", "max_tokens": 12, "temperature": 0}),
+            None,
+        ))
+    };
+    let text = |raw: &str| {
+        let v: Value = serde_json::from_str(raw).unwrap();
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let (status, raw) = complete();
+    assert_eq!(status, 200, "{raw}");
+    assert_eq!(text(&raw), f32_text);
+    // The gates finish in the background; the model moves when no request runs.
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let mut seen = Vec::new();
+    loop {
+        let line = s
+            .log
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .unwrap_or_else(|_| panic!("no move to the fast paths in:\n{}", seen.join("\n")));
+        let moved = line.contains("fast paths gated in") && line.contains("between two requests");
+        seen.push(line);
+        if moved {
+            break;
+        }
+    }
+    let (status, raw) = complete();
+    assert_eq!(status, 200, "{raw}");
+    assert_eq!(text(&raw), f32_text);
+    let (status, m) = get_now(&format!("{}/metrics", s.base)).expect("metrics");
+    assert_eq!(status, 200);
+    assert!(
+        m.contains("tinygpt_fast_path_active{path=\"q8 matmul\"} 1"),
+        "{m}"
+    );
+    drop(s);
+    let _ = std::fs::remove_dir_all(&cache);
 }
 
 #[test]

@@ -10,12 +10,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
-use tinygpt_kernels::Backend;
+use tinygpt_kernels::{Backend, PathSet};
 use tinygpt_models::gpt::{CharVocab, GptRunner, GptSequence};
 use tinygpt_models::llm::{Llm, Sequence};
 use tinygpt_models::sampler::{Sampler, SamplerConfig};
 use tinygpt_models::tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
+
+use crate::background_gate::{BackgroundGate, Verdict};
 
 /// Why a completion ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,6 +74,9 @@ pub struct Shared {
     /// Aggregate decode tokens/s over recent steps (f64 bits).
     decode_tps: AtomicU64,
     pub decode_tokens: AtomicU64,
+    /// The pills of the fast paths the model runs on now (they change once, when background gating
+    /// ends).
+    pub paths: std::sync::Mutex<Vec<String>>,
 }
 
 impl Shared {
@@ -249,17 +254,44 @@ pub trait Decoder {
     }
     /// Whether `seq` can take another token.
     fn has_room(&self, seq: &Self::Seq) -> bool;
+    /// Whether the model has other kernels to move to (its background gates finished). The engine
+    /// then admits no new request, lets the running ones finish on the kernels they started on (a
+    /// request's text never depends on when gating ended), and calls [`Decoder::move_paths`].
+    fn paths_waiting(&mut self) -> bool {
+        false
+    }
+    /// Moves the model (no sequence running) to the kernels [`Decoder::paths_waiting`] found;
+    /// returns the pills of the fast paths now active.
+    fn move_paths(&mut self, _be: &Backend) -> anyhow::Result<Vec<String>> {
+        Ok(Vec::new())
+    }
 }
 
 /// A GGUF model: every decode step is one batched pass.
-pub struct LlmDecoder(pub Llm);
+pub struct LlmDecoder {
+    pub llm: Llm,
+    /// Fast paths still being gated (the model serves on the f32 path meanwhile).
+    pub gating: Option<BackgroundGate>,
+    /// The gates' verdict, once they finished, until the model moves.
+    verdict: Option<std::result::Result<PathSet, String>>,
+}
+
+impl LlmDecoder {
+    pub fn new(llm: Llm, gating: Option<BackgroundGate>) -> Self {
+        LlmDecoder {
+            llm,
+            gating,
+            verdict: None,
+        }
+    }
+}
 
 impl Decoder for LlmDecoder {
     type Seq = Sequence;
 
     fn new_seq(&mut self, be: &Backend) -> anyhow::Result<Sequence> {
         let _ = be;
-        Ok(self.0.new_sequence()?)
+        Ok(self.llm.new_sequence()?)
     }
 
     fn start(
@@ -269,8 +301,8 @@ impl Decoder for LlmDecoder {
         prompt: &[u32],
     ) -> anyhow::Result<Vec<f32>> {
         seq.reset();
-        self.0.feed_sequence(be, seq, prompt)?;
-        Ok(pollster::block_on(self.0.read_logits(be))?)
+        self.llm.feed_sequence(be, seq, prompt)?;
+        Ok(pollster::block_on(self.llm.read_logits(be))?)
     }
 
     fn step(
@@ -278,9 +310,9 @@ impl Decoder for LlmDecoder {
         be: &Backend,
         steps: &mut [(&mut Sequence, u32)],
     ) -> anyhow::Result<Vec<Vec<f32>>> {
-        self.0.decode_batch(be, steps)?;
+        self.llm.decode_batch(be, steps)?;
         Ok(pollster::block_on(
-            self.0.read_logits_batch(be, steps.len()),
+            self.llm.read_logits_batch(be, steps.len()),
         )?)
     }
 
@@ -289,17 +321,39 @@ impl Decoder for LlmDecoder {
         be: &Backend,
         steps: &mut [(&mut Sequence, u32)],
     ) -> anyhow::Result<Option<Vec<u32>>> {
-        if be.as_gpu().is_none() || !self.0.picks_on_device() {
+        if be.as_gpu().is_none() || !self.llm.picks_on_device() {
             return Ok(None);
         }
-        self.0.decode_batch(be, steps)?;
-        self.0.pick_greedy(be)?;
-        let p = self.0.read_picks(be)?;
-        Ok(Some(pollster::block_on(self.0.finish_picks(be, p))?))
+        self.llm.decode_batch(be, steps)?;
+        self.llm.pick_greedy(be)?;
+        let p = self.llm.read_picks(be)?;
+        Ok(Some(pollster::block_on(self.llm.finish_picks(be, p))?))
     }
 
     fn has_room(&self, seq: &Sequence) -> bool {
         seq.position() < seq.context()
+    }
+
+    fn paths_waiting(&mut self) -> bool {
+        if self.verdict.is_none()
+            && let Some(g) = &mut self.gating
+            && let Verdict::Done(v) = g.poll()
+        {
+            self.verdict = Some(v);
+        }
+        self.verdict.is_some()
+    }
+
+    fn move_paths(&mut self, be: &Backend) -> anyhow::Result<Vec<String>> {
+        if let (Some(g), Some(v)) = (self.gating.take(), self.verdict.take()) {
+            g.apply(be, &mut self.llm, v, "between two requests")?;
+        }
+        Ok(self
+            .llm
+            .paths()
+            .iter()
+            .map(|p| p.pill().to_string())
+            .collect())
     }
 }
 
@@ -456,8 +510,22 @@ pub fn run<D: Decoder>(
             }
             return Ok(());
         }
+        // Background gates finished: once the running requests are done, the model moves to the
+        // kernels that passed; until then no request is admitted (they wait in the queue).
+        let mut moving = d.paths_waiting();
+        if moving && active.is_empty() {
+            match d.move_paths(be) {
+                Ok(pills) => {
+                    if let Ok(mut p) = shared.paths.lock() {
+                        *p = pills;
+                    }
+                }
+                Err(e) => eprintln!("[ops] moving to the gated fast paths failed ({e:#})"),
+            }
+            moving = false;
+        }
         // Admit waiting requests into free slots; wait for one when nothing runs.
-        while let Some(seq) = free.pop() {
+        while !moving && let Some(seq) = free.pop() {
             let job = if active.is_empty() {
                 match jobs.recv_timeout(Duration::from_millis(50)) {
                     Ok(j) => j,

@@ -84,6 +84,7 @@ fn harness() -> &'static Harness {
                 context: 64,
                 parallel: 2,
                 pills: vec![],
+                gating: false,
                 template,
                 codec: Arc::new(Codec::Bpe(tok)),
                 created: 0,

@@ -133,13 +133,8 @@ impl AppState {
 
     /// The model is loaded: requests are taken from now on.
     pub fn set_ready(&self, info: ModelInfo, jobs: std::sync::mpsc::Sender<Job>, queue: usize) {
-        for p in &info.pills {
-            self.metrics
-                .fast_paths
-                .get_or_create(&PathLabels {
-                    path: p.trim_start_matches('+').to_string(),
-                })
-                .set(1);
+        if let Ok(mut p) = self.shared.paths.lock() {
+            p.clone_from(&info.pills);
         }
         let _ = self.info.set(info);
         self.queue_limit.store(queue, Ordering::Relaxed);
@@ -350,6 +345,16 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     m.active
         .set(st.shared.active.load(Ordering::Relaxed) as i64);
     m.decode_tps.set(st.shared.decode_tps());
+    // The model moves to its fast paths once, when background gating passes them.
+    if let Ok(paths) = st.shared.paths.lock() {
+        for p in paths.iter() {
+            m.fast_paths
+                .get_or_create(&PathLabels {
+                    path: p.trim_start_matches('+').to_string(),
+                })
+                .set(1);
+        }
+    }
     let mut text = String::new();
     if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &m.registry) {
         return ApiError::new(

@@ -76,7 +76,10 @@ pub struct ModelInfo {
     /// Positions a request may use (prompt + completion); usize::MAX for the sliding char model.
     pub context: usize,
     pub parallel: usize,
+    /// The fast paths active when the model was ready (see `Shared::paths` for now).
     pub pills: Vec<String>,
+    /// Fast paths are being gated in the background (the f32 path serves until they pass).
+    pub gating: bool,
     pub created: u64,
 }
 
@@ -160,12 +163,13 @@ fn engine_thread(
                     context: m.llm.context(),
                     parallel,
                     pills: m.llm.paths().iter().map(|p| p.pill().to_string()).collect(),
+                    gating: m.gating.is_some(),
                     template,
                     codec: Arc::new(Codec::Bpe(m.tok)),
                     created,
                 };
                 let codec = info.codec.clone();
-                let mut d = LlmDecoder(m.llm);
+                let mut d = LlmDecoder::new(m.llm, m.gating);
                 if let Some(r) = ready.take() {
                     let _ = r.send(Ok(info));
                 }
@@ -181,6 +185,7 @@ fn engine_thread(
                     context: usize::MAX,
                     parallel,
                     pills: paths.iter().map(|p| p.pill().to_string()).collect(),
+                    gating: false,
                     template: None,
                     codec: Arc::new(Codec::Chars(vocab)),
                     created,
@@ -290,10 +295,10 @@ async fn serve(
         } else {
             info.context.to_string()
         },
-        if info.pills.is_empty() {
-            "f32 path".to_string()
-        } else {
-            info.pills.join(" ")
+        match (info.pills.is_empty(), info.gating) {
+            (_, true) => "f32 path · gating the fast paths in the background".to_string(),
+            (true, false) => "f32 path".to_string(),
+            (false, false) => info.pills.join(" "),
         }
     );
     state.set_ready(info, job_tx, queue);
