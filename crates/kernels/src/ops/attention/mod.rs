@@ -153,6 +153,27 @@ pub fn attention_backward(
     drop: AttnDropout,
 ) -> Result<()> {
     let (t, c, hd) = (s.t, s.c(), s.head_dim);
+    if let Backend::Cpu(cpu) = be {
+        const OP: &str = "attention_backward";
+        let (rows, np) = (s.batch * t, s.probs_len());
+        let mut dqkv = dqkv;
+        let mut dropped = dropped;
+        causal_cpu::backward(
+            cpu,
+            qkv.cpu(OP, "qkv", rows * 3 * c)?,
+            probs.cpu(OP, "probs", np)?,
+            dropped
+                .as_mut()
+                .map(|d| d.cpu(OP, "dropped", np))
+                .transpose()?,
+            dy.cpu(OP, "dy", rows * c)?,
+            dqkv.cpu(OP, "dqkv", rows * 3 * c)?,
+            scratch.cpu(OP, "scratch", np)?,
+            s,
+            drop,
+        );
+        return Ok(());
+    }
     // dP' = dY Vᵀ (gradient of the probabilities the product saw).
     let dp = Gemm::nt(t, t, hd).lda(c).ldb(3 * c).batched(
         [s.batch, s.heads],

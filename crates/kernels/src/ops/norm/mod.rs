@@ -5,6 +5,7 @@
 
 use super::Grad;
 use super::common::{Grid, kernel, row_kernel, run};
+use super::fastmath;
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, GpuBackend, Operand, segments};
@@ -46,13 +47,28 @@ fn check(s: &NormShape) -> Result<()> {
 }
 
 /// CPU twin of one row's statistics: (mean, rstd).
+#[inline(always)]
 fn row_stats(kind: NormKind, x: &[f32], eps: f32) -> (f32, f32) {
     let inv = 1.0 / x.len() as f32;
     let mean = match kind {
-        NormKind::Layer => x.iter().sum::<f32>() * inv,
+        NormKind::Layer => fastmath::sum(x) * inv,
         NormKind::Rms => 0.0,
     };
-    let q: f32 = x.iter().map(|v| (v - mean) * (v - mean)).sum();
+    // Σ (x − mean)² in eight lanes, as fastmath::sum adds.
+    let mut acc = [0.0f32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for ch in &mut chunks {
+        for j in 0..8 {
+            let d = ch[j] - mean;
+            acc[j] += d * d;
+        }
+    }
+    let tail: f32 = chunks
+        .remainder()
+        .iter()
+        .map(|v| (v - mean) * (v - mean))
+        .sum();
+    let q = acc.iter().sum::<f32>() + tail;
     (mean, 1.0 / (q * inv + eps).sqrt())
 }
 

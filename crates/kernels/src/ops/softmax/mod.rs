@@ -67,7 +67,7 @@ pub(crate) fn row_forward(x: &mut [f32], valid: usize, scale: f32) {
 
 /// CPU twin of one row of the backward pass.
 #[inline(always)]
-fn row_backward(g: &mut [f32], y: &[f32], valid: usize, scale: f32) {
+pub(crate) fn row_backward(g: &mut [f32], y: &[f32], valid: usize, scale: f32) {
     let d = fastmath::dot(&g[..valid], y);
     for (g, &yv) in g.iter_mut().zip(y) {
         *g = scale * yv * (*g - d);
