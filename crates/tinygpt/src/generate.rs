@@ -47,8 +47,8 @@ pub struct EvalArgs {
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Batches to average: the first N of the fixed batches `tinygpt train` evaluates on (it uses
-    /// 200). Default: 200 on a GPU; 10 on the CPU backend, about a minute on 2 cores (200 take about
-    /// 20 minutes there).
+    /// 200). Default: 200 on a GPU; 10 on the CPU backend, about 30 seconds on 2 cores (200 take
+    /// about 10 minutes there).
     #[arg(long)]
     pub eval_iters: Option<usize>,
     #[arg(long, default_value_t = 64)]
@@ -142,7 +142,7 @@ pub fn generate(be: &Backend, gate: &crate::gates::GateArgs, a: &GenerateArgs) -
 /// Batches `tinygpt train` evaluates on, and `eval`'s default on a GPU.
 const TRAIN_EVAL_ITERS: usize = 200;
 
-/// `eval`'s default on the CPU backend: about a minute on 2 cores for the bundled model's shape.
+/// `eval`'s default on the CPU backend: about 30 seconds on 2 cores for the bundled model's shape.
 const CPU_EVAL_ITERS: usize = 10;
 
 pub fn eval(be: &Backend, gate: &crate::gates::GateArgs, a: &EvalArgs) -> Result<()> {
