@@ -938,7 +938,7 @@ fn the_first_run_on_an_ungated_adapter_starts_on_the_f32_path_at_once() {
     let _ = std::fs::remove_dir_all(&cache);
 }
 
-/// `eval` on the CPU backend defaults to a size that finishes in about a minute (and says how many
+/// `eval` on the CPU backend defaults to a size that finishes in well under a minute (and says how many
 /// batches it used and how to get training's 200); zero batches is refused.
 #[test]
 fn eval_on_the_cpu_defaults_to_a_short_run_and_says_so() {
