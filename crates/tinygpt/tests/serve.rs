@@ -160,9 +160,21 @@ fn run_greedy(prompt: &str, n: usize) -> (String, usize, usize) {
 
 /// [`run_greedy`] on `backend`.
 fn run_greedy_on(backend: &str, prompt: &str, n: usize) -> (String, usize, usize) {
-    let out = bin()
-        .args(["--backend", backend, "run"])
-        .arg(smollm2())
+    let mut cmd = bin();
+    cmd.args(["--backend", backend]);
+    run_greedy_with(cmd, &smollm2(), prompt, n)
+}
+
+/// [`run_greedy`] of `model` from the command `cmd` (its environment and global flags set).
+fn run_greedy_with(
+    mut cmd: Command,
+    model: &std::path::Path,
+    prompt: &str,
+    n: usize,
+) -> (String, usize, usize) {
+    let out = cmd
+        .arg("run")
+        .arg(model)
         .args([
             "-p",
             prompt,
@@ -352,30 +364,19 @@ fn a_server_on_an_ungated_adapter_serves_at_once_and_moves_to_its_fast_paths_bet
     let _ = std::fs::remove_dir_all(&cache);
     let model =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/data/qwen/qwen2.q8_0.gguf");
-    let f32_text = {
-        let o = Command::new(env!("CARGO_BIN_EXE_tinygpt"))
-            .env("TINYGPT_CACHE_DIR", &cache)
-            .args(["--backend", "gpu", "--f32-only", "run"])
-            .arg(&model)
-            .args([
-                "-p",
-                "Hello",
-                "-n",
-                "12",
-                "--temperature",
-                "0",
-                "--format",
-                "json",
-            ])
-            .output()
-            .expect("run");
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let v: Value = serde_json::from_slice(&o.stdout).expect("json");
-        v["text"].as_str().unwrap().to_string()
+    let with_cache = || {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tinygpt"));
+        cmd.env("TINYGPT_CACHE_DIR", &cache);
+        cmd
     };
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tinygpt"));
-    cmd.env("TINYGPT_CACHE_DIR", &cache);
-    let s = start_with(cmd, "gpu", &[model.to_str().unwrap(), "--parallel", "2"]);
+    let mut f32_only = with_cache();
+    f32_only.args(["--backend", "gpu", "--f32-only"]);
+    let (f32_text, _, _) = run_greedy_with(f32_only, &model, "Hello", 12);
+    let s = start_with(
+        with_cache(),
+        "gpu",
+        &[model.to_str().unwrap(), "--parallel", "2"],
+    );
     assert!(
         s.ready
             .contains("f32 path · gating the fast paths in the background"),

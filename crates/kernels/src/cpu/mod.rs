@@ -37,3 +37,17 @@ impl CpuBackend {
         }
     }
 }
+
+/// A raw pointer into one output slice, handed to rayon workers that each write their own disjoint
+/// part of it (the caller's SAFETY comment says which).
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr(pub(crate) *mut f32);
+// SAFETY: only ever used to write disjoint elements from different workers (see each use).
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+impl SendPtr {
+    /// (A method, so closures capture the whole `SendPtr`, not its raw field.)
+    pub(crate) fn get(self) -> *mut f32 {
+        self.0
+    }
+}

@@ -73,14 +73,20 @@ pub fn map2(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) 
 /// Σ x in eight lanes (vectorises; the order differs from a left-to-right sum).
 #[inline(always)]
 pub fn sum(x: &[f32]) -> f32 {
+    sum_by(x, |v| v)
+}
+
+/// Σ f(x) in eight lanes, as [`sum`] adds.
+#[inline(always)]
+pub fn sum_by(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     let mut acc = [0.0f32; 8];
     let mut chunks = x.chunks_exact(8);
     for c in &mut chunks {
         for j in 0..8 {
-            acc[j] += c[j];
+            acc[j] += f(c[j]);
         }
     }
-    let tail: f32 = chunks.remainder().iter().sum();
+    let tail: f32 = chunks.remainder().iter().map(|&v| f(v)).sum();
     acc.iter().sum::<f32>() + tail
 }
 
@@ -113,8 +119,11 @@ pub fn max(x: &[f32]) -> f32 {
     acc.iter().fold(tail, |m, &v| m.max(v))
 }
 
-/// Runs `f` (which should be `#[inline(always)]` code over slices) compiled for AVX2 + FMA where
-/// the CPU has them.
+/// Runs `f` (which should be `#[inline(always)]` code over slices) inside a function compiled for
+/// AVX2 + FMA where the CPU has them. Only if LLVM inlines the closure there does its body get the
+/// wider instructions (a large closure can stay a call, and then runs at the baseline width, still
+/// vectorised): the `map*` helpers below therefore keep a target-feature function of their own that
+/// calls an `#[inline(always)]` loop, which is always inlined.
 #[inline(always)]
 pub fn wide<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]

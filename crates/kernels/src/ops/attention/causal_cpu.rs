@@ -5,7 +5,7 @@
 //! The probabilities it keeps (zeros above the diagonal) are those of the unblocked form.
 
 use super::AttnShape;
-use crate::cpu::CpuBackend;
+use crate::cpu::{CpuBackend, SendPtr as Ptr};
 use crate::ops::dropout::kept_fn;
 use crate::ops::fastmath;
 use crate::ops::softmax::{row_backward, row_forward};
@@ -13,18 +13,6 @@ use rayon::prelude::*;
 
 /// Query rows per task.
 const ROWS: usize = 64;
-
-#[derive(Clone, Copy)]
-struct Ptr(*mut f32);
-// SAFETY: each task writes its own rows of `probs`, `dropped` and `y` (disjoint; see `forward`).
-unsafe impl Send for Ptr {}
-unsafe impl Sync for Ptr {}
-impl Ptr {
-    /// (A method, so closures capture the whole `Ptr`, not its raw field.)
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
 
 /// y, probs (and dropped) from qkv, as [`super::attention_forward`] defines them. Slices are exactly
 /// the tensors' lengths (checked by the caller).
@@ -59,26 +47,13 @@ pub(super) fn forward(
                 unsafe {
                     let rows =
                         std::slice::from_raw_parts_mut(pp.get().add(pz + r0 * t), (r1 - r0) * t);
-                    gemm::gemm(
-                        r1 - r0,
-                        r1,
-                        hd,
-                        rows.as_mut_ptr(),
-                        1,
-                        t as isize,
-                        false,
-                        qkv.as_ptr().add(q + r0 * 3 * cw),
-                        1,
-                        (3 * cw) as isize,
-                        qkv.as_ptr().add(k),
-                        (3 * cw) as isize,
-                        1,
-                        0.0,
+                    // Scores of keys 0..r1: Q[rows] · K[0..r1]ᵀ / √d.
+                    product(
+                        (r1 - r0, r1, hd),
+                        (rows.as_mut_ptr(), t),
+                        (qkv.as_ptr().add(q + r0 * 3 * cw), 3 * cw, 1),
+                        (qkv.as_ptr().add(k), 1, 3 * cw),
                         scale,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
                     );
                     fastmath::wide(|| {
                         for (i, row) in rows.chunks_mut(t).enumerate() {
@@ -97,33 +72,20 @@ pub(super) fn forward(
                         }
                         _ => rows.as_ptr(),
                     };
-                    gemm::gemm(
-                        r1 - r0,
-                        hd,
-                        r1,
-                        yp.get().add(b * t * cw + r0 * cw + h * hd),
-                        1,
-                        cw as isize,
-                        false,
-                        mixed,
-                        1,
-                        t as isize,
-                        qkv.as_ptr().add(v),
-                        1,
-                        (3 * cw) as isize,
-                        0.0,
+                    // Y[rows] = P[rows, 0..r1] · V[0..r1].
+                    product(
+                        (r1 - r0, hd, r1),
+                        (yp.get().add(b * t * cw + r0 * cw + h * hd), cw),
+                        (mixed, t, 1),
+                        (qkv.as_ptr().add(v), 3 * cw, 1),
                         1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
                     );
                 }
             })
     });
 }
 
-/// One product of the backward pass: dst[m × n] = alpha · A · B, every operand given by its first
+/// One product of a block: dst[m × n] = alpha · A · B, every operand given by its first
 /// element and its (row, column) strides. The gemm crate's own argument order, spelled out once.
 ///
 /// # Safety

@@ -10,7 +10,7 @@
 mod causal_cpu;
 
 use super::common::row_kernel;
-use super::dropout::dropout;
+use super::dropout::{check_probability, dropout};
 use super::matmul::{Gemm, matmul};
 use super::softmax::{SoftmaxShape, softmax, softmax_backward};
 use crate::backend::{Backend, TMut, TRef};
@@ -68,13 +68,16 @@ pub fn attention_forward(
     drop: AttnDropout,
 ) -> Result<()> {
     let (t, c, hd) = (s.t, s.c(), s.head_dim);
+    const OP: &str = "attention_forward";
+    if matches!((drop, &dropped), (Some((p, _)), None) if p > 0.0) {
+        return Err(Error::Shape {
+            op: OP,
+            msg: "dropout needs a tensor for the dropped-out probabilities".into(),
+        });
+    }
     if let Backend::Cpu(cpu) = be {
-        const OP: &str = "attention_forward";
-        if matches!(drop, Some((p, _)) if !(0.0..1.0).contains(&p)) {
-            return Err(Error::Shape {
-                op: OP,
-                msg: "the drop probability must be in [0, 1)".into(),
-            });
+        if let Some((p, _)) = drop {
+            check_probability(OP, p)?;
         }
         let rows = s.batch * t;
         let qs = qkv.cpu(OP, "qkv", rows * 3 * c)?;
@@ -83,12 +86,6 @@ pub fn attention_forward(
         let mut dropped = dropped;
         let ds = match (drop, dropped.as_mut()) {
             (Some((p, _)), Some(d)) if p > 0.0 => Some(d.cpu(OP, "dropped", s.probs_len())?),
-            (Some((p, _)), None) if p > 0.0 => {
-                return Err(Error::Shape {
-                    op: OP,
-                    msg: "dropout needs a tensor for the dropped-out probabilities".into(),
-                });
-            }
             _ => None,
         };
         causal_cpu::forward(cpu, qs, ys, ps, ds, s, drop);
@@ -129,10 +126,6 @@ pub fn attention_forward(
             dropout(be, probs.as_ref(), d.reborrow(), s.probs_len(), p, seed)?;
             matmul(be, PathSet::F32, d.as_ref(), v, y.reborrow(), &mix)
         }
-        (Some((p, _)), None) if p > 0.0 => Err(Error::Shape {
-            op: "attention_forward",
-            msg: "dropout needs a tensor for the dropped-out probabilities".into(),
-        }),
         _ => matmul(be, PathSet::F32, probs.as_ref(), v, y, &mix),
     }
 }

@@ -36,6 +36,18 @@ pub(crate) fn kept_fn(p: f32, seed: u32) -> impl Fn(u32, f32) -> f32 + Copy + Se
     }
 }
 
+/// A drop probability must lie in [0, 1).
+pub(crate) fn check_probability(op: &'static str, p: f32) -> Result<()> {
+    if (0.0..1.0).contains(&p) {
+        Ok(())
+    } else {
+        Err(Error::Shape {
+            op,
+            msg: format!("drop probability {p} must be in [0, 1)"),
+        })
+    }
+}
+
 fn threshold(p: f32) -> u32 {
     (p as f64 * 4_294_967_296.0).min(u32::MAX as f64) as u32
 }
@@ -70,12 +82,7 @@ fn launch(
     seed: u32,
 ) -> Result<()> {
     const OP: &str = "dropout";
-    if !(0.0..1.0).contains(&p) {
-        return Err(Error::Shape {
-            op: OP,
-            msg: format!("drop probability {p} must be in [0, 1)"),
-        });
-    }
+    check_probability(OP, p)?;
     let (th, scale) = (threshold(p), 1.0 / (1.0 - p));
     match be {
         Backend::Cpu(c) => {

@@ -2,6 +2,7 @@
 //! that the tests hold both backends against.
 
 use super::Gemm;
+use crate::cpu::SendPtr;
 use rayon::prelude::*;
 
 /// [`gemm`], or with independent rows one row at a time (the `gemm` crate's kernels differ by shape,
@@ -93,17 +94,6 @@ pub(crate) fn gemm(a: &[f32], b: &[f32], c: &mut [f32], g: &Gemm) {
                 gemm::Parallelism::None,
             );
         });
-    }
-}
-
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: used only to hand disjoint blocks of one output slice to rayon workers.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
-    fn get(self) -> *mut f32 {
-        self.0
     }
 }
 

@@ -54,21 +54,7 @@ fn row_stats(kind: NormKind, x: &[f32], eps: f32) -> (f32, f32) {
         NormKind::Layer => fastmath::sum(x) * inv,
         NormKind::Rms => 0.0,
     };
-    // Σ (x − mean)² in eight lanes, as fastmath::sum adds.
-    let mut acc = [0.0f32; 8];
-    let mut chunks = x.chunks_exact(8);
-    for ch in &mut chunks {
-        for j in 0..8 {
-            let d = ch[j] - mean;
-            acc[j] += d * d;
-        }
-    }
-    let tail: f32 = chunks
-        .remainder()
-        .iter()
-        .map(|v| (v - mean) * (v - mean))
-        .sum();
-    let q = acc.iter().sum::<f32>() + tail;
+    let q = fastmath::sum_by(x, |v| (v - mean) * (v - mean));
     (mean, 1.0 / (q * inv + eps).sqrt())
 }
 
