@@ -74,24 +74,28 @@ impl Sampler {
         if self.cfg.temperature == 0.0 {
             return best;
         }
-        let mut cand: Vec<(u32, f32)> = logits
+        let t = self.cfg.temperature;
+        let scaled = logits
             .iter()
             .enumerate()
             .filter(|(_, l)| l.is_finite())
-            .map(|(i, &l)| (i as u32, l / self.cfg.temperature))
-            .collect();
+            .map(|(i, &l)| (i as u32, l / t));
+        let k = self.cfg.top_k;
+        // With top-k, only the k best are kept: a bounded heap whose weakest member most logits fail
+        // to beat is linear in the vocabulary with one comparison per logit (a full sort of Gemma 3's
+        // 262144 logits took longer than its decode step, and selecting the k best in place with
+        // select_nth still cost a server a large share of each step with many streams).
+        // The order is total, so the kept tokens and their order are the same as a full sort's.
+        let cand: Vec<(u32, f32)> = if k > 0 && k < logits.len() {
+            top_k(scaled, k)
+        } else {
+            let mut all: Vec<(u32, f32)> = scaled.collect();
+            all.sort_by(order);
+            all
+        };
         if cand.is_empty() {
             return best;
         }
-        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        // With top-k, only the k best need sorting: selecting them first is linear in the vocabulary
-        // (a full sort of Gemma 3's 262144 logits took longer than its decode step). The order is total,
-        // so the kept tokens and their order are the same as a full sort's.
-        if self.cfg.top_k > 0 && self.cfg.top_k < cand.len() {
-            cand.select_nth_unstable_by(self.cfg.top_k - 1, order);
-            cand.truncate(self.cfg.top_k);
-        }
-        cand.sort_by(order);
         let m = cand[0].1;
         let mut probs: Vec<f64> = cand.iter().map(|&(_, l)| ((l - m) as f64).exp()).collect();
         let total: f64 = probs.iter().sum();
@@ -120,6 +124,48 @@ impl Sampler {
         }
         cand[probs.len() - 1].0
     }
+}
+
+/// The sampler's order: the higher logit first, the lower id on ties (total: ids differ).
+fn order(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// The `k` first candidates of `cand` in [`order`], sorted.
+fn top_k(cand: impl Iterator<Item = (u32, f32)>, k: usize) -> Vec<(u32, f32)> {
+    use std::cmp::Ordering;
+    use std::collections::BinaryHeap;
+    /// Ordered so the heap's top is the weakest kept candidate.
+    struct Weakest((u32, f32));
+    impl PartialEq for Weakest {
+        fn eq(&self, o: &Self) -> bool {
+            self.cmp(o) == Ordering::Equal
+        }
+    }
+    impl Eq for Weakest {}
+    impl PartialOrd for Weakest {
+        fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+            Some(self.cmp(o))
+        }
+    }
+    impl Ord for Weakest {
+        fn cmp(&self, o: &Self) -> Ordering {
+            order(&self.0, &o.0)
+        }
+    }
+    let mut heap: BinaryHeap<Weakest> = BinaryHeap::with_capacity(k + 1);
+    for c in cand {
+        if heap.len() < k {
+            heap.push(Weakest(c));
+        } else if let Some(mut weakest) = heap.peek_mut()
+            && order(&c, &weakest.0) == Ordering::Less
+        {
+            weakest.0 = c;
+        }
+    }
+    let mut kept: Vec<(u32, f32)> = heap.into_iter().map(|w| w.0).collect();
+    kept.sort_by(order);
+    kept
 }
 
 /// Index of the largest finite logit (ties: the lowest index, as llama.cpp and transformers pick).
@@ -193,6 +239,55 @@ mod tests {
         };
         assert_eq!(draw(5), draw(5));
         assert_ne!(draw(5), draw(6));
+    }
+
+    #[test]
+    fn top_k_keeps_what_a_full_sort_keeps_in_its_order() {
+        // Ties (few distinct values), non-finite logits and every k from 1 to past the vocabulary.
+        let mut state = 7u64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 33) as u32
+        };
+        for round in 0..20 {
+            let n = 1 + (next() % 300) as usize;
+            let cand: Vec<(u32, f32)> = (0..n as u32)
+                .map(|i| (i, (next() % (3 + round)) as f32 * 0.5 - 2.0))
+                .collect();
+            let mut full = cand.clone();
+            full.sort_by(order);
+            for k in [1, 2, 3, 7, n / 2, n - 1, n, n + 5] {
+                if k == 0 {
+                    continue;
+                }
+                let want: Vec<(u32, f32)> = full.iter().copied().take(k).collect();
+                assert_eq!(top_k(cand.iter().copied(), k), want, "n {n}, k {k}");
+            }
+        }
+        let logits = [
+            f32::NAN,
+            2.0,
+            f32::INFINITY,
+            2.0,
+            -1.0,
+            f32::NEG_INFINITY,
+            3.0,
+        ];
+        let mut s = Sampler::new(SamplerConfig {
+            temperature: 1.0,
+            top_k: 2,
+            top_p: 1.0,
+            seed: 1,
+        });
+        for _ in 0..100 {
+            let t = s.sample(&logits);
+            assert!(
+                t == 6 || t == 1,
+                "token {t}: not one of the two best finite logits"
+            );
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! at the next step. Each row of a batched pass is computed exactly as it would be alone
 //! (`RowMode::Independent`), so a request's text does not depend on what runs beside it.
 
+use rayon::prelude::*;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
@@ -602,12 +603,21 @@ pub fn run<D: Decoder>(
         };
         match result {
             Ok(next) => {
+                // Each request samples from its own row with its own generator, so the rows are
+                // sampled side by side (the same tokens as one after the other).
+                let mut samplers: Vec<&mut Sampler> =
+                    active.iter_mut().map(|a| &mut a.sampler).collect();
+                let ids: Vec<u32> = samplers
+                    .par_iter_mut()
+                    .zip(next.par_iter())
+                    .map(|(s, n)| match n {
+                        Next::Id(id) => *id,
+                        Next::Logits(l) => s.sample(l),
+                    })
+                    .collect();
                 shared.record_step(next.len(), t0.elapsed().as_secs_f64());
-                for (a, n) in active.iter_mut().zip(&next) {
-                    match n {
-                        Next::Id(id) => a.take_id(*id, codec, d),
-                        Next::Logits(l) => a.take(l, codec, d),
-                    }
+                for (a, id) in active.iter_mut().zip(ids) {
+                    a.take_id(id, codec, d);
                 }
             }
             Err(e) => {

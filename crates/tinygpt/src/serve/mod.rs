@@ -269,11 +269,20 @@ async fn serve(
     });
     // The queue is bounded where requests enter it (429 past --queue), so the channel itself is not.
     let (job_tx, job_rx) = std::sync::mpsc::channel();
+    // The engine's CPU work (the CPU backend's kernels, sampling) runs in a pool as large as the one
+    // the program runs in (`--threads`), not in rayon's global pool of every core.
+    let threads = rayon::current_num_threads();
     let engine = std::thread::Builder::new()
         .name("tinygpt-engine".into())
         .spawn({
             let (shared, a) = (shared.clone(), a.clone());
-            move || engine_thread(device, gate, a, job_rx, shared, ready_tx)
+            move || {
+                let run = move || engine_thread(device, gate, a, job_rx, shared, ready_tx);
+                match rayon::ThreadPoolBuilder::new().num_threads(threads).build() {
+                    Ok(pool) => pool.install(run),
+                    Err(_) => run(),
+                }
+            }
         })?;
     let info = match ready_rx.await {
         Ok(Ok(info)) => info,
