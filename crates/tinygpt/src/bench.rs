@@ -636,22 +636,47 @@ fn batched_decode(
         .map(|_| llm.new_sequence())
         .collect::<std::result::Result<Vec<_>, _>>()?;
     let mut rates = Vec::new();
-    for rep in 0..=reps.max(1) {
-        for s in seqs.iter_mut() {
+    // Greedy ids of every row at every step of the last repetition, and of the first sequence alone.
+    let mut rows_ids: Vec<Vec<u32>> = Vec::new();
+    for rep in 0..=reps.max(1) + 1 {
+        // The last round decodes the first sequence alone, for the comparison.
+        let alone = rep == reps.max(1) + 1;
+        let take = if alone { 1 } else { par };
+        for s in seqs.iter_mut().take(take) {
             s.reset();
             llm.feed_sequence(be, s, prompt)?;
         }
         // Every sequence starts from the same token; the passes then feed the device's picks.
-        let mut refs: Vec<&mut tinygpt_models::llm::Sequence> = seqs.iter_mut().collect();
-        llm.decode_step(be, &mut refs, Feed::Ids(&vec![1; par]))?;
+        let mut refs: Vec<&mut tinygpt_models::llm::Sequence> =
+            seqs.iter_mut().take(take).collect();
+        llm.decode_step(be, &mut refs, Feed::Ids(&vec![1; take]))?;
         be.sync()?;
         let t = Instant::now();
+        let mut ids = Vec::new();
         for _ in 1..n {
             llm.pick_greedy(be)?;
             llm.decode_step(be, &mut refs, Feed::Picked)?;
             let p = llm.read_picks(be)?;
-            pollster::block_on(llm.finish_picks(be, p))?;
+            ids.push(pollster::block_on(llm.finish_picks(be, p))?);
         }
+        if alone {
+            // Only the first row of each step is this sequence's (the ids of a pass).
+            let mine: Vec<u32> = ids.iter().map(|r| r[0]).collect();
+            let same = rows_ids.iter().all(|r| *r == mine);
+            println!(
+                "batched rows equal to the sequence decoded alone: {}",
+                if same { "yes, every row" } else { "NO" }
+            );
+            if !same {
+                anyhow::bail!(
+                    "a row of the batched decode differs from the same sequence decoded alone"
+                );
+            }
+            break;
+        }
+        rows_ids = (0..par)
+            .map(|r| ids.iter().map(|step| step[r]).collect())
+            .collect();
         // The first repetition warms up (pipelines for every row count).
         if rep > 0 {
             rates.push((par * (n - 1)) as f64 / t.elapsed().as_secs_f64());

@@ -438,12 +438,14 @@ fn passes(rows: usize, r: usize, max_z: usize) -> impl Iterator<Item = (usize, u
 
 /// Rows of x per gemv pass for `m` rows of `k` with a staged input: the most (a power of two, at most
 /// MAX_R) whose workgroup copy, with the reduction buffer, fits the device's workgroup memory.
-fn staged_rows(g: &GpuBackend, m: usize, k: usize) -> Option<usize> {
+/// (A plain product copies nothing: only its reduction buffer counts.)
+fn staged_rows(g: &GpuBackend, m: usize, k: usize, stage: Stage) -> Option<usize> {
     let limit = g.limits.max_compute_workgroup_storage_size as usize;
+    let copy = if stage == Stage::Plain { 0 } else { k };
     let mut r = m.next_power_of_two().min(MAX_R);
     while r >= 1 {
         // The copy of x and the reduction buffer.
-        if (r * k + r * WG) * 4 <= limit {
+        if (r * copy + r * WG) * 4 <= limit {
             return Some(r);
         }
         r /= 2;
@@ -453,8 +455,11 @@ fn staged_rows(g: &GpuBackend, m: usize, k: usize) -> Option<usize> {
 
 /// Whether [`qmatmul_staged`] can run `m` rows of `k` of this layout: the gemv family takes the rows, and
 /// at least one row's workgroup copy fits.
-pub(crate) fn staged_fits(g: &GpuBackend, kind: QKind, m: usize, k: usize) -> bool {
-    m > 0 && k.is_multiple_of(4) && gemv_shape(kind, k).is_some() && staged_rows(g, m, k).is_some()
+pub(crate) fn staged_fits(g: &GpuBackend, kind: QKind, m: usize, k: usize, stage: Stage) -> bool {
+    m > 0
+        && k.is_multiple_of(4)
+        && gemv_shape(kind, k).is_some()
+        && staged_rows(g, m, k, stage).is_some()
 }
 
 /// y (+)= stage(x) · Wᵀ for `m` rows on the gemv family ([`staged_fits`] must hold): x, y and the
@@ -473,7 +478,7 @@ pub(crate) fn qmatmul_staged(
     [m, n, k, ldy]: [usize; 4],
     fault: Option<Fault>,
 ) -> Result<()> {
-    let (Some((_, _, ni)), Some(r)) = (gemv_shape(kind, k), staged_rows(g, m, k)) else {
+    let (Some((_, _, ni)), Some(r)) = (gemv_shape(kind, k), staged_rows(g, m, k, stage)) else {
         return Err(shape(
             "qmatmul",
             format!("{m} rows of {k} do not fit a staged product"),
