@@ -66,9 +66,11 @@ def main():
         r["label"] = a.label
         rows.append(r)
         print(json.dumps(r), flush=True)
-    base = rows[0]["tok_per_s"]
+    # The ratio only where this run measured one stream first.
+    base = rows[0]["tok_per_s"] if rows[0]["streams"] == 1 else None
     for r in rows:
-        print(f"{a.label:>14} {r['streams']:>3} streams: {r['tok_per_s']:>8.1f} tok/s ({r['tok_per_s'] / base:.2f}x one stream)")
+        ratio = f" ({r['tok_per_s'] / base:.2f}x one stream)" if base and len(rows) > 1 else ""
+        print(f"{a.label:>14} {r['streams']:>3} streams: {r['tok_per_s']:>8.1f} tok/s{ratio}")
 
 
 if __name__ == "__main__":
