@@ -1,6 +1,8 @@
 //! Choosing the next token from logits: greedy, or temperature with top-k and top-p (nucleus)
 //! filtering, from a seeded generator so a run can be repeated exactly.
 
+use tinygpt_kernels::ops::sample::{MAX_TOP_K, RowSampling};
+
 /// How to pick tokens.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SamplerConfig {
@@ -44,6 +46,8 @@ impl SamplerConfig {
 pub struct Sampler {
     cfg: SamplerConfig,
     state: u64,
+    /// Tokens drawn on a device so far (the counter of the device sampler's stream).
+    device_draws: u32,
 }
 
 impl Sampler {
@@ -51,7 +55,36 @@ impl Sampler {
         Sampler {
             state: cfg.seed ^ 0x2545_F491_4F6C_DD1D,
             cfg,
+            device_draws: 0,
         }
+    }
+
+    /// The settings of the next token for the device sampler
+    /// ([`tinygpt_kernels::ops::sample`]), when it takes them (greedy, or a top-k of 1 to
+    /// [`MAX_TOP_K`]); each call takes the next draw of the seed's stream. The device draws from its
+    /// own counter-based stream, so a seed gives other (equally distributed) tokens there than
+    /// [`Sampler::sample`] gives on the host.
+    pub fn device_row(&mut self) -> Option<RowSampling> {
+        let c = &self.cfg;
+        if !RowSampling::fits(c.temperature, c.top_k, c.top_p) {
+            return None;
+        }
+        let row = RowSampling {
+            temperature: c.temperature,
+            top_k: c.top_k.min(MAX_TOP_K) as u32,
+            top_p: c.top_p,
+            seed: c.seed,
+            draw: self.device_draws,
+        };
+        if c.temperature > 0.0 {
+            self.device_draws = self.device_draws.wrapping_add(1);
+        }
+        Some(row)
+    }
+
+    /// Whether [`Sampler::device_row`] gives settings (without taking a draw).
+    pub fn fits_device(&self) -> bool {
+        RowSampling::fits(self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
     }
 
     /// Whether it always picks the most likely token.

@@ -316,29 +316,58 @@ fn chat_and_completions_match_tinygpt_run_with_exact_usage() {
     assert!(m.contains("tinygpt_completion_tokens_total"), "{m}");
 }
 
-/// On the GPU (the software adapter here) greedy requests decoded together get their tokens picked on
-/// the device, only the ids read back: the same texts as `tinygpt --backend gpu run` gives alone.
+/// On the GPU (the software adapter here) requests decoded together get their tokens picked on the
+/// device, greedy or sampled (only the ids read back): the same texts as `tinygpt --backend gpu run`
+/// gives alone with the same settings and seed.
 #[test]
-fn greedy_requests_decoded_together_on_the_gpu_match_tinygpt_run() {
+fn requests_decoded_together_on_the_gpu_match_tinygpt_run() {
     if tinygpt_kernels::testing::skip_gpu() {
         return;
     }
     let prompts = ["The capital of France is", "Once upon a time"];
-    let want: Vec<String> = prompts
+    let mut want: Vec<String> = prompts
         .iter()
         .map(|p| run_greedy_on("gpu", p, 8).0)
         .collect();
-    let s = start_on("gpu", &[smollm2().to_str().unwrap(), "--parallel", "2"]);
+    // A sampled request beside them: run with the same settings and seed.
+    let sampled = [
+        "--temperature",
+        "0.9",
+        "--top-k",
+        "40",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "11",
+    ];
+    let out = bin()
+        .args(["--backend", "gpu", "run"])
+        .arg(smollm2())
+        .args(["-p", "Once upon a time", "-n", "12", "--format", "json"])
+        .args(sampled)
+        .output()
+        .expect("run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+    want.push(v["text"].as_str().unwrap().to_string());
+    let s = start_on("gpu", &[smollm2().to_str().unwrap(), "--parallel", "3"]);
     let rt = rt();
     let got: Vec<String> = rt.block_on(async {
-        let reqs = prompts.iter().map(|p| {
-            post(
-                &s.base,
-                "/v1/completions",
-                json!({"prompt": p, "max_tokens": 8, "temperature": 0}),
-                None,
-            )
-        });
+        let mut bodies: Vec<Value> = prompts
+            .iter()
+            .map(|p| json!({"prompt": p, "max_tokens": 8, "temperature": 0}))
+            .collect();
+        bodies.push(
+            json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.9,
+                           "top_k": 40, "top_p": 0.95, "seed": 11}),
+        );
+        let reqs = bodies
+            .into_iter()
+            .map(|b| post(&s.base, "/v1/completions", b, None));
         futures_util::future::join_all(reqs)
             .await
             .into_iter()

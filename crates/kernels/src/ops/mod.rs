@@ -18,6 +18,7 @@ pub mod matmul;
 pub mod norm;
 pub mod reduce;
 pub mod rope;
+pub mod sample;
 pub mod softmax;
 
 /// How a backward op writes a gradient: overwriting its output, or adding into it (a tensor that

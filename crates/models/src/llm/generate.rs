@@ -136,8 +136,18 @@ pub async fn generate_watched<E: From<LlmError>>(
             None => Ok(false),
         }
     };
+    // On a GPU the tokens are picked where the logits are (greedy, or sampled from the top-k on the
+    // device) and only their ids come back; the next pass is recorded before the host reads them.
+    let pick = |llm: &mut Llm, sampler: &mut Sampler| -> Result<(), LlmError> {
+        match sampler.device_row() {
+            Some(row) if row.temperature > 0.0 => llm.pick_sampled(be, &[row]),
+            _ => llm.pick_greedy(be),
+        }
+    };
     'paths: loop {
-        let on_device = sampler.is_greedy() && llm.picks_on_device() && be.as_gpu().is_some();
+        let on_device = (sampler.is_greedy() || sampler.fits_device())
+            && llm.picks_on_device()
+            && be.as_gpu().is_some();
         if !on_device {
             let mut logits = llm.read_logits(be).await?;
             loop {
@@ -167,14 +177,14 @@ pub async fn generate_watched<E: From<LlmError>>(
             }
             break 'paths;
         }
-        llm.pick_greedy(be)?;
+        pick(llm, sampler)?;
         let mut pending = llm.read_picks(be)?;
         loop {
             // Feed the token just picked (still on the device) unless the loop ends whatever it is.
             let ahead = g.tokens + 1 < max_new && llm.position() < llm.context();
             let next = if ahead {
                 llm.decode_step(be, &mut [], Feed::Picked)?;
-                llm.pick_greedy(be)?;
+                pick(llm, sampler)?;
                 Some(llm.read_picks(be)?)
             } else {
                 None

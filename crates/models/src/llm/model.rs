@@ -45,6 +45,7 @@ use tinygpt_kernels::ops::norm::{NormKind, NormShape, add_rms_norm, norm_forward
 use tinygpt_kernels::ops::rope::{
     QkNorm, RopeCacheShape, RopeShape, rope, rope_into_cache, rope_table,
 };
+use tinygpt_kernels::ops::sample::{PARAM_WORDS, RowSampling, sample_rows};
 use tinygpt_kernels::path::Fault;
 use tinygpt_kernels::{Backend, DType, PathSet, PendingRead, TMut, TRef, Tensor};
 
@@ -133,6 +134,8 @@ struct Scratch {
     logits: Tensor,
     /// The constant 1, the left operand of strided row copies (see [`copy_rows`]).
     one: Tensor,
+    /// Each row's settings for the device sampler (u32 words, [`PARAM_WORDS`] per row).
+    sampling: Tensor,
 }
 
 impl Scratch {
@@ -158,6 +161,7 @@ impl Scratch {
             act: z(batch, ff)?,
             logits: z(parallel, cfg.vocab)?,
             one: be.from_f32(&[1.0], 1)?,
+            sampling: be.zeros_typed(parallel * PARAM_WORDS, PARAM_WORDS, DType::U32)?,
         })
     }
 
@@ -649,6 +653,38 @@ impl Llm {
         }
         let rows = c.last_rows.max(1);
         argmax_rows(be, c.s.logits.at(0), c.s.ids.at_mut(0), rows, c.cfg.vocab)?;
+        Ok(())
+    }
+
+    /// Records sampling each row of the last pass on the device with its settings (`rows`: one per
+    /// row of the pass; see [`crate::sampler::Sampler::device_row`]): the next [`Feed::Picked`] pass
+    /// reads the tokens there, and [`Llm::read_picks`] brings them to the host, as with
+    /// [`Llm::pick_greedy`] (which a greedy row's pick equals). Models that soft-cap their logits
+    /// cannot ([`Llm::picks_on_device`]).
+    pub fn pick_sampled(&mut self, be: &Backend, rows: &[RowSampling]) -> Result<()> {
+        let c = &mut self.core;
+        if !c.picks_on_device() {
+            return Err(LlmError::Options(
+                "this model caps its logits: sample from read_logits".into(),
+            ));
+        }
+        let n = c.last_rows.max(1);
+        if rows.len() != n {
+            return Err(LlmError::Options(format!(
+                "sampling settings for {} rows, the last pass had {n}",
+                rows.len()
+            )));
+        }
+        let words: Vec<u32> = rows.iter().flat_map(|r| r.words()).collect();
+        be.write_u32(c.s.sampling.at_mut(0), &words)?;
+        sample_rows(
+            be,
+            c.s.logits.at(0),
+            c.s.sampling.at(0),
+            c.s.ids.at_mut(0),
+            n,
+            c.cfg.vocab,
+        )?;
         Ok(())
     }
 

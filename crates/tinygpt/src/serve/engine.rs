@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
+use tinygpt_kernels::ops::sample::RowSampling;
 use tinygpt_kernels::{Backend, PathSet};
 use tinygpt_models::gpt::{CharVocab, GptRunner, GptSequence};
 use tinygpt_models::llm::{Llm, Sequence};
@@ -244,14 +245,23 @@ pub trait Decoder {
         be: &Backend,
         steps: &mut [(&mut Self::Seq, u32)],
     ) -> anyhow::Result<Vec<Vec<f32>>>;
-    /// [`Decoder::step`] for sequences that all decode greedily: each one's most likely next token,
-    /// picked where the logits are (on a GPU only the ids come back); None when the model cannot.
-    fn step_greedy(
+    /// Whether [`Decoder::step_picked`] can pick tokens where the logits are (a GPU).
+    fn picks_on_device(&self, _be: &Backend) -> bool {
+        false
+    }
+    /// [`Decoder::step`] where the rows with settings in `device` get their next token picked where
+    /// the logits are (on a GPU only the ids come back); the other rows get their logits.
+    fn step_picked(
         &mut self,
         _be: &Backend,
         _steps: &mut [(&mut Self::Seq, u32)],
-    ) -> anyhow::Result<Option<Vec<u32>>> {
-        Ok(None)
+        _device: &[Option<RowSampling>],
+    ) -> anyhow::Result<Vec<Next>> {
+        anyhow::bail!("this model picks its tokens on the host")
+    }
+    /// The token after the prompt [`Decoder::start`] just fed, picked where the logits are.
+    fn step_picked_first(&mut self, _be: &Backend, _row: RowSampling) -> anyhow::Result<u32> {
+        anyhow::bail!("this model picks its tokens on the host")
     }
     /// Whether `seq` can take another token.
     fn has_room(&self, seq: &Self::Seq) -> bool;
@@ -317,18 +327,49 @@ impl Decoder for LlmDecoder {
         )?)
     }
 
-    fn step_greedy(
+    fn picks_on_device(&self, be: &Backend) -> bool {
+        be.as_gpu().is_some() && self.llm.picks_on_device()
+    }
+
+    fn step_picked_first(&mut self, be: &Backend, row: RowSampling) -> anyhow::Result<u32> {
+        self.llm.pick_sampled(be, &[row])?;
+        let p = self.llm.read_picks(be)?;
+        Ok(pollster::block_on(self.llm.finish_picks(be, p))?[0])
+    }
+
+    fn step_picked(
         &mut self,
         be: &Backend,
         steps: &mut [(&mut Sequence, u32)],
-    ) -> anyhow::Result<Option<Vec<u32>>> {
-        if be.as_gpu().is_none() || !self.llm.picks_on_device() {
-            return Ok(None);
-        }
+        device: &[Option<RowSampling>],
+    ) -> anyhow::Result<Vec<Next>> {
         self.llm.decode_batch(be, steps)?;
-        self.llm.pick_greedy(be)?;
+        // Rows the host samples get a greedy pick too (unused): one kernel for the whole pass.
+        let greedy = RowSampling {
+            temperature: 0.0,
+            top_k: 1,
+            top_p: 1.0,
+            seed: 0,
+            draw: 0,
+        };
+        let rows: Vec<RowSampling> = device.iter().map(|r| r.unwrap_or(greedy)).collect();
+        self.llm.pick_sampled(be, &rows)?;
         let p = self.llm.read_picks(be)?;
-        Ok(Some(pollster::block_on(self.llm.finish_picks(be, p))?))
+        let ids = pollster::block_on(self.llm.finish_picks(be, p))?;
+        let mut logits = if device.iter().any(Option::is_none) {
+            pollster::block_on(self.llm.read_logits_batch(be, steps.len()))?
+        } else {
+            Vec::new()
+        };
+        Ok(device
+            .iter()
+            .zip(ids)
+            .enumerate()
+            .map(|(i, (r, id))| match r {
+                Some(_) => Next::Id(id),
+                None => Next::Logits(std::mem::take(&mut logits[i])),
+            })
+            .collect())
     }
 
     fn has_room(&self, seq: &Sequence) -> bool {
@@ -458,12 +499,6 @@ impl<S> Active<'_, S> {
         self.done = true;
     }
 
-    /// Samples the next token from `logits` and sends its text; ends the request when it is done.
-    fn take<D: Decoder<Seq = S>>(&mut self, logits: &[f32], codec: &Codec, d: &D) {
-        let id = self.sampler.sample(logits);
-        self.take_id(id, codec, d)
-    }
-
     /// Sends the text of the next token `id`; ends the request when it is done.
     fn take_id<D: Decoder<Seq = S>>(&mut self, id: u32, codec: &Codec, d: &D) {
         if codec.is_eog(id) && !self.job.ignore_eos {
@@ -562,8 +597,23 @@ pub fn run<D: Decoder>(
                 job,
             };
             let prompt = std::mem::take(&mut a.job.prompt);
-            match d.start(be, &mut a.seq, &prompt) {
-                Ok(logits) => a.take(&logits, codec, d),
+            // The first token is picked where the later ones are: a request's tokens are those
+            // `tinygpt run` gives with the same settings and seed.
+            let device = if d.picks_on_device(be) {
+                a.sampler.device_row()
+            } else {
+                None
+            };
+            let first = match device {
+                Some(row) => d
+                    .start(be, &mut a.seq, &prompt)
+                    .and_then(|_| d.step_picked_first(be, row)),
+                None => d
+                    .start(be, &mut a.seq, &prompt)
+                    .map(|l| a.sampler.sample(&l)),
+            };
+            match first {
+                Ok(id) => a.take_id(id, codec, d),
                 Err(e) => a.fail(500, format!("{e:#}")),
             }
             active.push(a);
@@ -584,22 +634,21 @@ pub fn run<D: Decoder>(
             continue;
         }
         let t0 = Instant::now();
-        let greedy = active.iter().all(|a| a.sampler.is_greedy());
+        // Where the model can, each request whose settings the device sampler takes gets its token
+        // picked there (only the id comes back); the others are sampled from their logits here. Which
+        // one a request gets depends on its own settings only, never on the requests beside it.
+        let device: Vec<Option<RowSampling>> = if d.picks_on_device(be) {
+            active.iter_mut().map(|a| a.sampler.device_row()).collect()
+        } else {
+            vec![None; active.len()]
+        };
         let mut steps: Vec<(&mut D::Seq, u32)> =
             active.iter_mut().map(|a| (&mut a.seq, a.next)).collect();
-        // Greedy requests only: the model picks the tokens itself where it can (the same first
-        // maximum the host's argmax takes), so only the ids come back.
-        let picked = if greedy {
-            d.step_greedy(be, &mut steps)
+        let result = if device.iter().any(Option::is_some) {
+            d.step_picked(be, &mut steps, &device)
         } else {
-            Ok(None)
-        };
-        let result = match picked {
-            Ok(Some(ids)) => Ok(ids.into_iter().map(Next::Id).collect()),
-            Ok(None) => d
-                .step(be, &mut steps)
-                .map(|rows| rows.into_iter().map(Next::Logits).collect::<Vec<_>>()),
-            Err(e) => Err(e),
+            d.step(be, &mut steps)
+                .map(|rows| rows.into_iter().map(Next::Logits).collect::<Vec<_>>())
         };
         match result {
             Ok(next) => {
@@ -632,7 +681,7 @@ pub fn run<D: Decoder>(
 }
 
 /// What a step gives each sequence: its next token, or the logits to sample it from.
-enum Next {
+pub enum Next {
     Id(u32),
     Logits(Vec<f32>),
 }

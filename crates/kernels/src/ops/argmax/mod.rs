@@ -11,7 +11,7 @@ use crate::gpu::{Access, Operand};
 /// The workgroup tree the three argmax kernels end with, prepended to each: of two candidates
 /// (value, index) it keeps the larger value, of equal values the smaller index; NONE (no candidate)
 /// never wins. Every thread calls it (it has barriers); the winner is left in best_v[0], best_i[0].
-const BEST_TREE: &str = "
+pub(crate) const BEST_TREE: &str = "
 const WG: u32 = 256u;
 const NONE: u32 = 0xffffffffu;
 var<workgroup> best_v: array<f32, WG>;
@@ -88,7 +88,7 @@ pub fn argmax_rows(
 
 /// Elements of a row one workgroup of the first stage takes (argmax_partial.wgsl's SPAN): longer rows (a
 /// vocabulary's logits) spread over that many workgroups, then one per row reduces their results.
-const SPAN: usize = 4096;
+pub(crate) const SPAN: usize = 4096;
 
 /// Rows longer than [`SPAN`]: blocks in parallel, then one workgroup per row; x and out each in one
 /// buffer (else the one-workgroup kernel, segment by segment).
