@@ -183,8 +183,17 @@ pub async fn generate_watched<E: From<LlmError>>(
             // Feed the token just picked (still on the device) unless the loop ends whatever it is.
             let ahead = g.tokens + 1 < max_new && llm.position() < llm.context();
             let next = if ahead {
+                // The next token's sampling settings go to the device before its pass is recorded:
+                // the step stays one submit.
+                let row = sampler.device_row().filter(|r| r.temperature > 0.0);
+                if let Some(r) = row {
+                    llm.set_sampling(be, &[r])?;
+                }
                 llm.decode_step(be, &mut [], Feed::Picked)?;
-                pick(llm, sampler)?;
+                match row {
+                    Some(_) => llm.pick_set(be)?,
+                    None => llm.pick_greedy(be)?,
+                }
                 Some(llm.read_picks(be)?)
             } else {
                 None

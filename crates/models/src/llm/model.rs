@@ -274,6 +274,8 @@ struct Core {
     pool: KvPool,
     /// Rows of the last decode pass (sizes the logits and picks to read).
     last_rows: usize,
+    /// Rows whose device-sampling settings [`Llm::set_sampling`] stored last.
+    sampling_rows: usize,
 }
 
 /// A GGUF model loaded on a backend, with its own sequence's KV cache.
@@ -375,6 +377,7 @@ impl Llm {
                 scored: None,
                 pool,
                 last_rows: 0,
+                sampling_rows: 0,
             },
             seq: Sequence {
                 slot: 0,
@@ -662,6 +665,31 @@ impl Llm {
     /// [`Llm::pick_greedy`] (which a greedy row's pick equals). Models that soft-cap their logits
     /// cannot ([`Llm::picks_on_device`]).
     pub fn pick_sampled(&mut self, be: &Backend, rows: &[RowSampling]) -> Result<()> {
+        self.set_sampling(be, rows)?;
+        self.pick_set(be)
+    }
+
+    /// The first half of [`Llm::pick_sampled`]: stores the settings of the rows of the pass about to
+    /// be recorded. Writing them before that pass, not after it, keeps a decode step to one submit
+    /// (a write flushes the work recorded before it).
+    pub fn set_sampling(&mut self, be: &Backend, rows: &[RowSampling]) -> Result<()> {
+        let c = &mut self.core;
+        if rows.is_empty() || rows.len() > c.parallel {
+            return Err(LlmError::Options(format!(
+                "sampling settings for 1 to {} rows, not {}",
+                c.parallel,
+                rows.len()
+            )));
+        }
+        let words: Vec<u32> = rows.iter().flat_map(|r| r.words()).collect();
+        be.write_u32(c.s.sampling.at_mut(0), &words)?;
+        c.sampling_rows = rows.len();
+        Ok(())
+    }
+
+    /// The second half of [`Llm::pick_sampled`]: records sampling the last pass's rows with the
+    /// settings [`Llm::set_sampling`] stored.
+    pub fn pick_set(&mut self, be: &Backend) -> Result<()> {
         let c = &mut self.core;
         if !c.picks_on_device() {
             return Err(LlmError::Options(
@@ -669,14 +697,12 @@ impl Llm {
             ));
         }
         let n = c.last_rows.max(1);
-        if rows.len() != n {
+        if c.sampling_rows != n {
             return Err(LlmError::Options(format!(
                 "sampling settings for {} rows, the last pass had {n}",
-                rows.len()
+                c.sampling_rows
             )));
         }
-        let words: Vec<u32> = rows.iter().flat_map(|r| r.words()).collect();
-        be.write_u32(c.s.sampling.at_mut(0), &words)?;
         sample_rows(
             be,
             c.s.logits.at(0),

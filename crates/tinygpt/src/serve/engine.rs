@@ -343,8 +343,8 @@ impl Decoder for LlmDecoder {
         steps: &mut [(&mut Sequence, u32)],
         device: &[Option<RowSampling>],
     ) -> anyhow::Result<Vec<Next>> {
-        self.llm.decode_batch(be, steps)?;
-        // Rows the host samples get a greedy pick too (unused): one kernel for the whole pass.
+        // Rows the host samples get a greedy pick too (unused): one kernel for the whole pass. The
+        // settings go to the device before the pass is recorded (one submit for the step).
         let greedy = RowSampling {
             temperature: 0.0,
             top_k: 1,
@@ -353,7 +353,9 @@ impl Decoder for LlmDecoder {
             draw: 0,
         };
         let rows: Vec<RowSampling> = device.iter().map(|r| r.unwrap_or(greedy)).collect();
-        self.llm.pick_sampled(be, &rows)?;
+        self.llm.set_sampling(be, &rows)?;
+        self.llm.decode_batch(be, steps)?;
+        self.llm.pick_set(be)?;
         let p = self.llm.read_picks(be)?;
         let ids = pollster::block_on(self.llm.finish_picks(be, p))?;
         let mut logits = if device.iter().any(Option::is_none) {
