@@ -43,6 +43,8 @@ pub struct SamplingArgs {
     /// Keep the most likely tokens up to this total probability (1: all).
     #[arg(long, default_value_t = 0.95)]
     pub top_p: f32,
+    /// The sampler's seed: the same seed, settings and prompt give the same text. On a GPU a top-k of
+    /// 1 to 64 is drawn on the device, from another random stream than the CPU backend's.
     #[arg(long, default_value_t = 1337)]
     pub seed: u64,
 }
