@@ -65,10 +65,10 @@ impl Sampler {
     /// own counter-based stream, so a seed gives other (equally distributed) tokens there than
     /// [`Sampler::sample`] gives on the host.
     pub fn device_row(&mut self) -> Option<RowSampling> {
-        let c = &self.cfg;
-        if !RowSampling::fits(c.temperature, c.top_k, c.top_p) {
+        if !self.fits_device() {
             return None;
         }
+        let c = &self.cfg;
         let row = RowSampling {
             temperature: c.temperature,
             top_k: c.top_k.min(MAX_TOP_K) as u32,

@@ -167,24 +167,27 @@ fn run_greedy_on(backend: &str, prompt: &str, n: usize) -> (String, usize, usize
 
 /// [`run_greedy`] of `model` from the command `cmd` (its environment and global flags set).
 fn run_greedy_with(
-    mut cmd: Command,
+    cmd: Command,
     model: &std::path::Path,
     prompt: &str,
     n: usize,
 ) -> (String, usize, usize) {
+    run_sampled_with(cmd, model, prompt, n, &["--temperature", "0"])
+}
+
+/// [`run_greedy_with`] with the sampling flags `sampling` instead of greedy.
+fn run_sampled_with(
+    mut cmd: Command,
+    model: &std::path::Path,
+    prompt: &str,
+    n: usize,
+    sampling: &[&str],
+) -> (String, usize, usize) {
     let out = cmd
         .arg("run")
         .arg(model)
-        .args([
-            "-p",
-            prompt,
-            "-n",
-            &n.to_string(),
-            "--temperature",
-            "0",
-            "--format",
-            "json",
-        ])
+        .args(["-p", prompt, "-n", &n.to_string(), "--format", "json"])
+        .args(sampling)
         .output()
         .expect("run");
     assert!(
@@ -340,20 +343,9 @@ fn requests_decoded_together_on_the_gpu_match_tinygpt_run() {
         "--seed",
         "11",
     ];
-    let out = bin()
-        .args(["--backend", "gpu", "run"])
-        .arg(smollm2())
-        .args(["-p", "Once upon a time", "-n", "12", "--format", "json"])
-        .args(sampled)
-        .output()
-        .expect("run");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
-    want.push(v["text"].as_str().unwrap().to_string());
+    let mut gpu = bin();
+    gpu.args(["--backend", "gpu"]);
+    want.push(run_sampled_with(gpu, &smollm2(), "Once upon a time", 12, &sampled).0);
     let s = start_on("gpu", &[smollm2().to_str().unwrap(), "--parallel", "3"]);
     let rt = rt();
     let got: Vec<String> = rt.block_on(async {

@@ -138,10 +138,19 @@ pub async fn generate_watched<E: From<LlmError>>(
     };
     // On a GPU the tokens are picked where the logits are (greedy, or sampled from the top-k on the
     // device) and only their ids come back; the next pass is recorded before the host reads them.
-    let pick = |llm: &mut Llm, sampler: &mut Sampler| -> Result<(), LlmError> {
-        match sampler.device_row() {
-            Some(row) if row.temperature > 0.0 => llm.pick_sampled(be, &[row]),
-            _ => llm.pick_greedy(be),
+    // A sampled token's settings go to the device before its pass is recorded (a write flushes the
+    // work recorded before it: so the step stays one submit); `sampled` says whether they did.
+    let prepare = |llm: &mut Llm, sampler: &mut Sampler| -> Result<bool, LlmError> {
+        match sampler.device_row().filter(|r| r.temperature > 0.0) {
+            Some(r) => llm.set_sampling(be, &[r]).map(|_| true),
+            None => Ok(false),
+        }
+    };
+    let pick = |llm: &mut Llm, sampled: bool| -> Result<(), LlmError> {
+        if sampled {
+            llm.pick_set(be)
+        } else {
+            llm.pick_greedy(be)
         }
     };
     'paths: loop {
@@ -177,23 +186,16 @@ pub async fn generate_watched<E: From<LlmError>>(
             }
             break 'paths;
         }
-        pick(llm, sampler)?;
+        let sampled = prepare(llm, sampler)?;
+        pick(llm, sampled)?;
         let mut pending = llm.read_picks(be)?;
         loop {
             // Feed the token just picked (still on the device) unless the loop ends whatever it is.
             let ahead = g.tokens + 1 < max_new && llm.position() < llm.context();
             let next = if ahead {
-                // The next token's sampling settings go to the device before its pass is recorded:
-                // the step stays one submit.
-                let row = sampler.device_row().filter(|r| r.temperature > 0.0);
-                if let Some(r) = row {
-                    llm.set_sampling(be, &[r])?;
-                }
+                let sampled = prepare(llm, sampler)?;
                 llm.decode_step(be, &mut [], Feed::Picked)?;
-                match row {
-                    Some(_) => llm.pick_set(be)?,
-                    None => llm.pick_greedy(be)?,
-                }
+                pick(llm, sampled)?;
                 Some(llm.read_picks(be)?)
             } else {
                 None

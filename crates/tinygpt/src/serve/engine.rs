@@ -259,8 +259,15 @@ pub trait Decoder {
     ) -> anyhow::Result<Vec<Next>> {
         anyhow::bail!("this model picks its tokens on the host")
     }
-    /// The token after the prompt [`Decoder::start`] just fed, picked where the logits are.
-    fn step_picked_first(&mut self, _be: &Backend, _row: RowSampling) -> anyhow::Result<u32> {
+    /// [`Decoder::start`] with the token after the prompt picked where the logits are (they are not
+    /// read back).
+    fn start_picked(
+        &mut self,
+        _be: &Backend,
+        _seq: &mut Self::Seq,
+        _prompt: &[u32],
+        _row: RowSampling,
+    ) -> anyhow::Result<u32> {
         anyhow::bail!("this model picks its tokens on the host")
     }
     /// Whether `seq` can take another token.
@@ -316,6 +323,20 @@ impl Decoder for LlmDecoder {
         Ok(pollster::block_on(self.llm.read_logits(be))?)
     }
 
+    fn start_picked(
+        &mut self,
+        be: &Backend,
+        seq: &mut Sequence,
+        prompt: &[u32],
+        row: RowSampling,
+    ) -> anyhow::Result<u32> {
+        seq.reset();
+        self.llm.feed_sequence(be, seq, prompt)?;
+        self.llm.pick_sampled(be, &[row])?;
+        let p = self.llm.read_picks(be)?;
+        Ok(pollster::block_on(self.llm.finish_picks(be, p))?[0])
+    }
+
     fn step(
         &mut self,
         be: &Backend,
@@ -329,12 +350,6 @@ impl Decoder for LlmDecoder {
 
     fn picks_on_device(&self, be: &Backend) -> bool {
         be.as_gpu().is_some() && self.llm.picks_on_device()
-    }
-
-    fn step_picked_first(&mut self, be: &Backend, row: RowSampling) -> anyhow::Result<u32> {
-        self.llm.pick_sampled(be, &[row])?;
-        let p = self.llm.read_picks(be)?;
-        Ok(pollster::block_on(self.llm.finish_picks(be, p))?[0])
     }
 
     fn step_picked(
@@ -607,9 +622,7 @@ pub fn run<D: Decoder>(
                 None
             };
             let first = match device {
-                Some(row) => d
-                    .start(be, &mut a.seq, &prompt)
-                    .and_then(|_| d.step_picked_first(be, row)),
+                Some(row) => d.start_picked(be, &mut a.seq, &prompt, row),
                 None => d
                     .start(be, &mut a.seq, &prompt)
                     .map(|l| a.sampler.sample(&l)),

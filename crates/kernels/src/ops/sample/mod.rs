@@ -116,7 +116,7 @@ fn gpu_rows(
     let part = g.scratch("sample_part", 2 * rows * blocks * MAX_TOP_K)?;
     let pb = &part.chunks[0].buffer;
     let consts = format!(
-        "const KMAX: u32 = {MAX_TOP_K}u;\nconst SPAN: u32 = {SPAN}u;\nconst PER: u32 = {}u;\n{BEST_TREE}",
+        "const KMAX: u32 = {MAX_TOP_K}u;\nconst SPAN: u32 = {SPAN}u;\nconst PER: u32 = {}u;\n{BEST_TREE}\n{AFTER}",
         SPAN / 256
     );
     let bind = [Access::Read, Access::Read, Access::ReadWrite];
@@ -142,6 +142,15 @@ fn gpu_rows(
     let params_words = [rows as u32, blocks as u32, oo as u32];
     g.dispatch(&pipe, &params_words, &[pb, bp, bo], [rows as u32, 1, 1])
 }
+
+/// The order both stages select in, round by round: whether candidate (v, c) comes after the last pick
+/// (pv, pi) — larger logits first, of equal logits the smaller index; before the first pick (pi = NONE)
+/// everything does.
+const AFTER: &str = "
+fn after(v: f32, c: u32, pv: f32, pi: u32) -> bool {
+  return pi == NONE || v < pv || (v == pv && c > pi);
+}
+";
 
 /// lowbias32, as sample_final.wgsl's `mix`.
 fn mix(a: u32) -> u32 {

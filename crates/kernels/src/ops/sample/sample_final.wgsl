@@ -49,8 +49,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
       let at = (r * total + s) * 2u;
       let c = part[at + 1u];
       let cv = bitcast<f32>(part[at]);
-      let below = pi == NONE || cv < pv || (cv == pv && c > pi);
-      if (c != NONE && below && (bi == NONE || cv > bv || (cv == bv && c < bi))) { bv = cv; bi = c; }
+      if (c != NONE && after(cv, c, pv, pi) && (bi == NONE || cv > bv || (cv == bv && c < bi))) { bv = cv; bi = c; }
     }
     best_tree(bv, bi, lid);
     pv = best_v[0];

@@ -36,7 +36,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     v[e] = val;
     ok[e] = good;
   }
-  // Round j finds the best candidate below the previous round's pick in the order.
+  // Round j finds the best candidate after the previous round's pick in the order (`after`).
   var pv = 0.0;
   var pi = NONE;
   var n = 0u;
@@ -45,8 +45,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var bi = NONE;
     for (var e = 0u; e < PER; e++) {
       let c = c0 + lid + e * WG;
-      let below = pi == NONE || v[e] < pv || (v[e] == pv && c > pi);
-      if (ok[e] && below && (bi == NONE || v[e] > bv)) { bv = v[e]; bi = c; }
+      if (ok[e] && after(v[e], c, pv, pi) && (bi == NONE || v[e] > bv)) { bv = v[e]; bi = c; }
     }
     best_tree(bv, bi, lid);
     pv = best_v[0];
