@@ -84,6 +84,10 @@ pub struct TrainBenchArgs {
     /// Forward products from f16-stored weights (when the f16-storage path passed its gate).
     #[arg(long)]
     pub f16_forward: bool,
+    /// Then time every kernel of one training step on the device (GPU adapters with timestamp queries
+    /// inside passes) and print where the time goes.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 pub fn run(be: &Backend, gate: &crate::gates::GateArgs, cmd: &BenchCmd) -> Result<()> {
@@ -456,6 +460,14 @@ fn train_bench(be: &Backend, a: &TrainBenchArgs, paths: PathSet) -> Result<()> {
             (c.dispatches - b.dispatches) as f64 / a.iters as f64,
             (c.readbacks - b.readbacks) as f64 / a.iters as f64
         );
+    }
+    if let (true, Some(g)) = (a.profile, be.as_gpu()) {
+        g.start_profiling()?;
+        for _ in 0..3 {
+            let (x, y) = batch();
+            tr.train_step(be, &x, &y, 1e-3, 1)?;
+        }
+        print_profile(&g.profile()?, "training step", 3);
     }
     Ok(())
 }
