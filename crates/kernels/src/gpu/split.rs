@@ -72,7 +72,8 @@ pub(crate) struct Operand<'a> {
     /// Elements per unit of the op's parallel dimension; 0 for an operand every unit reads whole
     /// (a LayerNorm weight, say), which must then lie in one chunk.
     pub per_unit: usize,
-    /// For `per_unit == 0`: how many elements it spans.
+    /// For `per_unit == 0`: how many elements it spans; otherwise how many of each unit's elements the
+    /// op touches (0: all of them).
     pub span: usize,
 }
 
@@ -83,6 +84,16 @@ impl<'a> Operand<'a> {
             offset,
             per_unit,
             span: 0,
+        }
+    }
+    /// Rows `per_unit` apart of which the op touches only the first `used` elements (a strided view:
+    /// the last row may end before the tensor's next `per_unit - used` elements exist).
+    pub fn strided(t: &'a GpuTensor, offset: usize, per_unit: usize, used: usize) -> Self {
+        Self {
+            t,
+            offset,
+            per_unit,
+            span: used.min(per_unit),
         }
     }
     pub fn whole(t: &'a GpuTensor, offset: usize, span: usize) -> Self {
@@ -129,10 +140,17 @@ pub(crate) fn segments(
             continue;
         }
         let end = o.offset + units * o.per_unit;
+        let used = if o.span > 0 { o.span } else { o.per_unit };
         for c in &o.t.chunks {
             let b = c.start;
             if b > o.offset && b < end {
-                if (b - o.offset) % o.per_unit != 0 {
+                let within = (b - o.offset) % o.per_unit;
+                // A boundary in the gap after a strided row's used elements cuts before the next row.
+                if within >= used {
+                    cuts.push((b - o.offset) / o.per_unit + 1);
+                    continue;
+                }
+                if within != 0 {
                     return Err(Error::Shape {
                         op,
                         msg: format!(
@@ -156,7 +174,11 @@ pub(crate) fn segments(
             let (first, last) = if o.per_unit == 0 {
                 (o.offset, o.offset + o.span.max(1) - 1)
             } else {
-                (o.offset + s * o.per_unit, o.offset + e * o.per_unit - 1)
+                let used = if o.span > 0 { o.span } else { o.per_unit };
+                (
+                    o.offset + s * o.per_unit,
+                    o.offset + (e - 1) * o.per_unit + used - 1,
+                )
             };
             let ci = o.t.chunk_of(first).ok_or_else(|| Error::Shape {
                 op,

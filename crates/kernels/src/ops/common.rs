@@ -100,3 +100,20 @@ pub(crate) fn run(
     }
     Ok(())
 }
+
+/// Repeats each line of `body` that holds `var` (once per register of a thread's set: a row of x, a quant vector, a chunk of a head) `n` times, with `var` replaced by 0 .. n.
+pub(crate) fn repeat_lines(body: &str, var: &str, n: usize) -> String {
+    let mut out = String::with_capacity(body.len() * 2);
+    for line in body.lines() {
+        if line.contains(var) {
+            for i in 0..n {
+                out.push_str(&line.replace(var, &i.to_string()));
+                out.push('\n');
+            }
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}

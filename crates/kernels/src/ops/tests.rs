@@ -35,3 +35,53 @@ fn fill_copy_add_match_their_twins() {
         assert_eq!(out[4][n + 2], 7.0);
     }
 }
+
+/// A column block of one matrix into another: the last source row may end before the tensor's stride
+/// does (a fused projection's K slice), rows split across buffers move whole, nothing else is written.
+#[test]
+fn copy_rows_moves_a_column_block_and_nothing_else() {
+    let mut rng = SeedRng::new(11);
+    // (rows, cols, ld_src, src offset, ld_dst, dst offset, split bytes)
+    for (rows, cols, ld_src, o_src, ld_dst, o_dst, split) in [
+        (1, 5, 7, 2, 5, 0, None),
+        (3, 4, 9, 5, 6, 1, None),
+        (70, 33, 40, 7, 100, 60, None),
+        (300, 64, 192, 128, 64, 0, None),
+        (130, 24, 48, 0, 32, 0, Some(48 * 4 * 5)),
+    ] {
+        let a = rng.vec(rows * ld_src, -2.0, 2.0);
+        let args = [
+            Arg::data(a.clone(), ld_src),
+            Arg::out(rows * ld_dst, ld_dst),
+        ];
+        let out = check_twin("copy_rows", 0.0, &args, split, |be: &Backend, t| {
+            let [ta, tb] = t else { unreachable!() };
+            fill::fill(be, tb.into(), rows * ld_dst, 9.0)?;
+            fill::copy_rows(
+                be,
+                ta.at(o_src),
+                ld_src,
+                tb.at_mut(o_dst),
+                ld_dst,
+                rows,
+                cols,
+            )
+        });
+        let mut want = vec![9.0; rows * ld_dst];
+        for r in 0..rows {
+            for c in 0..cols {
+                want[o_dst + r * ld_dst + c] = a[o_src + r * ld_src + c];
+            }
+        }
+        assert_eq!(out[1], want, "{rows} rows of {cols}");
+    }
+}
+
+#[test]
+fn copy_rows_refuses_rows_wider_than_their_stride() {
+    let be = crate::testing::cpu_backend();
+    let a = be.from_f32(&[1.0; 12], 1).unwrap();
+    let mut b = be.zeros(12, 1).unwrap();
+    let e = fill::copy_rows(&be, a.at(0), 3, b.at_mut(0), 6, 2, 4).unwrap_err();
+    assert!(e.to_string().contains("do not fit"), "{e}");
+}

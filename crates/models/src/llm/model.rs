@@ -36,11 +36,11 @@ use tinygpt_formats::GgufFile;
 use tinygpt_kernels::ops::add::add_assign;
 use tinygpt_kernels::ops::argmax::argmax_rows;
 use tinygpt_kernels::ops::attention::{CacheRows, DecodeShape, RowsShape, attend, attend_rows};
-use tinygpt_kernels::ops::fill::copy;
+use tinygpt_kernels::ops::fill::copy_rows;
 use tinygpt_kernels::ops::gelu::gelu;
-use tinygpt_kernels::ops::glu::glu;
+use tinygpt_kernels::ops::glu::{glu, glu_rows};
+use tinygpt_kernels::ops::matmul::RowMode;
 use tinygpt_kernels::ops::matmul::fused::{Input, Output};
-use tinygpt_kernels::ops::matmul::{Gemm, RowMode, matmul};
 use tinygpt_kernels::ops::norm::{NormKind, NormShape, add_rms_norm, norm_forward};
 use tinygpt_kernels::ops::rope::{
     QkNorm, RopeCacheShape, RopeShape, rope, rope_into_cache, rope_table,
@@ -108,7 +108,8 @@ struct Scratch {
     ids: Tensor,
     /// Each row's position (u32), for learned positions.
     pos_ids: Tensor,
-    /// A decode pass's cache rows: [first cache row of its sequence, position] per row (u32).
+    /// A pass's cache rows: [first cache row of its sequence, position] per row (u32); a prompt pass's
+    /// count from its sequence's first cache row.
     rows: Tensor,
     /// `batch` ones: the left operand of bias additions (see [`add_bias`]).
     ones: Tensor,
@@ -132,8 +133,6 @@ struct Scratch {
     /// act(gate) · up [batch, ff].
     act: Tensor,
     logits: Tensor,
-    /// The constant 1, the left operand of strided row copies (see [`copy_rows`]).
-    one: Tensor,
     /// Each row's settings for the device sampler (u32 words, [`PARAM_WORDS`] per row).
     sampling: Tensor,
 }
@@ -147,7 +146,7 @@ impl Scratch {
         Ok(Scratch {
             ids: be.zeros_typed(batch, batch, DType::U32)?,
             pos_ids: be.zeros_typed(batch, batch, DType::U32)?,
-            rows: be.zeros_typed(2 * parallel, 2 * parallel, DType::U32)?,
+            rows: be.zeros_typed(2 * batch, 2 * batch, DType::U32)?,
             ones: be.from_f32(&vec![1.0; batch], batch)?,
             x: z(batch, d)?,
             xn: z(batch, d)?,
@@ -160,7 +159,6 @@ impl Scratch {
             out: z(batch, d)?,
             act: z(batch, ff)?,
             logits: z(parallel, cfg.vocab)?,
-            one: be.from_f32(&[1.0], 1)?,
             sampling: be.zeros_typed(parallel * PARAM_WORDS, PARAM_WORDS, DType::U32)?,
         })
     }
@@ -182,7 +180,6 @@ impl Scratch {
             &self.out,
             &self.act,
             &self.logits,
-            &self.one,
         ]
         .iter()
         .map(|t| t.bytes())
@@ -1014,10 +1011,14 @@ impl Core {
             add_assign(be, s.x.at_mut(0), s.out.at(0), pass.m * d, 1.0)?;
         }
         let at = pool.base(seq.slot) * pool.width;
+        // Where each row goes in the sequence's cache (one write for every layer's rope_into_cache).
+        let table: Vec<[u32; 2]> = (0..pass.m).map(|r| [0, (seq.pos + r) as u32]).collect();
+        let words: Vec<u32> = table.iter().flatten().copied().collect();
+        be.write_u32(s.rows.at_mut(0), &words)?;
         for (l, lw) in w.layers.iter().enumerate() {
             let rope = layer_rope.get(l).map(|&i| &ropes[i]);
             let cache = pool.kv[l].at_mut(at);
-            pass.attention(lw, &cfg.layers[l], s, cache, rope)?;
+            pass.attention(lw, &cfg.layers[l], s, cache, &table, rope)?;
             pass.feed_forward(lw, s)?;
         }
         // Only the last position's logits are needed, or those of every row from `scored_from`.
@@ -1304,13 +1305,15 @@ impl Pass<'_> {
         Ok(())
     }
 
-    /// A prompt pass's attention sublayer; `cache` views the sequence's position 0.
+    /// A prompt pass's attention sublayer; `cache` views the sequence's position 0, `table` (in
+    /// `s.rows` too) says where each row goes in it.
     fn attention(
         &self,
         lw: &LayerWeights,
         la: &LayerAttention,
         s: &mut Scratch,
         mut cache: TMut<'_>,
+        table: &[[u32; 2]],
         rope: Option<&Tensor>,
     ) -> Result<()> {
         let (be, cfg, m) = (self.be, self.cfg, self.m);
@@ -1333,68 +1336,68 @@ impl Pass<'_> {
             s.ones.at(0),
         )?;
         let [q, k, v] = [0, 1, 2].map(|i| lw.qkv.slot(i, self.batch));
-        // When Q, K and V come out of one product, each row holds [q | k | v]: without Q/K norms, one
-        // RoPE call rotates the heads of q and k together, and one copy moves k and v into the cache.
-        let follows = |a: Slot, b: Slot, width: usize| b.ld == a.ld && b.offset == a.offset + width;
-        let qk_together = lw.q_norm.is_none() && lw.k_norm.is_none() && follows(q, k, qd);
-        let kv_together = lw.k_norm.is_none() && follows(k, v, kvd);
         // A cache row holds one position's [k | v].
         let row = 2 * kvd;
-        let at = self.pos0 * row;
+        let (q_src, q_slot) = if q.ld == k.ld && k.ld == v.ld {
+            // One product's rows [q | k | v]: norms, RoPE and the cache writes in one op, as decoding does.
+            self.rope_cache(lw, s, cache.reborrow(), table, rope)?;
+            (&s.qn, Slot { offset: 0, ld: qd })
+        } else {
+            // Q, K and V from products of different widths (their weights quantized differently), op
+            // by op. Where two of them share a product's rows: without Q/K norms one RoPE call rotates
+            // the heads of q and k together, and one copy moves k and v into the cache.
+            let follows =
+                |a: Slot, b: Slot, width: usize| b.ld == a.ld && b.offset == a.offset + width;
+            let qk_together = lw.q_norm.is_none() && lw.k_norm.is_none() && follows(q, k, qd);
+            let kv_together = lw.k_norm.is_none() && follows(k, v, kvd);
+            let at = self.pos0 * row;
 
-        // Queries: normed per head into `qn` then rotated (Gemma), or rotated where they are.
-        let (q_src, q_slot) = match &lw.q_norm {
-            Some(nw) => {
-                let src = contiguous(be, &s.proj, q, qd, m, &mut s.split_a, &s.one)?;
-                self.rms_norm(src, nw, s.qn.at_mut(0), &mut s.stats, m * n_head, hd)?;
-                if let Some(table) = rope {
-                    self.rope(s.qn.at_mut(0), table, n_head, qd)?;
+            // Queries: normed per head into `qn` then rotated (Gemma), or rotated where they are.
+            let (q_src, q_slot) = match &lw.q_norm {
+                Some(nw) => {
+                    let src = contiguous(be, &s.proj, q, qd, m, &mut s.split_a)?;
+                    self.rms_norm(src, nw, s.qn.at_mut(0), &mut s.stats, m * n_head, hd)?;
+                    if let Some(table) = rope {
+                        self.rope(s.qn.at_mut(0), table, n_head, qd)?;
+                    }
+                    (&s.qn, Slot { offset: 0, ld: qd })
                 }
-                (&s.qn, Slot { offset: 0, ld: qd })
-            }
-            None => {
-                let heads = if qk_together { n_head + n_kv } else { n_head };
-                if let Some(table) = rope {
-                    self.rope(s.proj.at_mut(q.offset), table, heads, q.ld)?;
+                None => {
+                    let heads = if qk_together { n_head + n_kv } else { n_head };
+                    if let Some(table) = rope {
+                        self.rope(s.proj.at_mut(q.offset), table, heads, q.ld)?;
+                    }
+                    (&s.proj, q)
                 }
-                (&s.proj, q)
+            };
+
+            // Keys into the cache (normed on the way for Gemma, then rotated there unless already rotated).
+            match &lw.k_norm {
+                Some(nw) => {
+                    let src = contiguous(be, &s.proj, k, kvd, m, &mut s.split_b)?;
+                    if m == 1 {
+                        self.rms_norm(src, nw, cache.shift(at), &mut s.stats, n_kv, hd)?;
+                    } else {
+                        // The norm writes packed rows; cache rows are [k | v].
+                        self.rms_norm(src, nw, s.split_a.at_mut(0), &mut s.stats, m * n_kv, hd)?;
+                        copy_rows(be, s.split_a.at(0), kvd, cache.shift(at), row, m, kvd)?;
+                    }
+                }
+                None => {
+                    let width = if kv_together { 2 * kvd } else { kvd };
+                    let from = s.proj.at(k.offset);
+                    copy_rows(be, from, k.ld, cache.shift(at), row, m, width)?;
+                }
             }
+            if let (false, Some(table)) = (qk_together, rope) {
+                self.rope(cache.shift(at), table, n_kv, row)?;
+            }
+            if !kv_together {
+                let from = s.proj.at(v.offset);
+                copy_rows(be, from, v.ld, cache.shift(at + kvd), row, m, kvd)?;
+            }
+            (q_src, q_slot)
         };
-
-        // Keys into the cache (normed on the way for Gemma, then rotated there unless already rotated).
-        match &lw.k_norm {
-            Some(nw) => {
-                let src = contiguous(be, &s.proj, k, kvd, m, &mut s.split_b, &s.one)?;
-                if m == 1 {
-                    self.rms_norm(src, nw, cache.shift(at), &mut s.stats, n_kv, hd)?;
-                } else {
-                    // The norm writes packed rows; cache rows are [k | v].
-                    self.rms_norm(src, nw, s.split_a.at_mut(0), &mut s.stats, m * n_kv, hd)?;
-                    copy_rows(
-                        be,
-                        s.split_a.at(0),
-                        kvd,
-                        cache.shift(at),
-                        row,
-                        m,
-                        kvd,
-                        &s.one,
-                    )?;
-                }
-            }
-            None => {
-                let width = if kv_together { 2 * kvd } else { kvd };
-                let from = s.proj.at(k.offset);
-                copy_rows(be, from, k.ld, cache.shift(at), row, m, width, &s.one)?;
-            }
-        }
-        if let (false, Some(table)) = (qk_together, rope) {
-            self.rope(cache.shift(at), table, n_kv, row)?;
-        }
-        if !kv_together {
-            let from = s.proj.at(v.offset);
-            copy_rows(be, from, v.ld, cache.shift(at + kvd), row, m, kvd, &s.one)?;
-        }
         let shape = DecodeShape {
             rows: m,
             heads: n_head,
@@ -1434,9 +1437,15 @@ impl Pass<'_> {
                 lw.gate_up.slot(0, self.batch),
                 lw.gate_up.slot(1, self.batch),
             );
-            let gate = contiguous(be, &s.proj, g, ff, m, &mut s.split_a, &s.one)?;
-            let up = contiguous(be, &s.proj, u, ff, m, &mut s.split_b, &s.one)?;
-            glu(be, cfg.activation, gate, up, s.act.at_mut(0), m * ff)?;
+            if g.ld == u.ld {
+                // Halves of one product's rows.
+                let (gate, up) = (s.proj.at(g.offset), s.proj.at(u.offset));
+                glu_rows(be, cfg.activation, gate, up, g.ld, s.act.at_mut(0), m, ff)?;
+            } else {
+                let gate = contiguous(be, &s.proj, g, ff, m, &mut s.split_a)?;
+                let up = contiguous(be, &s.proj, u, ff, m, &mut s.split_b)?;
+                glu(be, cfg.activation, gate, up, s.act.at_mut(0), m * ff)?;
+            }
         } else {
             // The one member fills the group: m packed rows of ff.
             let up = lw.gate_up.slot(0, self.batch);
@@ -1447,29 +1456,19 @@ impl Pass<'_> {
         self.residual(lw.post_ffn_norm.as_ref(), s)
     }
 
-    /// A decode pass's attention sublayer: the Q/K/V product (norm fused in), norms, RoPE and cache
-    /// writes in one op, attention over every row's sequence in one op, the output product with the
-    /// residual addition.
-    fn decode_attention(
+    /// The step between the Q/K/V product and attention, as one op: Gemma's Q/K norms, RoPE, the queries
+    /// into `s.qn` (rows of the query width), keys and values into the cache rows `table` names (`s.rows`
+    /// holds the same words, one pair per row of the pass).
+    fn rope_cache(
         &self,
         lw: &LayerWeights,
-        la: &LayerAttention,
         s: &mut Scratch,
-        cache: &mut Tensor,
+        mut cache: TMut<'_>,
         table: &[[u32; 2]],
         rope: Option<&Tensor>,
     ) -> Result<()> {
         let (be, cfg, m) = (self.be, self.cfg, self.m);
         let (hd, qd, kvd) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
-        let input = self.normed(&lw.attn_norm, &s.x, &mut s.xn, &mut s.stats, &s.ones)?;
-        lw.qkv.apply_fused(
-            be,
-            self.rows(),
-            input,
-            &mut s.proj,
-            self.batch,
-            s.ones.at(0),
-        )?;
         let [q, k, v] = [0, 1, 2].map(|i| lw.qkv.slot(i, self.batch));
         let norm = match (&lw.q_norm, &lw.k_norm) {
             (Some(qw), Some(kw)) => Some(QkNorm {
@@ -1481,7 +1480,7 @@ impl Pass<'_> {
         };
         let (tab, positions) = match rope {
             Some(t) => (t, self.context),
-            None => (&s.one, self.context),
+            None => (&s.ones, self.context),
         };
         let shape = RopeCacheShape {
             heads: cfg.n_head,
@@ -1505,7 +1504,7 @@ impl Pass<'_> {
                 be,
                 s.proj.at(0),
                 s.qn.at_mut(0),
-                cache.at_mut(0),
+                cache.reborrow(),
                 all,
                 tab.at(0),
                 positions,
@@ -1529,7 +1528,7 @@ impl Pass<'_> {
                     be,
                     s.proj.at(0),
                     s.qn.at_mut(r * qd),
-                    cache.at_mut(0),
+                    cache.reborrow(),
                     one,
                     tab.at(0),
                     positions,
@@ -1538,6 +1537,37 @@ impl Pass<'_> {
                 )?;
             }
         }
+        Ok(())
+    }
+
+    /// A decode pass's attention sublayer: the Q/K/V product (norm fused in), norms, RoPE and cache
+    /// writes in one op, attention over every row's sequence in one op, the output product with the
+    /// residual addition.
+    fn decode_attention(
+        &self,
+        lw: &LayerWeights,
+        la: &LayerAttention,
+        s: &mut Scratch,
+        cache: &mut Tensor,
+        table: &[[u32; 2]],
+        rope: Option<&Tensor>,
+    ) -> Result<()> {
+        let (be, cfg) = (self.be, self.cfg);
+        let (hd, qd, kvd) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
+        let input = self.normed(&lw.attn_norm, &s.x, &mut s.xn, &mut s.stats, &s.ones)?;
+        lw.qkv.apply_fused(
+            be,
+            self.rows(),
+            input,
+            &mut s.proj,
+            self.batch,
+            s.ones.at(0),
+        )?;
+        self.rope_cache(lw, s, cache.at_mut(0), table, rope)?;
+        let all = CacheRows {
+            table: s.rows.at(0),
+            host: table,
+        };
         let shape = RowsShape {
             heads: cfg.n_head,
             kv_heads: cfg.n_kv_head,
@@ -1584,7 +1614,6 @@ impl Pass<'_> {
             split_a,
             split_b,
             act,
-            one,
             x,
             out,
             ones,
@@ -1603,8 +1632,8 @@ impl Pass<'_> {
                     ld: g.ld,
                 }
             } else {
-                let gate = contiguous(be, proj, g, ff, m, split_a, one)?;
-                let up = contiguous(be, proj, u, ff, m, split_b, one)?;
+                let gate = contiguous(be, proj, g, ff, m, split_a)?;
+                let up = contiguous(be, proj, u, ff, m, split_b)?;
                 Input::Glu {
                     act: cfg.activation,
                     gate,
@@ -1631,7 +1660,6 @@ fn contiguous<'a>(
     width: usize,
     m: usize,
     spare: &'a mut Tensor,
-    one: &Tensor,
 ) -> Result<TRef<'a>> {
     if m == 1 || slot.ld == width {
         return Ok(src.at(slot.offset));
@@ -1644,31 +1672,9 @@ fn contiguous<'a>(
         width,
         m,
         width,
-        one,
     )?;
     let spare: &'a Tensor = spare;
     Ok(spare.at(0))
-}
-
-/// Copies `rows` rows of `cols` elements, `ld_src` apart, to rows `ld_dst` apart.
-#[allow(clippy::too_many_arguments)]
-fn copy_rows(
-    be: &Backend,
-    src: TRef<'_>,
-    ld_src: usize,
-    dst: TMut<'_>,
-    ld_dst: usize,
-    rows: usize,
-    cols: usize,
-    one: &Tensor,
-) -> Result<()> {
-    if rows == 1 || (ld_src == cols && ld_dst == cols) {
-        return Ok(copy(be, src, dst, rows * cols)?);
-    }
-    // The kernels have no strided copy; a batch of 1x1 · 1xcols products (one per row) is one op on
-    // either backend and exact: each element is 1 · x with nothing added.
-    let g = Gemm::nn(1, cols, 1).batched([1, rows], [0, 0], [0, ld_src], [0, ld_dst]);
-    Ok(matmul(be, PathSet::F32, one.into(), src, dst, &g)?)
 }
 
 /// The RoPE tables of `cfg` for `context` positions, one per distinct (base, scale), and the table each

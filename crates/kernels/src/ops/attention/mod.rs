@@ -9,13 +9,13 @@
 
 mod causal_cpu;
 
-use super::common::row_kernel;
+use super::common::{PRELUDE, repeat_lines};
 use super::dropout::{check_probability, dropout};
 use super::matmul::{Gemm, matmul};
 use super::softmax::{SoftmaxShape, softmax, softmax_backward};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
-use crate::gpu::{Access, Operand, segments};
+use crate::gpu::{Access, Operand, PipelineOptions, segments};
 use crate::path::PathSet;
 use rayon::prelude::*;
 
@@ -410,10 +410,10 @@ pub fn attend(
             let (bk, ok) = place(k, nkv, "the K cache")?;
             let (bv, ov) = place(v, nkv, "the V cache")?;
             let (bo, oo) = place(out.as_ref(), no, "out")?;
-            let pipe = row_kernel(
-                g,
-                "attend",
-                include_str!("attend.wgsl"),
+            // Chunks of 64 dimensions staged per step (attend_tiled.wgsl).
+            let nc = s.head_dim.div_ceil(64);
+            let pipe = g.pipeline(
+                &format!("attend_tiled_c{nc}"),
                 &[
                     Access::Read,
                     Access::Read,
@@ -421,50 +421,84 @@ pub fn attend(
                     Access::ReadWrite,
                     Access::ReadWrite,
                 ],
+                PipelineOptions::default(),
+                || {
+                    let body = repeat_lines(include_str!("attend_tiled.wgsl"), "$c", nc);
+                    format!("{PRELUDE}\nconst NC: u32 = {nc}u;\n{body}")
+                },
             )?;
-            // Score scratch: rows · heads · kv_len, in as many dispatches as one binding needs.
+            // Splits of the keys: the longest tile's walk is the critical path of the dispatch, so a
+            // long prompt spreads it over more workgroups (and a second dispatch merges them), within
+            // a bounded scratch.
+            let longest = if s.window > 0 {
+                s.kv_len.min(s.window + TILE_ROWS)
+            } else {
+                s.kv_len
+            };
             let max = (g.max_chunk_bytes() / 4) as usize;
-            let per_row = s.heads * s.kv_len.max(1);
-            let rows_per = (max / per_row).max(1).min(s.rows.max(1));
-            if per_row > max {
-                return Err(Error::Limits(format!(
-                    "attend: {} heads x {} cached positions of scores exceed one storage binding",
-                    s.heads, s.kv_len
-                )));
+            let part_len = |n: usize| s.rows * s.heads * n * (s.head_dim + 2);
+            let mut n_split = longest.div_ceil(SPLIT_KEYS).clamp(1, MAX_SPLITS);
+            while n_split > 1 && part_len(n_split) > max {
+                n_split /= 2;
             }
-            let scratch = g.scratch("attend_scores", rows_per * per_row)?;
-            let mut r0 = 0;
-            while r0 < s.rows {
-                let n = rows_per.min(s.rows - r0);
-                let params = [
-                    n as u32,
-                    0,
-                    (oq + r0 * s.ld_q) as u32,
-                    ok as u32,
-                    ov as u32,
-                    (oo + r0 * s.ld_o) as u32,
-                    s.heads as u32,
-                    s.kv_heads as u32,
-                    s.head_dim as u32,
-                    s.ld_q as u32,
-                    s.ld_kv as u32,
-                    s.ld_o as u32,
-                    s.q_pos0 as u32,
-                    s.kv_len as u32,
-                    s.window as u32,
-                    s.scale.to_bits(),
-                    s.softcap.to_bits(),
-                    s.kv_len as u32,
-                    r0 as u32,
-                ];
-                let bufs = [&bq, &bk, &bv, &bo, &scratch.chunks[0].buffer];
-                g.dispatch(&pipe, &params, &bufs, g.grid(n * s.heads))?;
-                r0 += n;
+            let split_keys = longest.div_ceil(n_split).next_multiple_of(TILE_KEYS);
+            let n_split = longest.div_ceil(split_keys);
+            let scratch = if n_split > 1 {
+                g.scratch("attend_part", part_len(n_split))?
+            } else {
+                g.scratch("dummy", 1)?
+            };
+            let bp = &scratch.chunks[0].buffer;
+            let params = [
+                s.rows as u32,
+                s.heads as u32,
+                s.kv_heads as u32,
+                s.head_dim as u32,
+                s.ld_q as u32,
+                s.ld_kv as u32,
+                s.ld_o as u32,
+                s.q_pos0 as u32,
+                s.kv_len as u32,
+                s.window as u32,
+                s.scale.to_bits(),
+                s.softcap.to_bits(),
+                oq as u32,
+                ok as u32,
+                ov as u32,
+                oo as u32,
+                n_split as u32,
+                split_keys as u32,
+                0,
+            ];
+            let groups = [
+                s.rows.div_ceil(TILE_ROWS) as u32,
+                s.heads as u32,
+                n_split as u32,
+            ];
+            g.dispatch(&pipe, &params, &[&bq, &bk, &bv, &bo, bp], groups)?;
+            if n_split > 1 {
+                rows::merge_gpu(
+                    g,
+                    (bp, 0),
+                    (&bo, oo),
+                    s.rows,
+                    s.heads,
+                    s.head_dim,
+                    s.ld_o,
+                    n_split,
+                )?;
             }
             Ok(())
         }
     }
 }
+
+/// Query rows and keys of one step of attend_tiled.wgsl (BQ, BK).
+const TILE_ROWS: usize = 16;
+const TILE_KEYS: usize = 16;
+/// Keys one workgroup of the prompt attention aims to walk, and the most splits of a tile's keys.
+const SPLIT_KEYS: usize = 128;
+const MAX_SPLITS: usize = 8;
 
 mod rows;
 pub use rows::{CHUNK, CacheRows, RowsShape, attend_rows};

@@ -270,7 +270,7 @@ pub fn attend_rows(
 /// out[r, h] = the merge of row r's, head h's `n_split` partial results in `part`:
 /// Σ_s e^(m_s − M) o_s / Σ_s e^(m_s − M) l_s, M the largest split maximum, splits with l_s = 0 skipped.
 #[allow(clippy::too_many_arguments)]
-fn merge_gpu(
+pub(super) fn merge_gpu(
     g: &crate::gpu::GpuBackend,
     (bp, op): (&wgpu::Buffer, usize),
     (bo, oo): (&wgpu::Buffer, usize),

@@ -2,7 +2,7 @@
 
 use super::common::{Grid, kernel, run};
 use crate::backend::{Backend, TMut, TRef};
-use crate::error::Result;
+use crate::error::{Result, shape};
 use crate::gpu::{Access, Operand};
 
 /// Sets `n` elements of `out` to `value`.
@@ -54,6 +54,55 @@ pub fn copy(be: &Backend, src: TRef<'_>, mut dst: TMut<'_>, n: usize) -> Result<
                 Operand::rows(td, dst.offset(), 1),
             ];
             run(g, "copy", &pipe, n, &ops, &[], Grid::Threads(256))
+        }
+    }
+}
+
+/// Copies `rows` rows of `cols` elements from rows `ld_src` apart (from `src`'s offset) to rows `ld_dst`
+/// apart: a column block of one matrix into another (a slice of a fused projection's rows into the KV
+/// cache, say). One dispatch; exact.
+pub fn copy_rows(
+    be: &Backend,
+    src: TRef<'_>,
+    ld_src: usize,
+    mut dst: TMut<'_>,
+    ld_dst: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
+    if cols > ld_src || cols > ld_dst {
+        return Err(shape(
+            "copy_rows",
+            format!("rows of {cols} do not fit strides {ld_src} and {ld_dst}"),
+        ));
+    }
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    match be {
+        Backend::Cpu(_) => {
+            let s = src.cpu_u32("copy_rows", "src", (rows - 1) * ld_src + cols)?;
+            let d = dst.cpu_u32("copy_rows", "dst", (rows - 1) * ld_dst + cols)?;
+            for r in 0..rows {
+                d[r * ld_dst..r * ld_dst + cols].copy_from_slice(&s[r * ld_src..r * ld_src + cols]);
+            }
+            Ok(())
+        }
+        Backend::Gpu(g) => {
+            let ts = src.gpu("copy_rows", "src", (rows - 1) * ld_src + cols)?;
+            let td = dst.gpu("copy_rows", "dst", (rows - 1) * ld_dst + cols)?;
+            let pipe = kernel(
+                g,
+                "copy_rows",
+                include_str!("copy_rows.wgsl"),
+                &[Access::Read, Access::ReadWrite],
+            )?;
+            let ops = [
+                Operand::strided(ts, src.offset(), ld_src, cols),
+                Operand::strided(td, dst.offset(), ld_dst, cols),
+            ];
+            let extra = [ld_src as u32, ld_dst as u32, cols as u32];
+            run(g, "copy_rows", &pipe, rows, &ops, &extra, Grid::Groups)
         }
     }
 }

@@ -1,12 +1,14 @@
 //! Dispatch of the WGSL quantized kernels: variant choice, the split-buffer loops, parameter blocks.
 //!
-//! Two kernel families serve x · Wᵀ:
+//! Three kernel families serve x · Wᵀ:
 //!
 //! - **gemv** (gemv_q8.wgsl, gemv_q4.wgsl): a few rows of x, built for latency (each lane loads 16-byte
 //!   quant vectors ahead of everything else). Decode passes run on it, with the ops around a product
 //!   folded in ([`Stage`], [`Output`]); it computes every row alone, so batched decoding gives each
 //!   sequence the numbers it would get alone.
-//! - **tiled rows** (q8.wgsl, q4.wgsl): up to 8 rows of x per pass over the weights, for prompts.
+//! - **tiled rows** (q8.wgsl, q4.wgsl): up to 8 rows of x per pass over the weights, for short prompts.
+//! - **GEMM** (qgemm.wgsl): 64 x 64 output tiles, the weights dequantised into workgroup memory one
+//!   block of K at a time, for prompts of [`GEMM_MIN_ROWS`] rows or more.
 //!
 //! One product is one dispatch in the usual case (x, y and the weights each in one buffer). Split
 //! tensors multiply it: x/y are cut by rows of x where either changes buffer, the weights by the row
@@ -18,7 +20,7 @@ use std::rc::Rc;
 use super::{GpuParts, QKind};
 use crate::error::{Result, shape};
 use crate::gpu::{Access, GpuBackend, GpuTensor, Operand, Pipeline, PipelineOptions, segments};
-use crate::ops::common::PRELUDE;
+use crate::ops::common::{PRELUDE, repeat_lines};
 use crate::ops::glu::Activation;
 use crate::path::Fault;
 
@@ -36,6 +38,8 @@ const WORDS_PER_LANE: usize = 16;
 const GEMV_VECTORS_PER_LANE: usize = 3;
 /// Most quant vectors one gemv lane holds (longer rows take the tiled kernel).
 const GEMV_MAX_VECTORS: usize = 8;
+/// Rows of x from which a product takes the GEMM kernel (its tiles hold 64).
+const GEMM_MIN_ROWS: usize = 32;
 /// Threads per workgroup of the row-lookup kernels (one workgroup per token).
 const GET_ROWS_WG: usize = 64;
 
@@ -303,7 +307,10 @@ fn plant(src: String, fault: Option<Fault>) -> String {
             "vec4<f32>((vec4<u32>(w) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u))",
         ),
         // The scale index wraps after 64 blocks, i.e. from K = 2048 on (block 32).
-        Some(Fault::BlockIndexAtK2048) => src.replace("scales[srow + w / WPB]", "scales[srow + (w / WPB) % 64u]"),
+        Some(Fault::BlockIndexAtK2048) => src
+            .replace("scales[srow + w / WPB]", "scales[srow + (w / WPB) % 64u]")
+            .replace("let blk = (b * 32u + 8u * lq) / BLOCK;", "let blk = ((b * 32u + 8u * lq) / BLOCK) % 64u;")
+            .replace("let blk = b;", "let blk = b % 64u;"),
         Some(Fault::OutOfBoundsWrite) => tail(
             src,
             "  if (lid == 0u && group_index(wid, nwg) == 0u && wid.z == 0u) { y[p.o_y + p.m * p.ldy] = 1.0; }",
@@ -313,24 +320,6 @@ fn plant(src: String, fault: Option<Fault>) -> String {
             "  workgroupBarrier();\n  if (lid == 0u && group_index(wid, nwg) == 0u && wid.z == 0u) { y[p.o_y] = bitcast<f32>(0x7fc00000u); }",
         ),
     }
-}
-
-/// Repeats each line of `body` that holds `var` (`$r`: once per row of x; `$i`: once per quant vector of
-/// a lane) `n` times, with `var` replaced by 0 .. n.
-fn repeat_lines(body: &str, var: &str, n: usize) -> String {
-    let mut out = String::with_capacity(body.len() * 2);
-    for line in body.lines() {
-        if line.contains(var) {
-            for i in 0..n {
-                out.push_str(&line.replace(var, &i.to_string()));
-                out.push('\n');
-            }
-        } else {
-            out.push_str(line);
-            out.push('\n');
-        }
-    }
-    out
 }
 
 /// A grid of `n` workgroups folded into x and y with as few spare groups as possible (`GpuBackend::grid`
@@ -387,6 +376,10 @@ pub(super) fn qmatmul(
                     z,
                 )?;
             }
+            continue;
+        }
+        if rows >= GEMM_MIN_ROWS {
+            qgemm(g, (xb, x0), (yb, y0), w, kind, [rows, n, k], fault)?;
             continue;
         }
         // Tiled passes: full groups of MAX_R rows of x (several per dispatch, along z), then the
@@ -593,6 +586,135 @@ fn dispatch(
         params.extend_from_slice(&params_extra);
         bufs.extend(extra.iter().map(|(b, _)| *b));
         g.dispatch(&pipe, &params, &bufs, grid)?;
+    }
+    Ok(())
+}
+
+/// The weight layout of qgemm.wgsl: `wfetch` loads thread quarter `lq`'s raw share of block `b` of a
+/// weight row (quant words and the scales they need), `wvalues` dequantises it into two vec4, and
+/// `wkat(lq, h)` says at which k of the block vec4 h starts.
+fn qgemm_layout(kind: QKind) -> &'static str {
+    match kind {
+        // Words 2·lq and 2·lq + 1 of the block's 8: quants 8·lq .. 8·lq + 7, under one scale (blocks
+        // of 32) or two (blocks of 16: the second word's is the next).
+        QKind::Q8 { .. } => {
+            "@group(0) @binding(4) var<storage, read> quants: array<u32>;
+struct WRaw { w: vec2<u32>, s: vec2<f32> }
+fn wfetch(row: u32, b: u32, lq: u32) -> WRaw {
+  let at = p.o_q + row * p.kw + b * 8u + 2u * lq;
+  let srow = p.o_s + row * (p.k / BLOCK);
+  let blk = (b * 32u + 8u * lq) / BLOCK;
+  let second = (b * 32u + 8u * lq + 4u) / BLOCK - (b * 32u + 8u * lq) / BLOCK;
+  return WRaw(vec2<u32>(quants[at], quants[at + 1u]), vec2<f32>(scales[srow + blk], scales[srow + blk + second]));
+}
+fn wkat(lq: u32, h: u32) -> u32 { return 8u * lq + 4u * h; }
+fn wvalues(r: WRaw) -> array<vec4<f32>, 2> {
+  return array<vec4<f32>, 2>(sext(r.w.x) * r.s.x, sext(r.w.y) * r.s.y);
+}
+"
+        }
+        // Word lq of the block's 4: the low nibbles are quants 4·lq .., the high ones 16 + 4·lq ...
+        QKind::Q4 => {
+            "@group(0) @binding(4) var<storage, read> mins: array<f32>;
+@group(0) @binding(5) var<storage, read> quants: array<u32>;
+struct WRaw { w: u32, s: f32, mn: f32 }
+fn wfetch(row: u32, b: u32, lq: u32) -> WRaw {
+  let blk = b;
+  let srow = row * (p.k / 32u);
+  return WRaw(quants[p.o_q + row * p.kw + b * 4u + lq], scales[p.o_s + srow + blk], mins[p.o_m + srow + blk]);
+}
+fn wkat(lq: u32, h: u32) -> u32 { return 4u * lq + 16u * h; }
+fn wvalues(r: WRaw) -> array<vec4<f32>, 2> {
+  let u = vec4<u32>(r.w) >> vec4<u32>(0u, 8u, 16u, 24u);
+  let lo = vec4<f32>(u & vec4<u32>(15u));
+  let hi = vec4<f32>((u >> vec4<u32>(4u)) & vec4<u32>(15u));
+  return array<vec4<f32>, 2>(lo * r.s + r.mn, hi * r.s + r.mn);
+}
+"
+        }
+    }
+}
+
+/// y = x · Wᵀ for `m` ≥ [`GEMM_MIN_ROWS`] rows of x (x and y each in one buffer) with qgemm.wgsl: one
+/// dispatch per weight segment (and per 64 · 65535 rows of x), 64 x 64 output tiles.
+fn qgemm(
+    g: &GpuBackend,
+    (xb, x_off): (&wgpu::Buffer, usize),
+    (yb, y_off): (&wgpu::Buffer, usize),
+    w: &GpuParts,
+    kind: QKind,
+    [m, n, k]: [usize; 3],
+    fault: Option<Fault>,
+) -> Result<()> {
+    if !k.is_multiple_of(32) {
+        return Err(shape("qmatmul", format!("K = {k} is not a multiple of 32")));
+    }
+    let xvec = x_off.is_multiple_of(4);
+    let key = format!(
+        "qgemm_{}_{}{}",
+        match kind {
+            QKind::Q8 { block } => format!("q8b{block}"),
+            QKind::Q4 => "q4".into(),
+        },
+        if xvec { "xv4" } else { "xf32" },
+        fault.map_or(String::new(), |f| format!("_fault{f:?}"))
+    );
+    let mut bindings = vec![Access::Read, Access::ReadWrite, Access::Read, Access::Read];
+    if kind == QKind::Q4 {
+        bindings.push(Access::Read);
+    }
+    let pipe = g.pipeline(&key, &bindings, PipelineOptions::default(), || {
+        let (xt, xload) = if xvec {
+            ("vec4<f32>", "return x[i >> 2u];")
+        } else {
+            (
+                "f32",
+                "return vec4<f32>(x[i], x[i + 1u], x[i + 2u], x[i + 3u]);",
+            )
+        };
+        let src = format!(
+            "{PRELUDE}\nconst BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{}\n{}",
+            kind.block(),
+            include_str!("qgemm.wgsl"),
+            qgemm_layout(kind)
+        );
+        plant(src, fault)
+    })?;
+    let max = g.limits.max_compute_workgroups_per_dimension as usize;
+    for i0 in (0..m).step_by(64 * max) {
+        let rows = (m - i0).min(64 * max);
+        for ws in &w.segs {
+            let nseg = ws.len();
+            if nseg.div_ceil(64) > max {
+                return Err(shape(
+                    "qmatmul",
+                    format!("{nseg} weight rows exceed the dispatch grid"),
+                ));
+            }
+            let (sp, qp) = (&ws.places[0], &ws.places[1]);
+            let mut params = vec![
+                nseg as u32,
+                kind.words_per_row(k) as u32,
+                rows as u32,
+                k as u32,
+                n as u32,
+                (x_off + i0 * k) as u32,
+                (y_off + i0 * n + ws.start) as u32,
+                sp.offset as u32,
+                qp.offset as u32,
+            ];
+            let mut bufs = vec![xb, yb, &sp.buffer];
+            match ws.places.get(2) {
+                Some(mp) => {
+                    params.push(mp.offset as u32);
+                    bufs.push(&mp.buffer);
+                }
+                None => params.push(0),
+            }
+            bufs.push(&qp.buffer);
+            let grid = [nseg.div_ceil(64) as u32, rows.div_ceil(64) as u32, 1];
+            g.dispatch(&pipe, &params, &bufs, grid)?;
+        }
     }
     Ok(())
 }

@@ -122,7 +122,8 @@ fn matmul_cases(kind: QKind, seed: u64) {
         (9, 2048),
         (5, 4096),
     ];
-    const MS: [usize; 6] = [1, 2, 3, 7, 9, 17];
+    // Up to 17 rows the gemv and tiled-rows kernels, from 32 the GEMM (one tile, partial tiles).
+    const MS: [usize; 8] = [1, 2, 3, 7, 9, 17, 33, 70];
     let mut rng = SeedRng::new(seed);
     let mut cases = Vec::new();
     let mut args = Vec::new();
