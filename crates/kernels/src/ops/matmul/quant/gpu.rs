@@ -636,7 +636,7 @@ fn wvalues(r: WRaw) -> array<vec4<f32>, 2> {
 }
 
 /// y = x · Wᵀ for `m` ≥ [`GEMM_MIN_ROWS`] rows of x (x and y each in one buffer) with qgemm.wgsl: one
-/// dispatch per weight segment (and per 64 · 65535 rows of x), 64 x 64 output tiles.
+/// dispatch per weight segment (and per BM · 65535 rows of x), BM x 64 output tiles.
 fn qgemm(
     g: &GpuBackend,
     (xb, x_off): (&wgpu::Buffer, usize),
@@ -650,8 +650,12 @@ fn qgemm(
         return Err(shape("qmatmul", format!("K = {k} is not a multiple of 32")));
     }
     let xvec = x_off.is_multiple_of(4);
+    // Rows of x per tile: 32 when 64 would leave fewer than two workgroups per compute unit of a big
+    // GPU (264 covers the H200's 132).
+    let tiles = |bm: usize| n.div_ceil(64) * m.div_ceil(bm);
+    let bm = if tiles(64) < 264 { 32 } else { 64 };
     let key = format!(
-        "qgemm_{}_{}{}",
+        "qgemm_bm{bm}_{}_{}{}",
         match kind {
             QKind::Q8 { block } => format!("q8b{block}"),
             QKind::Q4 => "q4".into(),
@@ -672,17 +676,17 @@ fn qgemm(
                 "return vec4<f32>(x[i], x[i + 1u], x[i + 2u], x[i + 3u]);",
             )
         };
+        let body = repeat_lines(include_str!("qgemm.wgsl"), "$w", 64 / bm);
         let src = format!(
-            "{PRELUDE}\nconst BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{}\n{}",
+            "{PRELUDE}\nconst BM: u32 = {bm}u;\nconst BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{body}\n{}",
             kind.block(),
-            include_str!("qgemm.wgsl"),
             qgemm_layout(kind)
         );
         plant(src, fault)
     })?;
     let max = g.limits.max_compute_workgroups_per_dimension as usize;
-    for i0 in (0..m).step_by(64 * max) {
-        let rows = (m - i0).min(64 * max);
+    for i0 in (0..m).step_by(bm * max) {
+        let rows = (m - i0).min(bm * max);
         for ws in &w.segs {
             let nseg = ws.len();
             if nseg.div_ceil(64) > max {
@@ -712,7 +716,7 @@ fn qgemm(
                 None => params.push(0),
             }
             bufs.push(&qp.buffer);
-            let grid = [nseg.div_ceil(64) as u32, rows.div_ceil(64) as u32, 1];
+            let grid = [nseg.div_ceil(64) as u32, rows.div_ceil(bm) as u32, 1];
             g.dispatch(&pipe, &params, &bufs, grid)?;
         }
     }

@@ -1,26 +1,29 @@
-// y[i, n] = Σ_k w[n, k] · x[i, k] for prompts: a tiled GEMM over 64 rows of x by 64 weight rows per
-// workgroup, walking K one block of 32 at a time. Each step dequantises the tile's weights into
+// y[i, n] = Σ_k w[n, k] · x[i, k] for prompts: a tiled GEMM over BM (32 or 64) rows of x by 64 weight
+// rows per workgroup of 4·BM threads, walking K one block of 32 at a time. Each step dequantises the tile's weights into
 // workgroup memory once (the same f32 values as the CPU twin's dequantize_row: scale · q, or
 // scale · q + min) and stages the x tile beside them, both k-major:
 //
-//   xs[k][i], ws[k][n]  (vec4 rows of 16 = 64 values)
+//   xs[k][i], ws[k][n]  (vec4 rows of BM / 4 and of 16)
 //
 // Thread (ty, tx) = (lid / 16, lid % 16) holds the 4 x 4 outputs of rows 4·ty.. and columns 4·tx..:
 // per k, one vec4 of xs and one of ws for 16 fused multiply-adds. The next block's quant words and x
 // values are loaded into registers before the current block is consumed, so their latency hides behind
-// the arithmetic. Rows of x past m and weight rows past n read clamped rows and are not written.
+// the arithmetic. Rows of x past m and weight rows past n read clamped rows and are not written. A
+// smaller BM gives a short prompt's products more workgroups.
 //
-// gpu.rs prepends BLOCK (quants per scale), XT and xload(i) = x[i..i + 4] (i a multiple of 4), and
+// gpu.rs prepends BM, BLOCK (quants per scale), XT and xload(i) = x[i..i + 4] (i a multiple of 4), and
 // the weight layout: Q8 (wfetch: two words, 8 consecutive quants) or Q4 (one word: 4 low and 4 high
-// nibbles, 16 apart; its binding of mins).
+// nibbles, 16 apart; its binding of mins); it repeats the lines that name a weight row (w) once per
+// weight row each thread loads (64 / BM).
 struct Params { n: u32, kw: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, o_s: u32, o_q: u32, o_m: u32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<XT>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 @group(0) @binding(3) var<storage, read> scales: array<f32>;
 
-var<workgroup> xs: array<vec4<f32>, 512>;  // 32 k x 16 vec4 (64 rows of x)
-var<workgroup> ws: array<vec4<f32>, 512>;  // 32 k x 16 vec4 (64 weight rows)
+const XV: u32 = BM / 4u;                     // vec4 per k of the x tile
+var<workgroup> xs: array<vec4<f32>, 8u * BM>;  // 32 k x XV vec4 (BM rows of x)
+var<workgroup> ws: array<vec4<f32>, 512>;     // 32 k x 16 vec4 (64 weight rows)
 
 // The four signed bytes of a little-endian word as f32 (as q8.wgsl: shift each byte to the top, then
 // back down arithmetically).
@@ -28,17 +31,18 @@ fn sext(w: u32) -> vec4<f32> {
   return vec4<f32>((vec4<i32>(bitcast<i32>(w)) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(4u * BM)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
   let n0 = wid.x * 64u;
-  let i0 = wid.y * 64u;
+  let i0 = wid.y * BM;
   let ty = lid / 16u;
   let tx = lid % 16u;
-  // Loads: thread t takes row t / 4 of each tile, its quarter t % 4 of the block's 32 values.
+  // Loads: thread t takes row t / 4 of the x tile and rows t / 4 + BM·w of the weight tile, its
+  // quarter t % 4 of the block's 32 values.
   let lr = lid / 4u;
   let lq = lid % 4u;
   let xrow = p.o_x + min(i0 + lr, p.m - 1u) * p.k;
-  let wrow = min(n0 + lr, p.n - 1u);
+  let wrow$w = min(n0 + lr + BM * $wu, p.n - 1u);
   let nb = p.k / 32u;
 
   var acc0 = vec4<f32>(0.0);
@@ -48,25 +52,25 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   // This thread's share of block 0: x values 8·lq .. 8·lq + 7, and the weights' raw words.
   var xa = xload(xrow + 8u * lq);
   var xb = xload(xrow + 8u * lq + 4u);
-  var wr = wfetch(wrow, 0u, lq);
+  var wr$w = wfetch(wrow$w, 0u, lq);
   for (var b = 0u; b < nb; b = b + 1u) {
-    let wv = wvalues(wr);
+    let wv$w = wvalues(wr$w);
     workgroupBarrier();
-    // x: 8 consecutive k of row lr; w: the 8 values wkat() places, of weight row lr.
+    // x: 8 consecutive k of row lr; w: the 8 values wkat() places, of weight row lr + BM·w.
     for (var j = 0u; j < 4u; j = j + 1u) {
-      xs[(8u * lq + j) * 16u + lr / 4u][lr % 4u] = xa[j];
-      xs[(8u * lq + 4u + j) * 16u + lr / 4u][lr % 4u] = xb[j];
-      ws[(wkat(lq, 0u) + j) * 16u + lr / 4u][lr % 4u] = wv[0][j];
-      ws[(wkat(lq, 1u) + j) * 16u + lr / 4u][lr % 4u] = wv[1][j];
+      xs[(8u * lq + j) * XV + lr / 4u][lr % 4u] = xa[j];
+      xs[(8u * lq + 4u + j) * XV + lr / 4u][lr % 4u] = xb[j];
+      ws[(wkat(lq, 0u) + j) * 16u + (lr + BM * $wu) / 4u][lr % 4u] = wv$w[0][j];
+      ws[(wkat(lq, 1u) + j) * 16u + (lr + BM * $wu) / 4u][lr % 4u] = wv$w[1][j];
     }
     workgroupBarrier();
     if (b + 1u < nb) {
       xa = xload(xrow + (b + 1u) * 32u + 8u * lq);
       xb = xload(xrow + (b + 1u) * 32u + 8u * lq + 4u);
-      wr = wfetch(wrow, b + 1u, lq);
+      wr$w = wfetch(wrow$w, b + 1u, lq);
     }
     for (var kk = 0u; kk < 32u; kk = kk + 1u) {
-      let a = xs[kk * 16u + ty];
+      let a = xs[kk * XV + ty];
       let w = ws[kk * 16u + tx];
       acc0 = fma(vec4<f32>(a.x), w, acc0);
       acc1 = fma(vec4<f32>(a.y), w, acc1);

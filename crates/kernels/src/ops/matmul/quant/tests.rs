@@ -386,3 +386,29 @@ fn bad_shapes_are_refused() {
         "out too short"
     );
 }
+
+/// A prompt long enough for the GEMM's 64-row tiles (a short one takes 32-row tiles: the cases above),
+/// in every block layout, against f64 math on the dequantized weights.
+#[test]
+fn qgemm_tall_tiles_match_reference() {
+    let Some(be) = crate::testing::gpu_backend(None) else {
+        return;
+    };
+    let mut rng = SeedRng::new(31);
+    let (m, n, k) = (1000, 1100, 64);
+    for kind in [QKind::Q8 { block: 32 }, QKind::Q8 { block: 16 }, QKind::Q4] {
+        let src = source(&mut rng, kind, n, k);
+        let x = rng.normal_vec(m * k, 1.0);
+        let w = QMatrix::upload(&be, src.clone(), q()).unwrap();
+        let tx = be.from_f32(&x, k).unwrap();
+        let mut ty = be.zeros(m * n, n).unwrap();
+        qmatmul(&be, (&tx).into(), &w, (&mut ty).into(), m).unwrap();
+        let want = reference(&x, &dequantize(&src), m, n, k);
+        assert_nmse(
+            &format!("{kind:?}"),
+            &want,
+            &be.to_vec(&ty).unwrap(),
+            REF_BOUND,
+        );
+    }
+}
