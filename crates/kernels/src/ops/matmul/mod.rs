@@ -293,6 +293,10 @@ pub enum Kernel {
         shader_f16: bool,
         direct: bool,
     },
+    /// The tiled kernel over `splits` slices of K at once (a product whose few output tiles would
+    /// leave most of the device idle through a long K: training's weight gradients), then one kernel
+    /// adding the slices: f32 data, every operand in one buffer.
+    SplitK { splits: usize },
     /// Tensor cores: x · Wᵀ with f16 weights, every operand in one buffer.
     Coop,
     /// Straight from the quantized blocks.
@@ -357,6 +361,8 @@ pub fn choose(
                     shader_f16,
                     subgroups: paths.has(PathId::Subgroups),
                 }
+            } else if let (true, false, Some(splits)) = (single, f16, split_k(gb, g)) {
+                Kernel::SplitK { splits }
             } else if gb.info().device_type == "Cpu" && !shader_f16 {
                 // A software adapter: the barrier-free form, on small tiles (it has few cores to fill).
                 Kernel::Tiled {
@@ -455,6 +461,11 @@ pub fn run(
                     msg: "the cooperative-matrix kernel reads f16 weights".into(),
                 }),
                 Kernel::Scale => gpu_scale(gb, c, g),
+                Kernel::SplitK { splits } if !f16 => gpu_split_k(gb, a, b, c, g, splits, fault),
+                Kernel::SplitK { .. } => Err(Error::Shape {
+                    op: "matmul",
+                    msg: "the split-K kernel reads f32 weights".into(),
+                }),
                 Kernel::Gemv {
                     shader_f16,
                     subgroups,
@@ -542,6 +553,132 @@ fn choose_tile(g: &Gemm) -> Tile {
                 .max_by_key(|&t| groups(t))
                 .unwrap_or(TILE_SMALL)
         })
+}
+
+/// Slices of K for [`Kernel::SplitK`]: when the largest tile leaves fewer than 256 workgroups over a K
+/// of 4096 or more, the fewest (a power of two) that give 512, each slice still at least 512 long and
+/// all slices' partial products within 64 MiB and one binding. Not on CPU-type adapters (few cores).
+fn split_k(gb: &GpuBackend, g: &Gemm) -> Option<usize> {
+    if gb.info().device_type == "Cpu" {
+        return None;
+    }
+    split_slices(g, ((gb.max_chunk_bytes() / 4) as usize).min(16 << 20))
+}
+
+/// [`split_k`]'s rule, with at most `max` elements of partial products.
+fn split_slices(g: &Gemm, max: usize) -> Option<usize> {
+    if g.batches() != 1 || g.k < 4096 {
+        return None;
+    }
+    let tiles = g.m.div_ceil(TILE_LARGE.bm as usize) * g.n.div_ceil(TILE_LARGE.bn as usize);
+    if tiles >= 256 {
+        return None;
+    }
+    let mut s = 1;
+    while tiles * s < 512 && g.k / (2 * s) >= 512 && 2 * s * g.m * g.n <= max {
+        s *= 2;
+    }
+    (s > 1).then_some(s)
+}
+
+/// C = alpha · A · op(B) + beta · C as `splits` products over slices of K, written side by side into a
+/// scratch tensor by one batched dispatch of the tiled kernel, then summed slice by slice into C.
+fn gpu_split_k(
+    gb: &GpuBackend,
+    (ta, oa): (&GpuTensor, usize),
+    (tb, ob): (&GpuTensor, usize),
+    (tc, oc): (&GpuTensor, usize),
+    g: &Gemm,
+    splits: usize,
+    fault: Option<Fault>,
+) -> Result<()> {
+    if g.m == 0 || g.n == 0 {
+        return Ok(());
+    }
+    if splits == 0 || splits > g.k || g.batches() != 1 {
+        return Err(Error::Shape {
+            op: "matmul",
+            msg: format!("{splits} slices of K = {} for a single product", g.k),
+        });
+    }
+    let part = g.m * g.n;
+    let scratch = gb.scratch("matmul_split_k", splits * part)?;
+    // Slice s covers k in [s·len, (s + 1)·len); the last takes the remainder through a second product.
+    let len = g.k / splits;
+    let (step_a, step_b) = (
+        if g.trans_a { len * g.lda } else { len },
+        if g.trans_b { len } else { len * g.ldb },
+    );
+    let sliced = Gemm {
+        k: len,
+        alpha: 1.0,
+        beta: 0.0,
+        ldc: g.n,
+        ..*g
+    }
+    .batched([1, splits], [0, step_a], [0, step_b], [0, part]);
+    let opts = GemmOpts {
+        trans_a: g.trans_a,
+        trans_b: g.trans_b,
+        ..GemmOpts::default()
+    };
+    let ts = &scratch;
+    gpu_tiled(
+        gb,
+        (ta, oa),
+        (tb, ob),
+        (ts, 0),
+        &sliced,
+        choose_tile(&sliced),
+        opts,
+        fault,
+    )?;
+    let rest = g.k - len * splits;
+    if rest > 0 {
+        // The remainder of K adds into the last slice.
+        let tail = Gemm {
+            k: rest,
+            alpha: 1.0,
+            beta: 1.0,
+            ldc: g.n,
+            ..*g
+        };
+        let (ra, rb) = (oa + splits * step_a, ob + splits * step_b);
+        let last = (splits - 1) * part;
+        gpu_tiled(
+            gb,
+            (ta, ra),
+            (tb, rb),
+            (ts, last),
+            &tail,
+            choose_tile(&tail),
+            opts,
+            fault,
+        )?;
+    }
+    let pipe = crate::ops::common::kernel(
+        gb,
+        "split_k_sum",
+        include_str!("split_k_sum.wgsl"),
+        &[Access::Read, Access::ReadWrite],
+    )?;
+    let [_, _, ec] = g.extents();
+    let (bc, lc) = locate(tc, oc, oc + ec.max(1) - 1, "C")?;
+    let p = [
+        g.m as u32,
+        g.n as u32,
+        splits as u32,
+        g.ldc as u32,
+        lc as u32,
+        g.alpha.to_bits(),
+        g.beta.to_bits(),
+    ];
+    gb.dispatch(
+        &pipe,
+        &p,
+        &[&scratch.chunks[0].buffer, &bc],
+        gb.grid(part.div_ceil(256)),
+    )
 }
 
 fn params(g: &Gemm, offs: [usize; 3], m: usize, n: usize, k: usize, beta: f32) -> Vec<u32> {

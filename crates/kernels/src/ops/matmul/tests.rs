@@ -313,3 +313,57 @@ fn gpu_direct_and_tiled_forms_give_the_same_bits() {
         }
     }
 }
+
+/// Training's weight gradients (few output tiles, K = 16384) split K; products with enough tiles or a
+/// short K do not; the partial products stay within their budget.
+#[test]
+fn split_k_takes_long_thin_products() {
+    let k = 16384;
+    let max = 16 << 20;
+    assert_eq!(split_slices(&Gemm::tn(384, 384, k), max), Some(32));
+    assert_eq!(split_slices(&Gemm::tn(1152, 384, k), max), Some(32));
+    assert_eq!(split_slices(&Gemm::tn(1536, 384, k), max), Some(16));
+    // A smaller budget takes fewer slices.
+    assert_eq!(split_slices(&Gemm::tn(1152, 384, k), 4 << 20), Some(8));
+    assert_eq!(split_slices(&Gemm::tn(384, 384, 2048), max), None);
+    assert_eq!(split_slices(&Gemm::nn(4096, 4096, 4096), max), None);
+    let batched =
+        Gemm::nn(64, 64, 8192).batched([1, 2], [0, 64 * 8192], [0, 64 * 8192], [0, 64 * 64]);
+    assert_eq!(split_slices(&batched, max), None);
+}
+
+/// The split-K kernel in every layout, with a K that the slices do not divide, alpha and an
+/// accumulated C, against the f64 reference.
+#[test]
+fn gpu_split_k_matches_reference() {
+    let Some(be) = gpu_backend(None) else { return };
+    let mut rng = SeedRng::new(12);
+    let mut gemms: Vec<(Gemm, usize)> = all_layouts(40, 72, 4100)
+        .into_iter()
+        .map(|g| (g, 8))
+        .collect();
+    gemms.push((Gemm::tn(17, 9, 1031).alpha(0.5).accumulate(), 4));
+    gemms.push((Gemm::nn(3, 130, 600).alpha(-2.0), 3));
+    for (g, splits) in &gemms {
+        let (a, b, c0, want) = case(&mut rng, g);
+        let ta = be.from_f32(&a, 1).unwrap();
+        let tb = be.from_f32(&b, 1).unwrap();
+        let mut tc = if g.beta == 0.0 {
+            poisoned(&be, c0.len(), 1).unwrap()
+        } else {
+            be.from_f32(&c0, 1).unwrap()
+        };
+        let kernel = Kernel::SplitK { splits: *splits };
+        super::run(
+            &be,
+            Choice::forced(kernel, PathSet::F32),
+            (&ta).into(),
+            (&tb).into(),
+            (&mut tc).into(),
+            g,
+        )
+        .unwrap();
+        let got = be.to_vec(&tc).unwrap();
+        assert_nmse(&format!("{g:?} in {splits} slices"), &want, &got, BOUND);
+    }
+}
