@@ -14,12 +14,15 @@
 //! RoPE, biases on every projection, and down(gelu(up)) for the MLP.
 //!
 //! Q, K and V come out of one fused product (likewise gate and up), so each token row of the product
-//! holds `[q | k | v]`. With one row (decoding) every member is already contiguous; with several rows
-//! the members that must be contiguous (the norms take packed rows) are copied out first.
+//! holds `[q | k | v]`: one op ([`rope_into_cache`]) norms and rotates the heads and writes the
+//! queries out and the keys and values into the cache, and the GLU reads the two halves of each row in
+//! place ([`glu_rows`]). (When the members come from products of different widths, the members that
+//! must be contiguous are copied out first and the ops run one by one.)
 //!
 //! Two kinds of pass share the model's weights and KV cache:
 //!
-//! - a **prompt pass** ([`Llm::feed`]) takes m tokens of one sequence in one batched pass;
+//! - a **prompt pass** ([`Llm::feed`]) takes m tokens of one sequence in one batched pass: its
+//!   quantized products run as tiled GEMMs, its attention as flash-style tiles of 16 queries;
 //! - a **decode pass** ([`Llm::decode_step`]) takes one token of each of up to `parallel` sequences
 //!   ([`Sequence`], each a slot of the shared cache with its own position) and is built for the fewest
 //!   dispatches: the norm before each projection, the GLU before the down projection and the residual
