@@ -1,12 +1,15 @@
 // y[i, n] = Σ_k w[n, k] · x[i, k] for prompts: a tiled GEMM over BM (32 or 64) rows of x by 64 weight
 // rows per workgroup of 4·BM threads, walking K one block of 32 at a time. Each step dequantises the tile's weights into
 // workgroup memory once (the same f32 values as the CPU twin's dequantize_row: scale · q, or
-// scale · q + min) and stages the x tile beside them, both k-major:
+// scale · q + min) and stages the x tile beside them, both row-major in vec4s along k:
 //
-//   xs[k][i], ws[k][n]  (vec4 rows of BM / 4 and of 16)
+//   xs[i][c], ws[n][c]  (8 vec4 = the block's 32 values per row; vec4 c of row r is stored at
+//                        r·8 + (c ^ (r / 4 % 8)), so the 16 weight rows 4 apart that a step reads
+//                        fall on different banks)
 //
 // Thread (ty, tx) = (lid / 16, lid % 16) holds the 4 x 4 outputs of rows 4·ty.. and columns 4·tx..:
-// per k, one vec4 of xs and one of ws for 16 fused multiply-adds. The next block's quant words and x
+// per 4 values of k, four vec4 of xs and four of ws for 16 dot products. Each thread stores its loads
+// as whole vec4s. The next block's quant words and x
 // values are loaded into registers before the current block is consumed, so their latency hides behind
 // the arithmetic. Rows of x past m and weight rows past n read clamped rows and are not written. A
 // smaller BM gives a short prompt's products more workgroups.
@@ -21,9 +24,11 @@ struct Params { n: u32, kw: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, o
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 @group(0) @binding(3) var<storage, read> scales: array<f32>;
 
-const XV: u32 = BM / 4u;                     // vec4 per k of the x tile
-var<workgroup> xs: array<vec4<f32>, 8u * BM>;  // 32 k x XV vec4 (BM rows of x)
-var<workgroup> ws: array<vec4<f32>, 512>;     // 32 k x 16 vec4 (64 weight rows)
+var<workgroup> xs: array<vec4<f32>, 8u * BM>;  // BM rows of x x 8 vec4
+var<workgroup> ws: array<vec4<f32>, 512>;     // 64 weight rows x 8 vec4
+
+// Where vec4 c of row r lies.
+fn at(r: u32, c: u32) -> u32 { return r * 8u + (c ^ ((r / 4u) % 8u)); }
 
 // The four signed bytes of a little-endian word as f32 (as q8.wgsl: shift each byte to the top, then
 // back down arithmetically).
@@ -56,26 +61,32 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   for (var b = 0u; b < nb; b = b + 1u) {
     let wv$w = wvalues(wr$w);
     workgroupBarrier();
-    // x: 8 consecutive k of row lr; w: the 8 values wkat() places, of weight row lr + BM·w.
-    for (var j = 0u; j < 4u; j = j + 1u) {
-      xs[(8u * lq + j) * XV + lr / 4u][lr % 4u] = xa[j];
-      xs[(8u * lq + 4u + j) * XV + lr / 4u][lr % 4u] = xb[j];
-      ws[(wkat(lq, 0u) + j) * 16u + (lr + BM * $wu) / 4u][lr % 4u] = wv$w[0][j];
-      ws[(wkat(lq, 1u) + j) * 16u + (lr + BM * $wu) / 4u][lr % 4u] = wv$w[1][j];
-    }
+    // x: vec4s 2·lq and 2·lq + 1 of row lr; w: the two vec4s wkat() places, of weight row lr + BM·w.
+    xs[at(lr, 2u * lq)] = xa;
+    xs[at(lr, 2u * lq + 1u)] = xb;
+    ws[at(lr + BM * $wu, wkat(lq, 0u) / 4u)] = wv$w[0];
+    ws[at(lr + BM * $wu, wkat(lq, 1u) / 4u)] = wv$w[1];
     workgroupBarrier();
     if (b + 1u < nb) {
       xa = xload(xrow + (b + 1u) * 32u + 8u * lq);
       xb = xload(xrow + (b + 1u) * 32u + 8u * lq + 4u);
       wr$w = wfetch(wrow$w, b + 1u, lq);
     }
-    for (var kk = 0u; kk < 32u; kk = kk + 1u) {
-      let a = xs[kk * XV + ty];
-      let w = ws[kk * 16u + tx];
-      acc0 = fma(vec4<f32>(a.x), w, acc0);
-      acc1 = fma(vec4<f32>(a.y), w, acc1);
-      acc2 = fma(vec4<f32>(a.z), w, acc2);
-      acc3 = fma(vec4<f32>(a.w), w, acc3);
+    for (var c = 0u; c < 8u; c = c + 1u) {
+      let xc = c ^ (ty % 8u);
+      let wc = c ^ (tx % 8u);
+      let a0 = xs[(4u * ty) * 8u + xc];
+      let a1 = xs[(4u * ty + 1u) * 8u + xc];
+      let a2 = xs[(4u * ty + 2u) * 8u + xc];
+      let a3 = xs[(4u * ty + 3u) * 8u + xc];
+      let w0 = ws[(4u * tx) * 8u + wc];
+      let w1 = ws[(4u * tx + 1u) * 8u + wc];
+      let w2 = ws[(4u * tx + 2u) * 8u + wc];
+      let w3 = ws[(4u * tx + 3u) * 8u + wc];
+      acc0 = acc0 + vec4<f32>(dot(a0, w0), dot(a0, w1), dot(a0, w2), dot(a0, w3));
+      acc1 = acc1 + vec4<f32>(dot(a1, w0), dot(a1, w1), dot(a1, w2), dot(a1, w3));
+      acc2 = acc2 + vec4<f32>(dot(a2, w0), dot(a2, w1), dot(a2, w2), dot(a2, w3));
+      acc3 = acc3 + vec4<f32>(dot(a3, w0), dot(a3, w1), dot(a3, w2), dot(a3, w3));
     }
   }
   let c = n0 + 4u * tx;
