@@ -127,7 +127,7 @@ pub static REGISTRY: &[PathDef] = &[
         name: "q8-matmul",
         pill: "+q8 matmul",
         active_text: "quantized matmul active",
-        kernel_version: 3,
+        kernel_version: 4,
         requires: &[],
         detect: |_| Ok(()),
         evaluate: evaluate_quant,
