@@ -9,7 +9,7 @@
 
 mod causal_cpu;
 
-use super::common::{PRELUDE, repeat_lines};
+use super::common::{PRELUDE, repeat_lines, row_kernel};
 use super::dropout::{check_probability, dropout};
 use super::matmul::{Gemm, matmul};
 use super::softmax::{SoftmaxShape, softmax, softmax_backward};
@@ -410,6 +410,11 @@ pub fn attend(
             let (bk, ok) = place(k, nkv, "the K cache")?;
             let (bv, ov) = place(v, nkv, "the V cache")?;
             let (bo, oo) = place(out.as_ref(), no, "out")?;
+            if s.rows < TILE_ROWS {
+                // A few rows (a decode step of the char-level GPT): one workgroup per (row, head)
+                // over all its keys at once is shorter than a tile's walk over blocks of keys.
+                return attend_few(g, [(&bq, oq), (&bk, ok), (&bv, ov), (&bo, oo)], s);
+            }
             // Chunks of 64 dimensions staged per step (attend_tiled.wgsl).
             let nc = s.head_dim.div_ceil(64);
             let pipe = g.pipeline(
@@ -491,6 +496,67 @@ pub fn attend(
             Ok(())
         }
     }
+}
+
+/// [`attend`] for fewer than [`TILE_ROWS`] rows (attend.wgsl): one workgroup per (row, head), its
+/// scores through a scratch row of the cache's length.
+fn attend_few(
+    g: &crate::gpu::GpuBackend,
+    [(bq, oq), (bk, ok), (bv, ov), (bo, oo)]: [(&wgpu::Buffer, usize); 4],
+    s: DecodeShape,
+) -> Result<()> {
+    let pipe = row_kernel(
+        g,
+        "attend",
+        include_str!("attend.wgsl"),
+        &[
+            Access::Read,
+            Access::Read,
+            Access::Read,
+            Access::ReadWrite,
+            Access::ReadWrite,
+        ],
+    )?;
+    // Score scratch: rows · heads · kv_len, in as many dispatches as one binding needs.
+    let max = (g.max_chunk_bytes() / 4) as usize;
+    let per_row = s.heads * s.kv_len.max(1);
+    if per_row > max {
+        return Err(Error::Limits(format!(
+            "attend: {} heads x {} cached positions of scores exceed one storage binding",
+            s.heads, s.kv_len
+        )));
+    }
+    let rows_per = (max / per_row).max(1).min(s.rows.max(1));
+    let scratch = g.scratch("attend_scores", rows_per * per_row)?;
+    let mut r0 = 0;
+    while r0 < s.rows {
+        let n = rows_per.min(s.rows - r0);
+        let params = [
+            n as u32,
+            0,
+            (oq + r0 * s.ld_q) as u32,
+            ok as u32,
+            ov as u32,
+            (oo + r0 * s.ld_o) as u32,
+            s.heads as u32,
+            s.kv_heads as u32,
+            s.head_dim as u32,
+            s.ld_q as u32,
+            s.ld_kv as u32,
+            s.ld_o as u32,
+            s.q_pos0 as u32,
+            s.kv_len as u32,
+            s.window as u32,
+            s.scale.to_bits(),
+            s.softcap.to_bits(),
+            s.kv_len as u32,
+            r0 as u32,
+        ];
+        let bufs = [bq, bk, bv, bo, &scratch.chunks[0].buffer];
+        g.dispatch(&pipe, &params, &bufs, g.grid(n * s.heads))?;
+        r0 += n;
+    }
+    Ok(())
 }
 
 /// Query rows and keys of one step of attend_tiled.wgsl (BQ, BK).
