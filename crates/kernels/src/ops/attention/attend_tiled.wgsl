@@ -7,8 +7,8 @@
 // the splits shorten the longest workgroup's walk), each split writes its rows' partials (maximum, sum
 // of exponentials, unnormalised output) and attend_combine.wgsl merges them.
 //
-// Threads: 256 = BQ rows x 16. For the scores, thread (qv, j) = (lid / 16, lid % 16) takes the dots of
-// query row qv with keys j and j + 16 of the block; for the values, thread (qv, lane) takes dimensions 4·lane ..
+// Threads: 256 = BQ rows x 16. For the scores, thread (qv, j) = (lid / 16, lid % 16) takes the dot of
+// query row qv with key j of the block; for the values, thread (qv, lane) takes dimensions 4·lane ..
 // 4·lane + 3 of every 64-wide chunk of the head. The head is staged through workgroup memory in chunks
 // of 64 dimensions (NC chunks; the last zero-padded), so workgroup memory stays near 10 KiB for any
 // head size up to 512 (WebGPU's default limit is 16 KiB). mod.rs prepends NC and repeats every line
@@ -24,13 +24,13 @@ struct Params { rows: u32, heads: u32, kv_heads: u32, head_dim: u32, ld_q: u32, 
 @group(0) @binding(5) var<storage, read_write> part: array<f32>;
 
 const BQ: u32 = 16u;
-const BK: u32 = 32u;
+const BK: u32 = 16u;
 // vec4s per staged row: 16 for the chunk, one of padding so that the 16 key rows a score step reads
 // fall on different banks.
 const KS: u32 = 17u;
 var<workgroup> qs: array<vec4<f32>, 272>;   // BQ x KS
-var<workgroup> kvs: array<vec4<f32>, 544>;  // BK x KS: a chunk of the block's keys, then of its values
-var<workgroup> ps: array<f32, 512>;         // BQ x BK scores, then probabilities
+var<workgroup> kvs: array<vec4<f32>, 272>;  // BK x KS: a chunk of the block's keys, then of its values
+var<workgroup> ps: array<f32, 256>;         // BQ x BK scores, then probabilities
 
 // Four consecutive elements of `a` from `at`, the ones at or past `lim` (the head's end) as zeros.
 fn q4(at: u32, d: u32) -> vec4<f32> {
@@ -68,18 +68,15 @@ fn load_q(c: u32, r0: u32, h: u32, lid: u32) {
 }
 
 // Stages chunk c of the block's keys (values with `vals`) from key kb on; keys at or past kend as zeros.
-// Thread t takes rows t / 16 and t / 16 + 16.
 fn load_kv(c: u32, kb: u32, kend: u32, kvh: u32, lid: u32, vals: bool) {
+  let j = lid / 16u;
   let d = c * 64u + 4u * (lid % 16u);
-  for (var u = 0u; u < BK; u = u + 16u) {
-    let j = lid / 16u + u;
-    var x = vec4<f32>(0.0);
-    if (kb + j < kend) {
-      let at = (kb + j) * p.ld_kv + kvh * p.head_dim + d;
-      if (vals) { x = v4(p.o_v + at, d); } else { x = k4(p.o_k + at, d); }
-    }
-    kvs[j * KS + lid % 16u] = x;
+  var x = vec4<f32>(0.0);
+  if (kb + j < kend) {
+    let at = (kb + j) * p.ld_kv + kvh * p.head_dim + d;
+    if (vals) { x = v4(p.o_v + at, d); } else { x = k4(p.o_k + at, d); }
   }
+  kvs[j * KS + lid % 16u] = x;
 }
 
 // Σ_j P[qv, j] · V[j, dims of `lane`] over the staged chunk of values.
@@ -117,39 +114,31 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   var o$c = vec4<f32>(0.0);
   if (NC == 1u) { load_q(0u, r0, h, lid); }
   for (var kb = kbeg; kb < kend; kb = kb + BK) {
-    // Scores of the block (keys j and j + 16), chunk by chunk of the head.
-    var s0 = 0.0;
-    var s1 = 0.0;
+    // Scores of the block, chunk by chunk of the head.
+    var s = 0.0;
     for (var c = 0u; c < NC; c = c + 1u) {
       workgroupBarrier();
       if (NC > 1u) { load_q(c, r0, h, lid); }
       load_kv(c, kb, kend, kvh, lid, false);
       workgroupBarrier();
-      for (var i = 0u; i < 16u; i = i + 1u) {
-        let qi = qs[qv * KS + i];
-        s0 = s0 + dot(qi, kvs[j * KS + i]);
-        s1 = s1 + dot(qi, kvs[(j + 16u) * KS + i]);
-      }
+      for (var i = 0u; i < 16u; i = i + 1u) { s = s + dot(qs[qv * KS + i], kvs[j * KS + i]); }
     }
-    let seen0 = sees(qrow, qpos, kb + j, kend);
-    let seen1 = sees(qrow, qpos, kb + j + 16u, kend);
-    let sc0 = score(s0, seen0);
-    let sc1 = score(s1, seen1);
-    ps[qv * BK + j] = sc0;
-    ps[qv * BK + j + 16u] = sc1;
+    let key = kb + j;
+    let seen = qrow < p.rows && key < kend && key <= qpos && (p.window == 0u || key + p.window > qpos);
+    var sc = s * p.scale;
+    if (p.softcap > 0.0) { sc = p.softcap * tanh(clamp(sc / p.softcap, -15.0, 15.0)); }
+    if (!seen) { sc = lowest; }
+    ps[qv * BK + j] = sc;
     workgroupBarrier();
     // Online softmax: every thread of row qv reads the row's BK scores.
     var mx = lowest;
     for (var i = 0u; i < BK; i = i + 1u) { mx = max(mx, ps[qv * BK + i]); }
     let mn = max(m, mx);
     let alpha = exp(m - mn);
-    var e0 = 0.0;
-    var e1 = 0.0;
-    if (seen0) { e0 = exp(sc0 - mn); }
-    if (seen1) { e1 = exp(sc1 - mn); }
+    var e = 0.0;
+    if (seen) { e = exp(sc - mn); }
     workgroupBarrier();
-    ps[qv * BK + j] = e0;
-    ps[qv * BK + j + 16u] = e1;
+    ps[qv * BK + j] = e;
     workgroupBarrier();
     var sum = 0.0;
     for (var i = 0u; i < BK; i = i + 1u) { sum = sum + ps[qv * BK + i]; }
@@ -179,19 +168,6 @@ fn put(at: u32, d: u32, x: vec4<f32>) {
   if (d + 1u < p.head_dim) { part[at + d + 1u] = x.y; }
   if (d + 2u < p.head_dim) { part[at + d + 2u] = x.z; }
   if (d + 3u < p.head_dim) { part[at + d + 3u] = x.w; }
-}
-
-// Whether query row `qrow` (at position qpos) sees key `key` of the walk ending at kend.
-fn sees(qrow: u32, qpos: u32, key: u32, kend: u32) -> bool {
-  return qrow < p.rows && key < kend && key <= qpos && (p.window == 0u || key + p.window > qpos);
-}
-
-// A dot product's score: scaled, soft-capped if asked, the lowest f32 for a key the row does not see.
-fn score(s: f32, seen: bool) -> f32 {
-  var sc = s * p.scale;
-  if (p.softcap > 0.0) { sc = p.softcap * tanh(clamp(sc / p.softcap, -15.0, 15.0)); }
-  if (!seen) { sc = bitcast<f32>(0xff7fffffu); }
-  return sc;
 }
 
 // Up to four outputs of a row from dimension d (those inside the head).

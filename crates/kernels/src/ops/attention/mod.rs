@@ -561,7 +561,7 @@ fn attend_few(
 
 /// Query rows and keys of one step of attend_tiled.wgsl (BQ, BK).
 const TILE_ROWS: usize = 16;
-const TILE_KEYS: usize = 32;
+const TILE_KEYS: usize = 16;
 /// Keys one workgroup of the prompt attention aims to walk, and the most splits of a tile's keys.
 const SPLIT_KEYS: usize = 128;
 const MAX_SPLITS: usize = 8;
