@@ -1004,20 +1004,24 @@ impl Core {
             pos0: seq.pos,
         };
         let d = cfg.d_model;
+        // The pass's inputs, all written before its first op is recorded (a write flushes the work
+        // recorded before it): the ids, the positions (learned position embeddings), and where each
+        // row goes in the sequence's cache (one write for every layer's rope_into_cache).
         be.write_u32(s.ids.at_mut(0), tokens)?;
+        if w.pos_embd.is_some() {
+            let ids: Vec<u32> = (seq.pos..seq.pos + pass.m).map(|p| p as u32).collect();
+            be.write_u32(s.pos_ids.at_mut(0), &ids)?;
+        }
+        let table: Vec<[u32; 2]> = (0..pass.m).map(|r| [0, (seq.pos + r) as u32]).collect();
+        let words: Vec<u32> = table.iter().flatten().copied().collect();
+        be.write_u32(s.rows.at_mut(0), &words)?;
         w.embed
             .get_rows(be, s.ids.at(0), s.x.at_mut(0), pass.m, cfg.embed_scale)?;
         if let Some(pos) = &w.pos_embd {
-            let ids: Vec<u32> = (seq.pos..seq.pos + pass.m).map(|p| p as u32).collect();
-            be.write_u32(s.pos_ids.at_mut(0), &ids)?;
             pos.get_rows(be, s.pos_ids.at(0), s.out.at_mut(0), pass.m, 1.0)?;
             add_assign(be, s.x.at_mut(0), s.out.at(0), pass.m * d, 1.0)?;
         }
         let at = pool.base(seq.slot) * pool.width;
-        // Where each row goes in the sequence's cache (one write for every layer's rope_into_cache).
-        let table: Vec<[u32; 2]> = (0..pass.m).map(|r| [0, (seq.pos + r) as u32]).collect();
-        let words: Vec<u32> = table.iter().flatten().copied().collect();
-        be.write_u32(s.rows.at_mut(0), &words)?;
         for (l, lw) in w.layers.iter().enumerate() {
             let rope = layer_rope.get(l).map(|&i| &ropes[i]);
             let cache = pool.kv[l].at_mut(at);
@@ -1109,11 +1113,14 @@ impl Core {
         }
         let words: Vec<u32> = table.iter().flatten().copied().collect();
         be.write_u32(s.rows.at_mut(0), &words)?;
+        if w.pos_embd.is_some() {
+            // Written before the first op too (a write flushes the work recorded before it).
+            let ids: Vec<u32> = table.iter().map(|r| r[1]).collect();
+            be.write_u32(s.pos_ids.at_mut(0), &ids)?;
+        }
         w.embed
             .get_rows(be, s.ids.at(0), s.x.at_mut(0), m, cfg.embed_scale)?;
         if let Some(pos) = &w.pos_embd {
-            let ids: Vec<u32> = table.iter().map(|r| r[1]).collect();
-            be.write_u32(s.pos_ids.at_mut(0), &ids)?;
             pos.get_rows(be, s.pos_ids.at(0), s.out.at_mut(0), m, 1.0)?;
             add_assign(be, s.x.at_mut(0), s.out.at(0), m * d, 1.0)?;
         }
