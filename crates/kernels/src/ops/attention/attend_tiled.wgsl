@@ -32,29 +32,21 @@ var<workgroup> qs: array<vec4<f32>, 272>;   // BQ x KS
 var<workgroup> kvs: array<vec4<f32>, 272>;  // BK x KS: a chunk of the block's keys, then of its values
 var<workgroup> ps: array<f32, 256>;         // BQ x BK scores, then probabilities
 
-// Four consecutive elements of `a` from `at`, the ones at or past `lim` (the head's end) as zeros.
-fn q4(at: u32, d: u32) -> vec4<f32> {
-  var r = vec4<f32>(0.0);
-  if (d < p.head_dim) { r.x = q[at]; }
-  if (d + 1u < p.head_dim) { r.y = q[at + 1u]; }
-  if (d + 2u < p.head_dim) { r.z = q[at + 2u]; }
-  if (d + 3u < p.head_dim) { r.w = q[at + 3u]; }
-  return r;
+// Element i of q (t = 0), k (1) or v (2).
+fn elem(t: u32, i: u32) -> f32 {
+  if (t == 0u) { return q[i]; }
+  if (t == 1u) { return k[i]; }
+  return v[i];
 }
-fn k4(at: u32, d: u32) -> vec4<f32> {
+
+// Four consecutive elements of q, k or v from `at`, which holds dimension d of a head: those at or past
+// the head's end as zeros.
+fn load4(t: u32, at: u32, d: u32) -> vec4<f32> {
   var r = vec4<f32>(0.0);
-  if (d < p.head_dim) { r.x = k[at]; }
-  if (d + 1u < p.head_dim) { r.y = k[at + 1u]; }
-  if (d + 2u < p.head_dim) { r.z = k[at + 2u]; }
-  if (d + 3u < p.head_dim) { r.w = k[at + 3u]; }
-  return r;
-}
-fn v4(at: u32, d: u32) -> vec4<f32> {
-  var r = vec4<f32>(0.0);
-  if (d < p.head_dim) { r.x = v[at]; }
-  if (d + 1u < p.head_dim) { r.y = v[at + 1u]; }
-  if (d + 2u < p.head_dim) { r.z = v[at + 2u]; }
-  if (d + 3u < p.head_dim) { r.w = v[at + 3u]; }
+  if (d < p.head_dim) { r.x = elem(t, at); }
+  if (d + 1u < p.head_dim) { r.y = elem(t, at + 1u); }
+  if (d + 2u < p.head_dim) { r.z = elem(t, at + 2u); }
+  if (d + 3u < p.head_dim) { r.w = elem(t, at + 3u); }
   return r;
 }
 
@@ -63,7 +55,7 @@ fn load_q(c: u32, r0: u32, h: u32, lid: u32) {
   let row = lid / 16u;
   let d = c * 64u + 4u * (lid % 16u);
   var x = vec4<f32>(0.0);
-  if (r0 + row < p.rows) { x = q4(p.o_q + (r0 + row) * p.ld_q + h * p.head_dim + d, d); }
+  if (r0 + row < p.rows) { x = load4(0u, p.o_q + (r0 + row) * p.ld_q + h * p.head_dim + d, d); }
   qs[row * KS + lid % 16u] = x;
 }
 
@@ -74,7 +66,7 @@ fn load_kv(c: u32, kb: u32, kend: u32, kvh: u32, lid: u32, vals: bool) {
   var x = vec4<f32>(0.0);
   if (kb + j < kend) {
     let at = (kb + j) * p.ld_kv + kvh * p.head_dim + d;
-    if (vals) { x = v4(p.o_v + at, d); } else { x = k4(p.o_k + at, d); }
+    if (vals) { x = load4(2u, p.o_v + at, d); } else { x = load4(1u, p.o_k + at, d); }
   }
   kvs[j * KS + lid % 16u] = x;
 }

@@ -8,17 +8,7 @@ struct Params { n: u32, start: u32, o_gate: u32, o_up: u32, o_dout: u32, o_out: 
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read_write> out2: array<f32>;
 
-const S2PI: f32 = 0.7978845608028654;
-const K: f32 = 0.044715;
-
-fn act(x: f32) -> vec2<f32> { // (act(x), act'(x))
-  if (p.act == 0u) {
-    let s = 1.0 / (1.0 + exp(-x));
-    return vec2<f32>(x * s, s * (1.0 + x * (1.0 - s)));
-  }
-  let t = tanh(clamp(S2PI * (x + K * x * x * x), -15.0, 15.0));
-  return vec2<f32>(0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * S2PI * (1.0 + 3.0 * K * x * x));
-}
+// act(x): act.wgsl, prepended.
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,

@@ -1,22 +1,12 @@
 // out[r, c] = act(gate[r, c]) * up[r, c] for rows r of `cols` outputs, gate and up rows `ld` apart (the
-// halves of a fused gate/up product's rows): one workgroup per row. The activation is glu.wgsl's.
+// halves of a fused gate/up product's rows): one workgroup per row.
 struct Params { n: u32, start: u32, o_gate: u32, o_up: u32, o_out: u32, ld: u32, cols: u32, act: u32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> gate: array<f32>;
 @group(0) @binding(2) var<storage, read> up: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 
-const S2PI: f32 = 0.7978845608028654;
-const K: f32 = 0.044715;
-
-fn act(x: f32) -> f32 {
-  if (p.act == 0u) {
-    let s = 1.0 / (1.0 + exp(-x));
-    return x * s;
-  }
-  let t = tanh(clamp(S2PI * (x + K * x * x * x), -15.0, 15.0));
-  return 0.5 * x * (1.0 + t);
-}
+// act(x): act.wgsl, prepended.
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -24,6 +14,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let r = group_index(wid, nwg);
   if (r >= p.n) { return; }
   for (var c = lid; c < p.cols; c = c + 256u) {
-    out[p.o_out + r * p.cols + c] = act(gate[p.o_gate + r * p.ld + c]) * up[p.o_up + r * p.ld + c];
+    out[p.o_out + r * p.cols + c] = act(gate[p.o_gate + r * p.ld + c]).x * up[p.o_up + r * p.ld + c];
   }
 }

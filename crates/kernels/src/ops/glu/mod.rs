@@ -16,6 +16,24 @@ pub enum Activation {
     Gelu,
 }
 
+impl Activation {
+    /// The activation's number in the kernels' parameters (act.wgsl).
+    fn code(self) -> u32 {
+        match self {
+            Activation::Silu => 0,
+            Activation::Gelu => 1,
+        }
+    }
+}
+
+/// o = act(g) · u over a slice: the CPU twin of the forward kernels.
+fn glu_slice(act: Activation, o: &mut [f32], g: &[f32], u: &[f32]) {
+    match act {
+        Activation::Silu => map2(o, g, u, |g, u| act_scalar(Activation::Silu, g).0 * u),
+        Activation::Gelu => map2(o, g, u, |g, u| gelu_scalar(g) * u),
+    }
+}
+
 /// (act(x), act'(x)): the scalar twin.
 #[inline(always)]
 pub fn act_scalar(a: Activation, x: f32) -> (f32, f32) {
@@ -45,12 +63,7 @@ pub fn glu(
             c.install(|| {
                 o.par_chunks_mut(CHUNK)
                     .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
-                    .for_each(|(o, (g, u))| match act {
-                        Activation::Silu => {
-                            map2(o, g, u, |g, u| act_scalar(Activation::Silu, g).0 * u)
-                        }
-                        Activation::Gelu => map2(o, g, u, |g, u| gelu_scalar(g) * u),
-                    })
+                    .for_each(|(o, (g, u))| glu_slice(act, o, g, u))
             });
             Ok(())
         }
@@ -99,13 +112,7 @@ pub fn glu_rows(
             let o = out.cpu("glu", "out", rows * cols)?;
             c.install(|| {
                 o.par_chunks_mut(cols).enumerate().for_each(|(r, o)| {
-                    let (g, u) = (&g[r * ld..][..cols], &u[r * ld..][..cols]);
-                    match act {
-                        Activation::Silu => {
-                            map2(o, g, u, |g, u| act_scalar(Activation::Silu, g).0 * u)
-                        }
-                        Activation::Gelu => map2(o, g, u, |g, u| gelu_scalar(g) * u),
-                    }
+                    glu_slice(act, o, &g[r * ld..][..cols], &u[r * ld..][..cols])
                 })
             });
             Ok(())
@@ -119,20 +126,16 @@ pub fn glu_rows(
             let pipe = kernel(
                 gb,
                 "glu_rows",
-                include_str!("glu_rows.wgsl"),
+                concat!(include_str!("act.wgsl"), include_str!("glu_rows.wgsl")),
                 &[Access::Read, Access::Read, Access::ReadWrite],
             )?;
-            let a = match act {
-                Activation::Silu => 0,
-                Activation::Gelu => 1,
-            };
             run(
                 gb,
                 "glu_rows",
                 &pipe,
                 rows,
                 &ops,
-                &[ld as u32, cols as u32, a],
+                &[ld as u32, cols as u32, act.code()],
                 Grid::Groups,
             )
         }
@@ -202,7 +205,7 @@ fn launch(
     let pipe = kernel(
         gb,
         if backward { "glu_bwd" } else { "glu" },
-        include_str!("glu.wgsl"),
+        concat!(include_str!("act.wgsl"), include_str!("glu.wgsl")),
         &[
             Access::Read,
             Access::Read,
@@ -211,17 +214,13 @@ fn launch(
             Access::ReadWrite,
         ],
     )?;
-    let a = match act {
-        Activation::Silu => 0,
-        Activation::Gelu => 1,
-    };
     run(
         gb,
         "glu",
         &pipe,
         n,
         ops,
-        &[a, backward as u32],
+        &[act.code(), backward as u32],
         Grid::Threads(256),
     )
 }
