@@ -35,6 +35,20 @@ fn all_layouts(m: usize, n: usize, k: usize) -> [Gemm; 4] {
     ]
 }
 
+/// C after the product `g` on `kernel` (forced, f32 path), from `c`.
+fn run_forced(
+    be: &Backend,
+    kernel: Kernel,
+    g: &Gemm,
+    a: &Tensor,
+    b: &Tensor,
+    mut c: Tensor,
+) -> Vec<f32> {
+    let choice = Choice::forced(kernel, PathSet::F32);
+    super::run(be, choice, a.into(), b.into(), (&mut c).into(), g).unwrap();
+    be.to_vec(&c).unwrap()
+}
+
 /// Every layout at each of `shapes` on `be`, against the f64 reference.
 fn check_layouts(be: &Backend, seed: u64, shapes: &[(usize, usize, usize)]) {
     let mut rng = SeedRng::new(seed);
@@ -281,22 +295,12 @@ fn gpu_direct_and_tiled_forms_give_the_same_bits() {
         let mut outs = Vec::new();
         for tile in [TILE_SMALL, TILE_MEDIUM, TILE_LARGE] {
             for direct in [false, true] {
-                let mut tc = be.from_f32(&c0, 1).unwrap();
                 let kernel = Kernel::Tiled {
                     tile,
                     shader_f16: false,
                     direct,
                 };
-                super::run(
-                    &be,
-                    Choice::forced(kernel, PathSet::F32),
-                    (&ta).into(),
-                    (&tb).into(),
-                    (&mut tc).into(),
-                    g,
-                )
-                .unwrap();
-                let got = be.to_vec(&tc).unwrap();
+                let got = run_forced(&be, kernel, g, &ta, &tb, be.from_f32(&c0, 1).unwrap());
                 assert_nmse(
                     &format!("{g:?} {} direct={direct}", tile.key()),
                     &want,
@@ -348,22 +352,12 @@ fn gpu_split_k_matches_reference() {
         let (a, b, c0, want) = case(&mut rng, g);
         let ta = be.from_f32(&a, 1).unwrap();
         let tb = be.from_f32(&b, 1).unwrap();
-        let mut tc = if g.beta == 0.0 {
+        let tc = if g.beta == 0.0 {
             poisoned(&be, c0.len(), 1).unwrap()
         } else {
             be.from_f32(&c0, 1).unwrap()
         };
-        let kernel = Kernel::SplitK { splits: *splits };
-        super::run(
-            &be,
-            Choice::forced(kernel, PathSet::F32),
-            (&ta).into(),
-            (&tb).into(),
-            (&mut tc).into(),
-            g,
-        )
-        .unwrap();
-        let got = be.to_vec(&tc).unwrap();
+        let got = run_forced(&be, Kernel::SplitK { splits: *splits }, g, &ta, &tb, tc);
         assert_nmse(&format!("{g:?} in {splits} slices"), &want, &got, BOUND);
     }
 }
