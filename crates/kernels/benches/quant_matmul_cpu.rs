@@ -2,7 +2,8 @@
 //! memory bandwidth.
 //!
 //! `cargo bench -p tinygpt-kernels --bench quant_matmul_cpu [-- SECTION...]` with sections `bw`, `calls`,
-//! `kernel`, `smollm`, `gemma`, `prompt` (default: all). `QMM_QUICK=1` runs only the first decode variant
+//! `kernel`, `smollm`, `gemma`, `prompt`, `prompt-gemma` (default: all; `QMM_ISA=avx2` runs the prompt
+//! sections on AVX2). `QMM_QUICK=1` runs only the first decode variant
 //! (parallel inside a pool).
 //!
 //! A "decode step" runs every weight matrix of the model once with m = 1, layer by layer, each layer with
@@ -54,7 +55,10 @@ fn main() {
         );
     }
     if want("prompt") {
-        prompt();
+        prompt("SmolLM2-135M", smollm());
+    }
+    if want("prompt-gemma") {
+        prompt("Gemma-3-270M", gemma());
     }
 }
 
@@ -519,35 +523,65 @@ fn decode(title: &str, model: &Model, llama_tok_s: f64) {
     }
 }
 
-/// Prompt processing (m > 1) over one SmolLM2 layer set, weights streamed once per group of rows.
-fn prompt() {
-    println!("\n== prompt processing: all SmolLM2-135M layers (no head), m tokens at once ==");
-    let model: Model = smollm().into_iter().filter(|m| m.name != "head").collect();
+/// Prompt processing (m > 1) over one model's layers (not its head).
+fn prompt(name: &str, model: Model) {
+    println!("\n== prompt processing: all {name} layers (no head), m tokens at once ==");
+    let model: Model = model.into_iter().filter(|m| m.name != "head").collect();
     let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
     let macs: usize = model.iter().map(|m| m.w.rows() * m.w.cols()).sum();
-    for m in [1usize, 4, 16, 64] {
-        let x: Vec<f32> = (0..m * 1536)
-            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-            .collect();
-        let mut y = vec![0f32; m * 1536];
-        let mut v: Vec<f64> = (0..7)
-            .map(|_| {
-                pool.install(|| {
-                    let t = Instant::now();
-                    for w in &model {
-                        let (n, k) = (w.w.rows(), w.w.cols());
-                        w.w.run(&x[..m * k], &mut y[..m * n], m, QmmOptions::default());
-                    }
-                    secs(t.elapsed())
+    // The row kernels at every m (a group limit keeps a call off the GEMM path), then the default choice.
+    // QMM_ISA=avx2 or scalar runs both on that instruction set instead of the detected one.
+    let isa = match std::env::var("QMM_ISA").as_deref() {
+        Ok("avx2") => CpuIsa::Avx2Fma,
+        Ok("scalar") => CpuIsa::Scalar,
+        _ => CpuIsa::detected(),
+    };
+    println!("instruction set: {isa:?}");
+    let default = QmmOptions {
+        isa,
+        ..QmmOptions::default()
+    };
+    let rows_only = QmmOptions {
+        max_group: Some(usize::MAX),
+        ..default
+    };
+    for (what, opts, ms) in [
+        (
+            "row kernels",
+            rows_only,
+            &[1usize, 4, 16, 32, 64, 128, 256][..],
+        ),
+        (
+            "default (GEMM from m = GEMM_MIN_ROWS)",
+            default,
+            &[32, 64, 128, 256][..],
+        ),
+    ] {
+        println!("{what}:");
+        for &m in ms {
+            let x: Vec<f32> = (0..m * 2048)
+                .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+                .collect();
+            let mut y = vec![0f32; m * 2048];
+            let mut v: Vec<f64> = (0..7)
+                .map(|_| {
+                    pool.install(|| {
+                        let t = Instant::now();
+                        for w in &model {
+                            let (n, k) = (w.w.rows(), w.w.cols());
+                            w.w.run(&x[..m * k], &mut y[..m * n], m, opts);
+                        }
+                        secs(t.elapsed())
+                    })
                 })
-            })
-            .collect();
-        let t = median(&mut v);
-        println!(
-            "m = {m:3}: {:8.2} ms, {:7.1} tokens/s, {:6.1} GFLOP/s",
-            t * 1e3,
-            m as f64 / t,
-            2.0 * (macs * m) as f64 / t / 1e9
-        );
+                .collect();
+            let t = median(&mut v);
+            println!(
+                "m = {m:3}: {:8.2} ms, {:7.1} tokens/s, {:6.1} GFLOP/s",
+                t * 1e3,
+                m as f64 / t,
+                2.0 * (macs * m) as f64 / t / 1e9
+            );
+        }
     }
 }

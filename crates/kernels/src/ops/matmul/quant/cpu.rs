@@ -205,6 +205,14 @@ pub fn q8_matmul_nt_with(
     check_xy("q8_matmul_nt", x, m, k, n, &rows, y, ldy);
     check_isa(opts.isa);
     let y = OutPtr(y.as_mut_ptr());
+    if use_gemm(opts, m) {
+        let nb = k / w.block;
+        let q = bytemuck::cast_slice::<u32, u8>(&w.quants);
+        return gemm_tiles(opts, x, m, k, rows, y, ldy, |r, out| {
+            let b = r.start * nb..r.end * nb;
+            dequant_q8(&q[r.start * k..r.end * k], &w.scales[b], w.block, out)
+        });
+    }
     // Bytes of one weight row: quants plus scales.
     let row_bytes = k + 4 * (k / w.block);
     let group = group_size(opts, k);
@@ -245,6 +253,20 @@ pub fn q4_matmul_nt_with(
     check_isa(opts.isa);
     if m == 0 || rows.is_empty() {
         return;
+    }
+    if use_gemm(opts, m) {
+        let nb = k / 32;
+        let y = OutPtr(y.as_mut_ptr());
+        let q = bytemuck::cast_slice::<u32, u8>(&w.quants);
+        return gemm_tiles(opts, x, m, k, rows, y, ldy, |r, out| {
+            let b = r.start * nb..r.end * nb;
+            dequant_q4(
+                &q[r.start * k / 2..r.end * k / 2],
+                &w.scales[b.clone()],
+                &w.mins[b],
+                out,
+            )
+        });
     }
     // The prepared activations live in a per-thread buffer that is *taken* for the call (not borrowed), so a
     // nested call on this thread (rayon may run another task here while we wait) simply finds it empty.
@@ -309,6 +331,276 @@ fn check_isa(isa: CpuIsa) {
         isa.is_available(),
         "quant matmul: {isa:?} was requested but this CPU does not support it"
     );
+}
+
+/// Activation rows from which a product runs as a GEMM on AVX-512: tiles of weight rows dequantized to
+/// f32 (exactly the `dequantize()` twin's values) and multiplied by a kernel holding 16 rows × 24 weight
+/// rows in registers, where the row kernels re-read each activation row for every weight row. Prompt
+/// passes and perplexity chunks take it; decode (m = 1), batched decode steps (rows computed as alone)
+/// and calls limiting their groups keep the row kernels. Measured on the SmolLM2-135M layers, 2 cores
+/// (`cargo bench -p tinygpt-kernels --bench quant_matmul_cpu -- prompt`): equal to the row kernels at
+/// m = 32, 1.2x at 64, 1.3-1.5x at 128-256.
+pub const GEMM_MIN_ROWS_AVX512: usize = 32;
+/// The same on AVX2, where the `gemm` crate multiplies the dequantized tiles: 0.75x the row kernels at
+/// m = 32, 1.3x at 64, 1.3-1.5x at 128-256 (same benchmark, `QMM_ISA=avx2`).
+pub const GEMM_MIN_ROWS_AVX2: usize = 64;
+/// Dequantized f32 weights one `gemm` crate call takes at most (a whole tile of a thread, or a slice of
+/// it).
+const GEMM_TILE_BYTES: usize = 512 << 10;
+
+/// Whether a call of m activation rows runs as a GEMM over dequantized tiles. The portable path (wasm32,
+/// aarch64) keeps the row kernels, written for its auto-vectorizer.
+fn use_gemm(opts: QmmOptions, m: usize) -> bool {
+    let min = match opts.isa {
+        CpuIsa::Avx512 => GEMM_MIN_ROWS_AVX512,
+        CpuIsa::Avx2Fma => GEMM_MIN_ROWS_AVX2,
+        CpuIsa::Scalar => return false,
+    };
+    m >= min && !opts.alone && opts.max_group.is_none()
+}
+
+thread_local! {
+    /// Dequantized weight tiles of [`gemm_tiles`], reused across calls.
+    static DEQUANT: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+}
+
+/// y[:, rows] = x · W[rows]ᵀ as GEMMs over dequantized weights: output rows split across the pool as in
+/// [`run_tiles`], each thread dequantizing its weight rows (`deq(rows, out)` writes those rows' K values
+/// each) a slice at a time and multiplying them with all m activation rows — on AVX-512 by our panel
+/// kernel ([`gemm_tile_avx512`]), elsewhere by the `gemm` crate.
+#[allow(clippy::too_many_arguments)]
+fn gemm_tiles(
+    opts: QmmOptions,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    rows: Range<usize>,
+    y: OutPtr,
+    ldy: usize,
+    deq: impl Fn(Range<usize>, &mut [f32]) + Sync,
+) {
+    let nrows = rows.end - rows.start;
+    if nrows == 0 || m == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    let xt = if opts.isa == CpuIsa::Avx512 {
+        pack_panels(x, m, k)
+    } else {
+        Vec::new()
+    };
+    let tile = |n0: usize, n1: usize, y: OutPtr| {
+        let mut buf = DEQUANT.take();
+        #[cfg(target_arch = "x86_64")]
+        if opts.isa == CpuIsa::Avx512 {
+            gemm_tile_avx512(&xt, m, k, n0, n1, y, ldy, &deq, &mut buf);
+            DEQUANT.set(buf);
+            return;
+        }
+        let slice = (GEMM_TILE_BYTES / (4 * k.max(1))).max(16);
+        let mut s0 = n0;
+        while s0 < n1 {
+            let s1 = (s0 + slice).min(n1);
+            let nt = s1 - s0;
+            buf.resize(nt * k, 0.0);
+            deq(s0..s1, &mut buf);
+            // SAFETY: y covers m rows (ldy apart) of this tile's columns s0 - n0 .. s1 - n0 (checked by
+            // `check_xy`; tiles are disjoint column ranges); x is m×K (checked), buf is nt×K. The gemm
+            // crate computes dst = alpha·dst + beta·lhs·rhs; with read_dst false dst is only written.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    nt,
+                    k,
+                    y.at(s0 - n0).0,
+                    1,
+                    ldy as isize,
+                    false,
+                    x.as_ptr(),
+                    1,
+                    k as isize,
+                    buf.as_ptr(),
+                    k as isize,
+                    1,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+            s0 = s1;
+        }
+        if buf.capacity() * 4 <= 2 * GEMM_TILE_BYTES {
+            DEQUANT.set(buf);
+        }
+    };
+    let threads = if opts.parallel {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
+    if threads <= 1 {
+        return tile(rows.start, rows.end, y);
+    }
+    let per = nrows
+        .div_ceil(threads * TILES_PER_THREAD)
+        .next_multiple_of(16);
+    let ntiles = nrows.div_ceil(per);
+    (0..ntiles).into_par_iter().for_each(|t| {
+        let j0 = t * per;
+        let j1 = (j0 + per).min(nrows);
+        tile(rows.start + j0, rows.start + j1, y.at(j0));
+    });
+}
+
+/// The activations of an AVX-512 GEMM call in panels of 16 rows, each K × 16 (`xt[k * 16 + i]` is row
+/// i's value k; the last panel's missing rows are zeros).
+#[cfg(target_arch = "x86_64")]
+fn pack_panels(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    use avx512::PANEL;
+    let mut xt = vec![0f32; m.div_ceil(PANEL) * PANEL * k];
+    for (p, panel) in xt.chunks_exact_mut(PANEL * k).enumerate() {
+        for (i, row) in x.chunks_exact(k).skip(p * PANEL).take(PANEL).enumerate() {
+            for (kk, &v) in row.iter().enumerate() {
+                panel[kk * PANEL + i] = v;
+            }
+        }
+    }
+    xt
+}
+
+/// Weight rows n0..n1 against all m activation rows on AVX-512: groups of 24 weight rows are dequantized
+/// and multiplied with each panel of 16 activation rows (`xt`, from [`pack_panels`]) held in registers
+/// (`cpu_avx512::gemm_panel`).
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn gemm_tile_avx512(
+    xt: &[f32],
+    m: usize,
+    k: usize,
+    n0: usize,
+    n1: usize,
+    y: OutPtr,
+    ldy: usize,
+    deq: &(impl Fn(Range<usize>, &mut [f32]) + Sync),
+    buf: &mut Vec<f32>,
+) {
+    use avx512::{PANEL, PANEL_COLS};
+    // Rows a cache line more than K apart: K·4 bytes is often a multiple of 4 KiB (K = 1024, 2048), and
+    // 24 rows that far apart would share one set of the L1 cache, evicting each other at every k.
+    let ldw = k + 16;
+    buf.resize(PANEL_COLS * ldw, 0.0);
+    let mut s0 = n0;
+    while s0 < n1 {
+        let s1 = (s0 + PANEL_COLS).min(n1);
+        let c = s1 - s0;
+        for (j, row) in buf.chunks_exact_mut(ldw).take(c).enumerate() {
+            deq(s0 + j..s0 + j + 1, &mut row[..k]);
+        }
+        for (p, panel) in xt.chunks_exact(PANEL * k).enumerate() {
+            let rows = (m - p * PANEL).min(PANEL);
+            let (xp, wp) = (panel.as_ptr(), buf.as_ptr());
+            let yp = y.at(s0 - n0 + p * PANEL * ldy).0;
+            // SAFETY: AVX-512F checked by `check_isa` (opts.isa is Avx512); the panel holds K × 16
+            // values, buf c dequantized rows of K (ldw apart), and y rows p·16 .. p·16 + rows of this tile's
+            // columns s0 - n0 .. s1 - n0 (checked by `check_xy`; tiles are disjoint column ranges).
+            unsafe {
+                match c {
+                    1 => avx512::gemm_panel::<1>(xp, k, wp, ldw, yp, ldy, rows),
+                    2 => avx512::gemm_panel::<2>(xp, k, wp, ldw, yp, ldy, rows),
+                    3 => avx512::gemm_panel::<3>(xp, k, wp, ldw, yp, ldy, rows),
+                    4 => avx512::gemm_panel::<4>(xp, k, wp, ldw, yp, ldy, rows),
+                    5 => avx512::gemm_panel::<5>(xp, k, wp, ldw, yp, ldy, rows),
+                    6 => avx512::gemm_panel::<6>(xp, k, wp, ldw, yp, ldy, rows),
+                    7 => avx512::gemm_panel::<7>(xp, k, wp, ldw, yp, ldy, rows),
+                    8 => avx512::gemm_panel::<8>(xp, k, wp, ldw, yp, ldy, rows),
+                    9 => avx512::gemm_panel::<9>(xp, k, wp, ldw, yp, ldy, rows),
+                    10 => avx512::gemm_panel::<10>(xp, k, wp, ldw, yp, ldy, rows),
+                    11 => avx512::gemm_panel::<11>(xp, k, wp, ldw, yp, ldy, rows),
+                    12 => avx512::gemm_panel::<12>(xp, k, wp, ldw, yp, ldy, rows),
+                    13 => avx512::gemm_panel::<13>(xp, k, wp, ldw, yp, ldy, rows),
+                    14 => avx512::gemm_panel::<14>(xp, k, wp, ldw, yp, ldy, rows),
+                    15 => avx512::gemm_panel::<15>(xp, k, wp, ldw, yp, ldy, rows),
+                    16 => avx512::gemm_panel::<16>(xp, k, wp, ldw, yp, ldy, rows),
+                    17 => avx512::gemm_panel::<17>(xp, k, wp, ldw, yp, ldy, rows),
+                    18 => avx512::gemm_panel::<18>(xp, k, wp, ldw, yp, ldy, rows),
+                    19 => avx512::gemm_panel::<19>(xp, k, wp, ldw, yp, ldy, rows),
+                    20 => avx512::gemm_panel::<20>(xp, k, wp, ldw, yp, ldy, rows),
+                    21 => avx512::gemm_panel::<21>(xp, k, wp, ldw, yp, ldy, rows),
+                    22 => avx512::gemm_panel::<22>(xp, k, wp, ldw, yp, ldy, rows),
+                    23 => avx512::gemm_panel::<23>(xp, k, wp, ldw, yp, ldy, rows),
+                    _ => avx512::gemm_panel::<24>(xp, k, wp, ldw, yp, ldy, rows),
+                }
+            }
+        }
+        s0 = s1;
+    }
+}
+
+/// Rows of a Q8 matrix as f32, `out` holding whole rows: the values of `Q8Matrix::dequantize_row`
+/// (`q`: the rows' quant bytes, `s`: their scales).
+fn dequant_q8(q: &[u8], s: &[f32], block: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if CpuIsa::Avx2Fma.is_available() {
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        return unsafe { dequant_q8_avx2(q, s, block, out) };
+    }
+    dequant_q8_plain(q, s, block, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dequant_q8_avx2(q: &[u8], s: &[f32], block: usize, out: &mut [f32]) {
+    dequant_q8_plain(q, s, block, out)
+}
+
+#[inline(always)]
+fn dequant_q8_plain(q: &[u8], s: &[f32], block: usize, out: &mut [f32]) {
+    for ((o, q), &sc) in out
+        .chunks_exact_mut(block)
+        .zip(q.chunks_exact(block))
+        .zip(s)
+    {
+        for (o, &b) in o.iter_mut().zip(q) {
+            *o = sc * b as i8 as f32;
+        }
+    }
+}
+
+/// Rows of a Q4 matrix as f32, `out` holding whole rows: the values of `Q4Matrix::dequantize_row`
+/// (`q`: the rows' quant bytes, 16 a block; `s`, `mn`: their scales and mins).
+fn dequant_q4(q: &[u8], s: &[f32], mn: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if CpuIsa::Avx2Fma.is_available() {
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        return unsafe { dequant_q4_avx2(q, s, mn, out) };
+    }
+    dequant_q4_plain(q, s, mn, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dequant_q4_avx2(q: &[u8], s: &[f32], mn: &[f32], out: &mut [f32]) {
+    dequant_q4_plain(q, s, mn, out)
+}
+
+#[inline(always)]
+fn dequant_q4_plain(q: &[u8], s: &[f32], mn: &[f32], out: &mut [f32]) {
+    for (((o, q), &sc), &mn) in out
+        .chunks_exact_mut(32)
+        .zip(q.chunks_exact(16))
+        .zip(s)
+        .zip(mn)
+    {
+        let (lo, hi) = o.split_at_mut(16);
+        for ((lo, hi), &b) in lo.iter_mut().zip(hi).zip(q) {
+            // Two roundings (no fused multiply-add), as the twin computes it.
+            *lo = sc * (b & 15) as f32 + mn;
+            *hi = sc * (b >> 4) as f32 + mn;
+        }
+    }
 }
 
 /// Largest prepared-activation buffer (in f32) kept between calls: 1 MiB, far above decode's needs.
@@ -765,7 +1057,7 @@ mod tests {
 
     /// Every instruction set this CPU can run.
     fn isas() -> Vec<CpuIsa> {
-        [CpuIsa::Scalar, CpuIsa::Avx2Fma]
+        [CpuIsa::Scalar, CpuIsa::Avx2Fma, CpuIsa::Avx512]
             .into_iter()
             .filter(|i| i.is_available())
             .collect()
@@ -948,7 +1240,9 @@ mod tests {
     }
 
     const SHAPES: &[(usize, usize)] = &[(1, 32), (5, 64), (37, 96), (300, 576), (1000, 224)];
-    const MS: &[usize] = &[1, 2, 3, 4, 7, 9];
+    /// Row counts of the row kernels' groups and of the GEMM paths (from 32 rows on AVX-512, 64 on AVX2;
+    /// 70 leaves a panel of 6 rows after four of 16).
+    const MS: &[usize] = &[1, 2, 3, 4, 7, 9, 32, 33, 70];
 
     #[test]
     fn q8_matches_f32_reference() {
@@ -1150,7 +1444,7 @@ mod tests {
         let ldy = width + 5;
         let w8 = q8(&mut rng, n, k, 32, -4, 0);
         let w4 = q4(&mut rng, n, k, -4, 0);
-        for m in [1, 3, 6] {
+        for m in [1, 3, 6, 40, 70] {
             let x = acts(&mut rng, m * k);
             for isa in isas() {
                 for par in [false, true] {

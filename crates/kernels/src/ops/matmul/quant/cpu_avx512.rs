@@ -342,3 +342,47 @@ pub(super) unsafe fn q4_rows<const R: usize>(
         }
     }
 }
+
+/// Activation rows of one packed panel of [`gemm_panel`]: one 16-lane vector.
+pub(super) const PANEL: usize = 16;
+/// Weight rows one [`gemm_panel`] call takes at most: 24 accumulators and the activation vector; each
+/// weight is a broadcast operand of its fused multiply-add (no separate broadcast instruction).
+pub(super) const PANEL_COLS: usize = 24;
+
+/// One packed panel of up to 16 activation rows against C dequantized weight rows: `xt[k * 16 + i]` is
+/// activation row i's value k (rows past m are zeros), `w[j * ldw + kk]` weight row j's value kk, and
+/// y[i * ldy + j] = Σ_k xt[k, i] · w[j, k] for i < `rows` (≤ 16), j < C. Each output is one accumulator
+/// summed over k in order with fused multiply-adds, whatever C and the panel's other rows are: a row's
+/// result does not depend on the rows beside it.
+///
+/// # Safety
+/// AVX-512F and FMA available; xt holds K × 16 values, w holds C rows of K (`ldw` apart), y holds
+/// `rows` rows of C.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,fma")]
+pub(super) unsafe fn gemm_panel<const C: usize>(
+    xt: *const f32,
+    k: usize,
+    w: *const f32,
+    ldw: usize,
+    y: *mut f32,
+    ldy: usize,
+    rows: usize,
+) {
+    unsafe {
+        let mut a = [_mm512_setzero_ps(); C];
+        for kk in 0..k {
+            let xv = ld(xt.add(kk * PANEL));
+            for (j, a) in a.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(xv, _mm512_set1_ps(*w.add(j * ldw + kk)), *a);
+            }
+        }
+        let mut t = [0f32; PANEL];
+        for (j, a) in a.iter().enumerate() {
+            _mm512_storeu_ps(t.as_mut_ptr(), *a);
+            for (i, &v) in t.iter().enumerate().take(rows) {
+                *y.add(i * ldy + j) = v;
+            }
+        }
+    }
+}
