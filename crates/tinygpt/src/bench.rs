@@ -702,7 +702,14 @@ fn batched_decode(
         rates.len()
     );
     if let (true, Some(g)) = (profile, be.as_gpu()) {
+        // The comparison round above left one sequence's picks: start every sequence again.
+        for s in seqs.iter_mut() {
+            s.reset();
+            llm.feed_sequence(be, s, prompt)?;
+        }
         let mut refs: Vec<&mut tinygpt_models::llm::Sequence> = seqs.iter_mut().collect();
+        llm.decode_step(be, &mut refs, Feed::Ids(&vec![1; par]))?;
+        be.sync()?;
         g.start_profiling()?;
         for _ in 0..8 {
             llm.pick_greedy(be)?;

@@ -20,7 +20,7 @@ use super::{Gemm, RowMode, Weights, matmul};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Result, shape};
 use crate::ops::add::add_assign;
-use crate::ops::glu::{Activation, glu};
+use crate::ops::glu::{Activation, glu, glu_rows};
 use crate::ops::norm::{NormKind, NormShape, norm_forward};
 use crate::path::{PathId, PathSet};
 
@@ -69,14 +69,16 @@ pub fn matmul_fused<'w>(
             format!("GLU rows {ld} apart overlap rows of {k}"),
         ));
     }
-    // Rows of a decode batch take the norm as a dispatch of its own: a staged kernel computes the
-    // norm of its rows again in every workgroup, which for 8 rows cost more than the product (H200,
-    // a 16-row pass of the SmolLM2-135M shape: 27 µs per 8 rows against 11 µs for one row). The
-    // norm kernel computes what the stage computes (`Stage::RmsNorm`), so each row's numbers are
-    // those of one row alone. A GLU's stage has no reduction and stays folded in.
-    let norm_apart =
-        mode == RowMode::Independent && m > 1 && matches!(input, Input::RmsNorm { .. });
-    if !norm_apart && let Some(done) = try_staged(be, paths, input, w, &mut y, [m, n, k], out) {
+    // Rows of a decode batch take the norm and the GLU as dispatches of their own: a staged kernel
+    // computes its rows' norm or GLU again in every workgroup, which for 8 rows cost more than the
+    // product (H200, a 16-row pass of the SmolLM2-135M shape: the normed products 27 µs per 8 rows
+    // against 11 µs for one row; the GLU's down projection 46 µs for 16 rows, 4 per workgroup).
+    // The norm and GLU kernels compute what the stages compute (`Stage::RmsNorm`, `Stage::Glu`), so
+    // each row's numbers are those of one row alone.
+    let apart = mode == RowMode::Independent
+        && m > 1
+        && matches!(input, Input::RmsNorm { .. } | Input::Glu { .. });
+    if !apart && let Some(done) = try_staged(be, paths, input, w, &mut y, [m, n, k], out) {
         return done;
     }
     // The ops one by one, through scratch tensors.
@@ -105,8 +107,13 @@ pub fn matmul_fused<'w>(
         }
         Input::Glu { act, gate, up, ld } => {
             let mut t = be.scratch("fused_in", m * k, k)?;
+            // One dispatch for all rows, unless a tensor split across buffers cuts a row of gate or
+            // up (its chunks split at its own unit, which need not be `ld` from these offsets).
+            let whole = |t: TRef<'_>| t.tensor().gpu().is_none_or(|g| g.num_chunks() == 1);
             if m == 1 || ld == k {
                 glu(be, act, gate, up, t.at_mut(0), m * k)?;
+            } else if whole(gate) && whole(up) {
+                glu_rows(be, act, gate, up, ld, t.at_mut(0), m, k)?;
             } else {
                 for i in 0..m {
                     glu(
