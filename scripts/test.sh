@@ -5,8 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Either directory may hold the driver manifests (`ls a b` fails when one of them is missing).
 have_vulkan() {
-  ls /usr/share/vulkan/icd.d/*.json /etc/vulkan/icd.d/*.json >/dev/null 2>&1
+  compgen -G "/usr/share/vulkan/icd.d/*.json" >/dev/null || compgen -G "/etc/vulkan/icd.d/*.json" >/dev/null
 }
 if [ "${TINYGPT_SKIP_GPU_TESTS:-0}" != 1 ] && ! have_vulkan; then
   echo "no Vulkan driver found: installing Mesa's (mesa-vulkan-drivers)"
