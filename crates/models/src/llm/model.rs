@@ -1261,26 +1261,6 @@ impl Pass<'_> {
         Ok(rope(self.be, x, table.into(), self.context, shape)?)
     }
 
-    /// x += [post_norm](out).
-    fn residual(&self, post_norm: Option<&Tensor>, s: &mut Scratch) -> Result<()> {
-        let n = self.m * self.cfg.d_model;
-        match post_norm {
-            Some(w) => {
-                self.rms_norm(
-                    s.out.at(0),
-                    w,
-                    s.xn.at_mut(0),
-                    &mut s.stats,
-                    self.m,
-                    self.cfg.d_model,
-                )?;
-                add_assign(self.be, s.x.at_mut(0), s.xn.at(0), n, 1.0)?;
-            }
-            None => add_assign(self.be, s.x.at_mut(0), s.out.at(0), n, 1.0)?,
-        }
-        Ok(())
-    }
-
     /// x += [post_norm](input · Wᵀ + b): the addition rides inside the product when there is neither a
     /// post-norm nor a bias.
     fn residual_fused(
@@ -1425,9 +1405,17 @@ impl Pass<'_> {
         let (keys, values) = (cache.as_ref(), cache.as_ref().shift(kvd));
         let query = q_src.at(q_slot.offset);
         attend(be, query, keys, values, s.att.at_mut(0), shape)?;
-        lw.wo
-            .apply(be, self.rows(), s.att.at(0), s.out.at_mut(0), s.ones.at(0))?;
-        self.residual(lw.post_attn_norm.as_ref(), s)
+        let Scratch {
+            att, x, out, ones, ..
+        } = s;
+        self.residual_fused(
+            Input::Rows(att.at(0)),
+            &lw.wo,
+            lw.post_attn_norm.as_ref(),
+            x,
+            out,
+            ones,
+        )
     }
 
     fn feed_forward(&self, lw: &LayerWeights, s: &mut Scratch) -> Result<()> {
@@ -1461,9 +1449,17 @@ impl Pass<'_> {
             let up = lw.gate_up.slot(0, self.batch);
             gelu(be, s.proj.at(up.offset), s.act.at_mut(0), m * ff)?;
         }
-        lw.down
-            .apply(be, self.rows(), s.act.at(0), s.out.at_mut(0), s.ones.at(0))?;
-        self.residual(lw.post_ffn_norm.as_ref(), s)
+        let Scratch {
+            act, x, out, ones, ..
+        } = s;
+        self.residual_fused(
+            Input::Rows(act.at(0)),
+            &lw.down,
+            lw.post_ffn_norm.as_ref(),
+            x,
+            out,
+            ones,
+        )
     }
 
     /// The step between the Q/K/V product and attention, as one op: Gemma's Q/K norms, RoPE, the queries

@@ -189,22 +189,6 @@ pub(crate) struct Linear {
 }
 
 impl Linear {
-    /// y[m, N] = x[m, K] · Wᵀ (+ bias).
-    pub fn apply(
-        &self,
-        be: &Backend,
-        r: Rows,
-        x: TRef<'_>,
-        mut y: TMut<'_>,
-        ones: TRef<'_>,
-    ) -> Result<()> {
-        self.w.matmul(be, r, x, y.reborrow())?;
-        if let Some(b) = &self.b {
-            add_bias(be, ones, b, y, r.m, self.w.rows())?;
-        }
-        Ok(())
-    }
-
     fn bytes(&self) -> u64 {
         self.w.bytes() + self.b.as_ref().map_or(0, Tensor::bytes)
     }

@@ -379,7 +379,16 @@ pub(super) fn qmatmul(
             continue;
         }
         if rows >= GEMM_MIN_ROWS {
-            qgemm(g, (xb, x0), (yb, y0), w, kind, [rows, n, k], fault)?;
+            qgemm(
+                g,
+                (xb, x0),
+                (yb, y0),
+                w,
+                kind,
+                [rows, n, k],
+                Output::Store,
+                fault,
+            )?;
             continue;
         }
         // Tiled passes: full groups of MAX_R rows of x (several per dispatch, along z), then the
@@ -455,9 +464,10 @@ pub(crate) fn staged_fits(g: &GpuBackend, kind: QKind, m: usize, k: usize, stage
         && staged_rows(g, m, k, stage).is_some()
 }
 
-/// y (+)= stage(x) · Wᵀ for `m` rows on the gemv family ([`staged_fits`] must hold): x, y and the
-/// stage's own bindings (`extra`: an RMSNorm's weight) each in one buffer (views: buffer and element
-/// offset), y rows `ldy` apart.
+/// y (+)= stage(x) · Wᵀ for `m` rows on the gemv family ([`staged_fits`] must hold; plain rows added
+/// to y that are not `independent` take the GEMM from [`GEMM_MIN_ROWS`] on): x, y and the stage's own
+/// bindings (`extra`: an RMSNorm's weight) each in one buffer (views: buffer and element offset), y rows
+/// `ldy` apart.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn qmatmul_staged(
     g: &GpuBackend,
@@ -469,8 +479,19 @@ pub(crate) fn qmatmul_staged(
     stage: Stage,
     out: Output,
     [m, n, k, ldy]: [usize; 4],
+    independent: bool,
     fault: Option<Fault>,
 ) -> Result<()> {
+    // A prompt's rows added to y: the GEMM with the addition in its store (a decode batch's rows stay
+    // on the gemv family, which computes each row as it is computed alone).
+    if stage == Stage::Plain
+        && out == Output::Accumulate
+        && !independent
+        && m >= GEMM_MIN_ROWS
+        && ldy == n
+    {
+        return qgemm(g, (xb, x0), (yb, y0), w, kind, [m, n, k], out, fault);
+    }
     let (Some((_, _, ni)), Some(r)) = (gemv_shape(kind, k), staged_rows(g, m, k, stage)) else {
         return Err(shape(
             "qmatmul",
@@ -635,8 +656,10 @@ fn wvalues(r: WRaw) -> array<vec4<f32>, 2> {
     }
 }
 
-/// y = x · Wᵀ for `m` ≥ [`GEMM_MIN_ROWS`] rows of x (x and y each in one buffer) with qgemm.wgsl: one
-/// dispatch per weight segment (and per BM · 65535 rows of x), BM x 64 output tiles.
+/// y = x · Wᵀ (or y += x · Wᵀ, `out`) for `m` ≥ [`GEMM_MIN_ROWS`] rows of x (x and y each in one
+/// buffer) with qgemm.wgsl: one dispatch per weight segment (and per BM · 65535 rows of x), BM x 64
+/// output tiles. The addition is the one `add_assign` makes: y + the product's f32 value.
+#[allow(clippy::too_many_arguments)]
 fn qgemm(
     g: &GpuBackend,
     (xb, x_off): (&wgpu::Buffer, usize),
@@ -644,6 +667,7 @@ fn qgemm(
     w: &GpuParts,
     kind: QKind,
     [m, n, k]: [usize; 3],
+    out: Output,
     fault: Option<Fault>,
 ) -> Result<()> {
     if !k.is_multiple_of(32) {
@@ -654,13 +678,15 @@ fn qgemm(
     // GPU (264 covers the H200's 132).
     let tiles = |bm: usize| n.div_ceil(64) * m.div_ceil(bm);
     let bm = if tiles(64) < 264 { 32 } else { 64 };
+    let acc = out == Output::Accumulate;
     let key = format!(
-        "qgemm_bm{bm}_{}_{}{}",
+        "qgemm_bm{bm}_{}_{}{}{}",
         match kind {
             QKind::Q8 { block } => format!("q8b{block}"),
             QKind::Q4 => "q4".into(),
         },
         if xvec { "xv4" } else { "xf32" },
+        if acc { "_acc" } else { "" },
         fault.map_or(String::new(), |f| format!("_fault{f:?}"))
     );
     let mut bindings = vec![Access::Read, Access::ReadWrite, Access::Read, Access::Read];
@@ -677,8 +703,13 @@ fn qgemm(
             )
         };
         let body = repeat_lines(include_str!("qgemm.wgsl"), "$w", 64 / bm);
+        let put = if acc {
+            "fn put(at: u32, v: f32) { y[at] = y[at] + v; }"
+        } else {
+            "fn put(at: u32, v: f32) { y[at] = v; }"
+        };
         let src = format!(
-            "{PRELUDE}\nconst BM: u32 = {bm}u;\nconst BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{body}\n{}",
+            "{PRELUDE}\nconst BM: u32 = {bm}u;\nconst BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{body}\n{put}\n{}",
             kind.block(),
             qgemm_layout(kind)
         );

@@ -96,12 +96,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   store(i0 + 4u * ty + 3u, c, acc3);
 }
 
-// Row i of y, columns c .. c + 3 (those inside the product).
+// Row i of y, columns c .. c + 3 (those inside the product), through `put` (gpu.rs: y = v, or y += v).
 fn store(i: u32, c: u32, v: vec4<f32>) {
   if (i >= p.m) { return; }
   let at = p.o_y + i * p.ldy + c;
-  if (c < p.n) { y[at] = v.x; }
-  if (c + 1u < p.n) { y[at + 1u] = v.y; }
-  if (c + 2u < p.n) { y[at + 2u] = v.z; }
-  if (c + 3u < p.n) { y[at + 3u] = v.w; }
+  if (c < p.n) { put(at, v.x); }
+  if (c + 1u < p.n) { put(at + 1u, v.y); }
+  if (c + 2u < p.n) { put(at + 2u, v.z); }
+  if (c + 3u < p.n) { put(at + 3u, v.w); }
 }
