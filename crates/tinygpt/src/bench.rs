@@ -26,9 +26,12 @@ pub enum BenchCmd {
 pub struct LlmBenchArgs {
     /// The GGUF file to time.
     pub model: Option<std::path::PathBuf>,
-    /// Time a random-weight model of this shape instead (Q8_0 matrices; speed does not depend on values).
+    /// Time a random-weight model of this shape instead (speed does not depend on values).
     #[arg(long, conflicts_with = "model")]
     pub synthetic: Option<crate::synthetic::Preset>,
+    /// With --synthetic: the block format of the layer matrices (the embedding stays Q8_0).
+    #[arg(long, requires = "synthetic", default_value = "q8_0")]
+    pub synthetic_quant: crate::synthetic::Quant,
     /// Prompt tokens (one batched pass).
     #[arg(long, default_value_t = 128)]
     pub prompt: usize,
@@ -479,7 +482,7 @@ fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet, drift_check: usize)
     let file = match (&a.model, a.synthetic) {
         (Some(p), _) => GgufFile::open(p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?,
         (None, Some(s)) => {
-            let bytes = crate::synthetic::gguf(s, 7)?;
+            let bytes = crate::synthetic::gguf(s, a.synthetic_quant, 7)?;
             if let Some(p) = &a.save {
                 // Whole or not at all: a temp name, then a rename.
                 let tmp = p.with_extension("gguf.tmp");

@@ -1,6 +1,8 @@
 //! Random-weight GGUF models with real models' shapes, for benchmarks where the real files cannot go
 //! (a lent GPU machine with no network): decode speed does not depend on the weights' values.
-//! Matrices are Q8_0 (random int8 quants, one f16 scale per 32), norms f32 ones. The vocabulary is a
+//! Matrices are Q8_0 (random int8 quants, one f16 scale per 32) or, for the layers, Q4_1 (random 4-bit
+//! quants, an f16 scale and minimum per 32: the layout of SmolLM2-135M-Instruct's Q4_1 file, whose
+//! embedding stays Q8_0), norms f32 ones. The vocabulary is a
 //! placeholder llama.cpp loads (byte-level BPE: the 256 byte characters, fillers, an end-of-text token,
 //! no merges), so `llama-bench` can time the same file.
 
@@ -19,8 +21,19 @@ pub enum Preset {
     Gemma3_270m,
 }
 
-/// GGUF bytes of a random model of `preset`'s shape.
-pub fn gguf(preset: Preset, seed: u64) -> Result<Vec<u8>> {
+/// The block format of a synthetic model's layer matrices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Quant {
+    /// 8-bit quants, one f16 scale per 32 (34 bytes a block).
+    #[value(name = "q8_0")]
+    Q8_0,
+    /// 4-bit quants, an f16 scale and an f16 minimum per 32 (20 bytes a block).
+    #[value(name = "q4_1")]
+    Q4_1,
+}
+
+/// GGUF bytes of a random model of `preset`'s shape, its layer matrices in `quant`.
+pub fn gguf(preset: Preset, quant: Quant, seed: u64) -> Result<Vec<u8>> {
     let (arch, layers, d, heads, kv_heads, hd, ff, vocab) = match preset {
         Preset::Smollm2_135m => ("llama", 30, 576, 9, 3, 64, 1536, 49152),
         Preset::Gemma3_270m => ("gemma3", 18, 640, 4, 1, 256, 2048, 262144),
@@ -48,7 +61,7 @@ pub fn gguf(preset: Preset, seed: u64) -> Result<Vec<u8>> {
     }
     add_vocab(&mut w, vocab)?;
     let mut rng = SeedRng::new(seed);
-    let mut q8 = |rows: usize, cols: usize| -> Vec<u8> {
+    let q8 = |rng: &mut SeedRng, rows: usize, cols: usize| -> Vec<u8> {
         // Q8_0 block: f16 scale then 32 int8 quants (34 bytes).
         let blocks = rows * cols / 32;
         let mut out = Vec::with_capacity(blocks * 34);
@@ -65,6 +78,20 @@ pub fn gguf(preset: Preset, seed: u64) -> Result<Vec<u8>> {
         }
         out
     };
+    let q4_1 = |rng: &mut SeedRng, rows: usize, cols: usize| -> Vec<u8> {
+        // Q4_1 block: f16 scale, f16 minimum, then 16 bytes of nibbles (values j and j + 16 in byte j).
+        let blocks = rows * cols / 32;
+        let mut out = Vec::with_capacity(blocks * 20);
+        let scale = half::f16::from_f32(0.04 / 15.0).to_le_bytes();
+        let min = half::f16::from_f32(-0.02).to_le_bytes();
+        for _ in 0..blocks {
+            out.extend_from_slice(&scale);
+            out.extend_from_slice(&min);
+            out.extend_from_slice(&rng.next_u64().to_le_bytes());
+            out.extend_from_slice(&rng.next_u64().to_le_bytes());
+        }
+        out
+    };
     let ones = |n: usize| -> Vec<u8> {
         std::iter::repeat_n(1.0f32.to_le_bytes(), n)
             .flatten()
@@ -75,7 +102,7 @@ pub fn gguf(preset: Preset, seed: u64) -> Result<Vec<u8>> {
         "token_embd.weight",
         &[d as u64, vocab as u64],
         GgmlType::Q8_0,
-        q8(vocab, d),
+        q8(&mut rng, vocab, d),
     )?;
     w.add_tensor_bytes("output_norm.weight", &[d as u64], GgmlType::F32, ones(d))?;
     for i in 0..layers {
@@ -91,12 +118,11 @@ pub fn gguf(preset: Preset, seed: u64) -> Result<Vec<u8>> {
             ("ffn_up", ff, d),
             ("ffn_down", d, ff),
         ] {
-            w.add_tensor_bytes(
-                n(t),
-                &[cols as u64, rows as u64],
-                GgmlType::Q8_0,
-                q8(rows, cols),
-            )?;
+            let (ty, bytes) = match quant {
+                Quant::Q8_0 => (GgmlType::Q8_0, q8(&mut rng, rows, cols)),
+                Quant::Q4_1 => (GgmlType::Q4_1, q4_1(&mut rng, rows, cols)),
+            };
+            w.add_tensor_bytes(n(t), &[cols as u64, rows as u64], ty, bytes)?;
         }
         if arch == "gemma3" {
             w.add_tensor_bytes(n("attn_q_norm"), &[hd as u64], GgmlType::F32, ones(hd))?;
@@ -126,4 +152,31 @@ fn add_vocab(w: &mut GgufWriter, n: usize) -> Result<()> {
     tokens.extend((256..n - 1).map(|i| format!("<t{i}>")));
     tinygpt_models::gpt::export::add_byte_level_vocabulary(w, tokens, Vec::new())?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tinygpt_formats::GgufFile;
+    use tinygpt_models::llm::LlmConfig;
+
+    /// Both block formats give a file the reader and the model configuration accept, with the layer
+    /// matrices in the asked format (and their byte sizes: 34 or 20 bytes per 32 values) and the
+    /// embedding in Q8_0.
+    #[test]
+    fn synthetic_models_have_the_asked_block_format() {
+        for (quant, ty, block_bytes) in [
+            (Quant::Q8_0, GgmlType::Q8_0, 34),
+            (Quant::Q4_1, GgmlType::Q4_1, 20),
+        ] {
+            let file = GgufFile::from_bytes(gguf(Preset::Smollm2_135m, quant, 7).unwrap()).unwrap();
+            LlmConfig::from_gguf(&file).unwrap();
+            let t = file.tensor("blk.3.ffn_down.weight").unwrap();
+            assert_eq!(t.ggml_type, ty);
+            assert_eq!(t.dims, [1536, 576]);
+            assert_eq!(t.n_bytes, 1536 * 576 / 32 * block_bytes);
+            let e = file.tensor("token_embd.weight").unwrap();
+            assert_eq!(e.ggml_type, GgmlType::Q8_0);
+        }
+    }
 }
