@@ -452,6 +452,53 @@ fn decode_rows_match_twin() {
     }
 }
 
+/// A context of more splits than the merge kernel's workgroup holds at once (8,300 positions: 260 splits
+/// of 32, merged 256 at a time), beside a short row in the same dispatch.
+#[test]
+fn decode_rows_merge_more_splits_than_a_workgroup() {
+    let mut rng = SeedRng::new(94);
+    let (ctx, heads, kv_heads, hd) = (8300usize, 2usize, 1usize, 64usize);
+    let host: Vec<[u32; 2]> = vec![[0, 8299], [0, 40], [0, 8191]];
+    let kvd = kv_heads * hd;
+    let ld_kv = 2 * kvd;
+    let n = host.len();
+    let (ld_q, ld_o) = (heads * hd, heads * hd);
+    let words: Vec<u32> = host.iter().flatten().copied().collect();
+    let args = [
+        Arg::data(rng.normal_vec(n * ld_q, 1.0), ld_q),
+        Arg::data(rng.normal_vec(ctx * ld_kv, 1.0), ld_kv),
+        Arg::words(&words, 2),
+        Arg::out(n * ld_o, ld_o),
+    ];
+    let s = RowsShape {
+        heads,
+        kv_heads,
+        head_dim: hd,
+        ld_q,
+        ld_kv,
+        ld_o,
+        k_at: 0,
+        v_at: kvd,
+        window: 0,
+        scale: 1.0 / (hd as f32).sqrt(),
+        softcap: 0.0,
+    };
+    check_twin(
+        "attend_rows over 260 splits",
+        1e-10,
+        &args,
+        None,
+        |be, t| {
+            let [tq, tc, tt, to] = t else { unreachable!() };
+            let rows = CacheRows {
+                table: tt.at(0),
+                host: &host,
+            };
+            attend_rows(be, tq.at(0), tc.at(0), rows, to.at_mut(0), s)
+        },
+    );
+}
+
 /// A row past the cache is refused, not read out of bounds.
 #[test]
 fn decode_rows_refuse_positions_past_the_cache() {
