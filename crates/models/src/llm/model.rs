@@ -1405,6 +1405,12 @@ impl Pass<'_> {
         let (keys, values) = (cache.as_ref(), cache.as_ref().shift(kvd));
         let query = q_src.at(q_slot.offset);
         attend(be, query, keys, values, s.att.at_mut(0), shape)?;
+        self.attention_output(lw, s)
+    }
+
+    /// x += [post_attn_norm](att · Woᵀ): the attention sublayer's output product and residual, the
+    /// same for prompt and decode passes.
+    fn attention_output(&self, lw: &LayerWeights, s: &mut Scratch) -> Result<()> {
         let Scratch {
             att, x, out, ones, ..
         } = s;
@@ -1588,17 +1594,7 @@ impl Pass<'_> {
             softcap: 0.0,
         };
         attend_rows(be, s.qn.at(0), cache.at(0), all, s.att.at_mut(0), shape)?;
-        let Scratch {
-            att, x, out, ones, ..
-        } = s;
-        self.residual_fused(
-            Input::Rows(att.at(0)),
-            &lw.wo,
-            lw.post_attn_norm.as_ref(),
-            x,
-            out,
-            ones,
-        )
+        self.attention_output(lw, s)
     }
 
     /// A decode pass's feed-forward sublayer: gate and up (norm fused in), then down with the GLU fused

@@ -364,8 +364,8 @@ thread_local! {
     static DEQUANT: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
-/// y[:, rows] = x · W[rows]ᵀ as GEMMs over dequantized weights: output rows split across the pool as in
-/// [`run_tiles`], each thread dequantizing its weight rows (`deq(rows, out)` writes those rows' K values
+/// y[:, rows] = x · W[rows]ᵀ as GEMMs over dequantized weights: output rows split across the pool by
+/// [`par_tiles`], each thread dequantizing its weight rows (`deq(rows, out)` writes those rows' K values
 /// each) a slice at a time and multiplying them with all m activation rows — on AVX-512 by our panel
 /// kernel ([`gemm_tile_avx512`]), elsewhere by the `gemm` crate.
 #[allow(clippy::too_many_arguments)]
@@ -436,23 +436,11 @@ fn gemm_tiles(
             DEQUANT.set(buf);
         }
     };
-    let threads = if opts.parallel {
-        rayon::current_num_threads()
-    } else {
-        1
-    };
+    let threads = pool_threads(opts.parallel);
     if threads <= 1 {
         return tile(rows.start, rows.end, y);
     }
-    let per = nrows
-        .div_ceil(threads * TILES_PER_THREAD)
-        .next_multiple_of(16);
-    let ntiles = nrows.div_ceil(per);
-    (0..ntiles).into_par_iter().for_each(|t| {
-        let j0 = t * per;
-        let j1 = (j0 + per).min(nrows);
-        tile(rows.start + j0, rows.start + j1, y.at(j0));
-    });
+    par_tiles(rows, threads, y, tile);
 }
 
 /// The activations of an AVX-512 GEMM call in panels of 16 rows, each K × 16 (`xt[k * 16 + i]` is row
@@ -676,16 +664,32 @@ fn run_tiles(
     if nrows == 0 || m == 0 {
         return;
     }
-    let threads = if parallel {
-        rayon::current_num_threads()
-    } else {
-        1
-    };
+    let threads = pool_threads(parallel);
     let work = nrows * row_bytes * m.min(8);
     if threads <= 1 || work < PAR_MIN_BYTES {
         return tile(rows.start, rows.end, y);
     }
-    // Tiles are a multiple of 16 rows so neighbouring tiles do not share cache lines of y (for m = 1).
+    par_tiles(rows, threads, y, tile);
+}
+
+/// Threads a call may use: the current pool's, or 1 when the caller keeps it on its own thread.
+fn pool_threads(parallel: bool) -> usize {
+    if parallel {
+        rayon::current_num_threads()
+    } else {
+        1
+    }
+}
+
+/// `tile(n0, n1, y_at_n0)` over `rows` split into [`TILES_PER_THREAD`] tiles per thread, in parallel.
+/// Tiles are a multiple of 16 rows so neighbouring tiles do not share cache lines of y (for m = 1).
+fn par_tiles(
+    rows: Range<usize>,
+    threads: usize,
+    y: OutPtr,
+    tile: impl Fn(usize, usize, OutPtr) + Sync,
+) {
+    let nrows = rows.end - rows.start;
     let per = nrows
         .div_ceil(threads * TILES_PER_THREAD)
         .next_multiple_of(16);
