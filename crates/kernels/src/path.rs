@@ -19,16 +19,20 @@ pub enum PathId {
     CoopMatrix,
     /// Products straight from block-quantized weights (else they are held dequantized).
     QuantMatmul,
+    /// Training's products with f16 operands and f32 accumulation, on the tensor cores (loss-scaled
+    /// gradients, f32 master weights). Only a trainer holds it; it passes a training gate first.
+    MixedTraining,
 }
 
 impl PathId {
     /// Every path, in the order they are gated and shown.
-    pub const ALL: [PathId; 5] = [
+    pub const ALL: [PathId; 6] = [
         PathId::F16Storage,
         PathId::ShaderF16,
         PathId::Subgroups,
         PathId::CoopMatrix,
         PathId::QuantMatmul,
+        PathId::MixedTraining,
     ];
 
     fn bit(self) -> u32 {
@@ -56,6 +60,12 @@ pub enum Fault {
     /// position the start-up gates reach, wrong only in long generations — what the drift guard is
     /// for. No op gate can see it (it is not in [`Fault::ALL`]).
     RopePast500,
+    /// Weight gradients (Aᵀ·B products) accumulated in f16 by the training path's kernels: what the
+    /// training gate must reject (not in [`Fault::ALL`]: it lives in training only).
+    WeightGradF16Accumulation,
+    /// The causal mask of training's attention lets query positions from 128 on see one position
+    /// ahead: right for short sequences, wrong past 128 (training gate; not in [`Fault::ALL`]).
+    CausalMaskPast128,
 }
 
 impl Fault {
@@ -172,6 +182,6 @@ mod tests {
         );
         assert_eq!(s.without(PathId::F16Storage).len(), 1);
         assert!(PathSet::F32.is_empty() && PathSet::F32.fault().is_none());
-        assert_eq!(PathId::ALL.into_iter().collect::<PathSet>().len(), 5);
+        assert_eq!(PathId::ALL.into_iter().collect::<PathSet>().len(), 6);
     }
 }

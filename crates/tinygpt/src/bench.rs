@@ -1,7 +1,7 @@
 //! `tinygpt bench`: per-op throughput on the selected backend, and training throughput.
 //! Benchmarks measure; they never assert (the tests do that).
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use std::time::Instant;
 use tinygpt_kernels::gate::pills;
@@ -9,7 +9,7 @@ use tinygpt_kernels::ops::matmul::{
     Choice, Gemm, Kernel, TILE_LARGE, TILE_MEDIUM, TILE_SMALL, TILE_TALL, Tile, choose,
 };
 use tinygpt_kernels::rng::SeedRng;
-use tinygpt_kernels::{Backend, PathSet, ops};
+use tinygpt_kernels::{Backend, PathId, PathSet, ops};
 use tinygpt_models::gpt::{GptConfig, Layout, OptimConfig, Trainer};
 
 #[derive(Subcommand, Debug)]
@@ -82,8 +82,9 @@ pub struct TrainBenchArgs {
     pub n_embd: usize,
     #[arg(long, default_value_t = 0.2)]
     pub dropout: f32,
-    #[arg(long, default_value_t = 65)]
-    pub vocab: usize,
+    /// Vocabulary size (default: the bundled text's, which the training gate trains on).
+    #[arg(long)]
+    pub vocab: Option<usize>,
     /// Forward products from f16-stored weights (when the f16-storage path passed its gate).
     #[arg(long)]
     pub f16_forward: bool,
@@ -112,9 +113,55 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, cmd: &BenchCmd) -> Resul
     let paths = gated.map_or(PathSet::F32, |g| g.paths);
     match cmd {
         BenchCmd::Ops(a) => ops_bench(be, a),
-        BenchCmd::Train(a) => train_bench(be, a, paths),
+        BenchCmd::Train(a) => train_bench(be, gate, a, paths),
         BenchCmd::Llm(a) => llm_bench(be, a, paths, gate.drift_check),
     }
+}
+
+/// The training gate of the benchmark's model, on the bundled text (whose vocabulary its default
+/// size matches): the tensor-core training path is timed only where it passed.
+fn train_gate(
+    be: &Backend,
+    gate: &crate::gates::GateArgs,
+    cfg: &GptConfig,
+    batch: usize,
+    params: &[f32],
+    optim: OptimConfig,
+    paths: PathSet,
+) -> Result<PathSet> {
+    use tinygpt_models::gpt::train_gate::{GATE_EVERY, GATE_STEPS, GateRun};
+    if !paths.has(PathId::MixedTraining) {
+        return Ok(paths);
+    }
+    let data = bundled_text(cfg.block_size)?;
+    // With another --vocab, the text's ids fold into it (still a stream a model can learn).
+    let v = cfg.vocab_size as u32;
+    let fold = |(x, y): (Vec<u32>, Vec<u32>)| {
+        let f = |t: Vec<u32>| t.into_iter().map(|i| i % v).collect::<Vec<u32>>();
+        (f(x), f(y))
+    };
+    let batch_of = |s: usize| fold(data.batch(false, 1, s as u64, batch, cfg.block_size));
+    let lr_of = |s: usize| tinygpt_models::gpt::learning_rate(s, 100, 5000, 1e-3, 1e-4);
+    let run = GateRun {
+        cfg,
+        batch,
+        params,
+        optim,
+        seed: 1,
+        steps: GATE_STEPS,
+        every: GATE_EVERY,
+        batch_of: &batch_of,
+        lr_of: &lr_of,
+        held_out: fold(data.batch(true, 2, 0, batch, cfg.block_size)),
+    };
+    crate::gates::prepare_training(be, gate, paths, &run)
+}
+
+/// The bundled training text, in sequences of `block` characters.
+fn bundled_text(block: usize) -> Result<tinygpt_models::gpt::Dataset> {
+    let path = crate::paths::bundled(crate::paths::DEFAULT_DATA);
+    let text = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(tinygpt_models::gpt::Dataset::from_bytes(&text, block)?)
 }
 
 /// Times `reps` runs of `f` recorded back to back (one submit on the GPU), after one warm-up run.
@@ -178,6 +225,7 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
         } else {
             vec![None]
         };
+        let mut reference = None;
         for tile in tiles {
             let label = match tile {
                 None => name.clone(),
@@ -211,6 +259,48 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
                     sec * 1e3,
                     flops / sec / 1e9
                 ),
+                Err(e) => println!("{label:<44} {:>10} {e}", "-"),
+            }
+            if tile.is_none() {
+                reference = Some(be.to_vec(&tc)?);
+            }
+        }
+        // Where the adapter has cooperative matrices: the training path's products (f16 operands,
+        // f32 accumulation, on the tensor cores), timed, with their largest error against the f32
+        // result relative to its largest magnitude.
+        let coop = be.as_gpu().is_some_and(|g| {
+            g.has_feature(tinygpt_kernels::wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+        });
+        if let (true, Some(want)) = (coop, &reference) {
+            let mixed = PathSet::of(&[PathId::MixedTraining]);
+            let label = "  tensor cores, f16 operands";
+            let timed = time(be, reps, || {
+                let c = (&mut tc).into();
+                let choice = choose(be, (&ta).into(), (&tb).into(), &c, g, mixed);
+                Ok(ops::matmul::run(
+                    be,
+                    choice,
+                    (&ta).into(),
+                    (&tb).into(),
+                    c,
+                    g,
+                )?)
+            });
+            match timed {
+                Ok(sec) => {
+                    let got = be.to_vec(&tc)?;
+                    let top = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let err = want
+                        .iter()
+                        .zip(&got)
+                        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                    println!(
+                        "{label:<44} {:>10.3} {:>12.1}   max|err|/max|ref| {:.2e}",
+                        sec * 1e3,
+                        flops / sec / 1e9,
+                        err / top.max(f32::MIN_POSITIVE)
+                    );
+                }
                 Err(e) => println!("{label:<44} {:>10} {e}", "-"),
             }
         }
@@ -397,9 +487,18 @@ fn candidate_tiles() -> Vec<Tile> {
     v
 }
 
-fn train_bench(be: &Backend, a: &TrainBenchArgs, paths: PathSet) -> Result<()> {
+fn train_bench(
+    be: &Backend,
+    gate: &crate::gates::GateArgs,
+    a: &TrainBenchArgs,
+    paths: PathSet,
+) -> Result<()> {
+    let vocab = match a.vocab {
+        Some(v) => v,
+        None => bundled_text(a.block_size.max(1))?.vocab.len(),
+    };
     let cfg = GptConfig {
-        vocab_size: a.vocab,
+        vocab_size: vocab,
         block_size: a.block_size,
         n_layer: a.n_layer,
         n_head: a.n_head,
@@ -413,6 +512,7 @@ fn train_bench(be: &Backend, a: &TrainBenchArgs, paths: PathSet) -> Result<()> {
         f16_forward: a.f16_forward,
         ..OptimConfig::default()
     };
+    let paths = train_gate(be, gate, &cfg, a.batch, &params, optim, paths)?;
     let mut tr = Trainer::new(be, &cfg, a.batch, &params, None, optim, paths)?;
     println!(
         "config: {} layers, {} heads, {} wide, block {}, batch {}, dropout {} — {:.2}M parameters (set up in {:.2}s)",

@@ -5,6 +5,7 @@
 
 use anyhow::{Result, bail};
 use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
@@ -13,6 +14,7 @@ use tinygpt_kernels::gate::{
     GateModel, GateOptions, GateRecord, Gated, VerdictStore, gate_device, gate_for_model, registry,
 };
 use tinygpt_kernels::{Backend, PathId, PathSet};
+use tinygpt_models::gpt::train_gate::{GateRun, TrainGateReport, training_gate};
 
 /// Flags every command that runs kernels takes.
 #[derive(Args, Clone, Debug)]
@@ -83,6 +85,16 @@ pub struct DriftRecord {
     pub paths: Vec<String>,
 }
 
+/// A training gate's run, one line of the gate history (`"kind": "training"`).
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct TrainingRecord {
+    pub kind: String,
+    pub time_unix: u64,
+    pub adapter: String,
+    pub driver: String,
+    pub report: TrainGateReport,
+}
+
 /// The end-to-end token gate's record on one adapter and driver.
 #[derive(Default, serde::Serialize)]
 struct TokenHistory {
@@ -101,6 +113,8 @@ struct AdapterHistory {
     token_gate: TokenHistory,
     /// Drift-guard events: (model, position, KL, bound, paths turned off, when).
     drift_events: Vec<(String, usize, f64, f64, String, u64)>,
+    /// Training gates: (paths, passed, first-gradient error, worst loss difference, steps, when).
+    training_gates: Vec<(String, bool, f64, f64, usize, u64)>,
 }
 
 /// The history of `name` and `driver` in `by` (made on first sight), its time span widened to `t`.
@@ -149,6 +163,22 @@ fn history(cmd: &GatesCmd) -> Result<()> {
                 d.bound,
                 d.paths.join(" "),
                 d.time_unix,
+            ));
+            continue;
+        }
+        if let Ok(t) = serde_json::from_str::<TrainingRecord>(line)
+            .map_err(drop)
+            .and_then(|t| if t.kind == "training" { Ok(t) } else { Err(()) })
+        {
+            let a = adapter_entry(&mut by, &t.adapter, &t.driver, t.time_unix);
+            let r = t.report;
+            a.training_gates.push((
+                r.paths.join(" "),
+                r.passed,
+                r.grad_error,
+                r.worst_rel,
+                r.steps,
+                t.time_unix,
             ));
             continue;
         }
@@ -244,6 +274,15 @@ fn history(cmd: &GatesCmd) -> Result<()> {
                     .iter()
                     .map(|(p, pos, at)| format!(" · {p} at token {pos} ({})", when(*at)))
                     .collect::<String>()
+            );
+        }
+        for (paths, passed, grad, worst, steps, at) in &a.training_gates {
+            println!(
+                "  training gate  {paths}: {} · first gradients {:.3}% off · worst loss difference {:.3}% over {steps} steps ({})",
+                if *passed { "passed" } else { "failed" },
+                100.0 * grad,
+                100.0 * worst,
+                when(*at)
             );
         }
         if !a.drift_events.is_empty() {
@@ -394,7 +433,6 @@ impl VerdictStore for FileStore {
 /// Appends a drift-guard event to the gate history (`tinygpt gates --history` shows it); a directory
 /// that cannot be written is reported, never fatal.
 pub fn record_drift(be: &Backend, model: &str, e: &tinygpt_models::llm::DriftEvent) {
-    let Some(dir) = cache_dir() else { return };
     let (adapter, driver) = match be.as_gpu() {
         Some(g) => {
             let i = g.info();
@@ -417,6 +455,12 @@ pub fn record_drift(be: &Backend, model: &str, e: &tinygpt_models::llm::DriftEve
         checks: e.checks,
         paths: e.paths.iter().map(|p| p.name().to_string()).collect(),
     };
+    append_history("drift-guard event", &r);
+}
+
+/// Appends one line to the gate history; a directory that cannot be written is reported, never fatal.
+fn append_history(what: &str, line: &impl serde::Serialize) {
+    let Some(dir) = cache_dir() else { return };
     let result = (|| -> Result<()> {
         std::fs::create_dir_all(&dir)?;
         let lock = File::create(dir.join(".lock"))?;
@@ -425,17 +469,88 @@ pub fn record_drift(be: &Backend, model: &str, e: &tinygpt_models::llm::DriftEve
             .create(true)
             .append(true)
             .open(dir.join("gate-history.jsonl"))?;
-        let mut line = serde_json::to_vec(&r)?;
-        line.push(b'\n');
-        history.write_all(&line)?;
+        let mut bytes = serde_json::to_vec(line)?;
+        bytes.push(b'\n');
+        history.write_all(&bytes)?;
         Ok(())
     })();
     if let Err(e) = result {
         eprintln!(
-            "note: the drift-guard event cannot be recorded in {} ({e:#})",
+            "note: the {what} cannot be recorded in {} ({e:#})",
             dir.display()
         );
     }
+}
+
+/// The training gate in front of a trainer's path set: when `paths` holds the tensor-core training
+/// path, its stored verdict on this adapter and driver, or else a fresh gate on `run` (with a progress
+/// bar; printed, stored and recorded in the history). Returns the set to train with: `paths`, or
+/// without the training path when it failed.
+pub fn prepare_training(
+    be: &Backend,
+    args: &GateArgs,
+    paths: PathSet,
+    run: &GateRun<'_>,
+) -> Result<PathSet> {
+    let id = PathId::MixedTraining;
+    let Some(g) = be.as_gpu().filter(|_| paths.has(id)) else {
+        return Ok(paths);
+    };
+    let i = g.info();
+    let (adapter, driver) = (i.name.clone(), format!("{} {}", i.driver, i.driver_info));
+    let key = format!(
+        "{adapter}|{driver}|training-gate|{}|v{}|{} steps",
+        id.name(),
+        id.kernel_version(),
+        run.steps
+    );
+    let mut store = FileStore::open();
+    let verdict = |r: &TrainGateReport| {
+        if r.passed {
+            paths
+        } else {
+            eprintln!("[ops] {} off: training on the f32 products", id.pill());
+            paths.without(id)
+        }
+    };
+    if !args.regate
+        && let Some(r) = store
+            .load(&key)
+            .and_then(|s| serde_json::from_str::<TrainGateReport>(&s).ok())
+    {
+        eprintln!("{} [cached]", r.log_line());
+        return Ok(verdict(&r));
+    }
+    eprintln!(
+        "[ops] training gate: the first {} steps on the f32 path, then on {} (once per adapter and driver)",
+        run.steps,
+        id.pill()
+    );
+    let pb = ProgressBar::new(2 * run.steps as u64);
+    pb.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} steps · ETA {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let r = pollster::block_on(training_gate(be, run, paths, &mut |d, _| {
+        pb.set_position(d as u64)
+    }));
+    pb.finish_and_clear();
+    let r = r?;
+    eprintln!("{}", r.log_line());
+    store.store(&key, serde_json::to_string(&r).ok().as_deref());
+    append_history(
+        "training gate",
+        &TrainingRecord {
+            kind: "training".into(),
+            time_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            adapter,
+            driver,
+            report: r.clone(),
+        },
+    );
+    Ok(verdict(&r))
 }
 
 /// The paths `args` allows (all, less `--disable-path`); an unknown name is an error that lists the
@@ -471,7 +586,11 @@ pub fn prepare<M: GateModel>(be: &Backend, args: &GateArgs, model: &M) -> Result
 where
     M::Error: std::error::Error + Send + Sync + 'static,
 {
-    let opts = options(args)?;
+    let mut opts = options(args)?;
+    // Inference never runs the training path's kernels.
+    if let Some(only) = opts.only.as_mut() {
+        only.retain(|&p| p != PathId::MixedTraining);
+    }
     if be.as_gpu().is_none() {
         return Ok(PathSet::F32);
     }

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tinygpt_kernels::Backend;
 use tinygpt_models::gpt::checkpoint::{self, CheckpointConfig, TrainState, WeightDtype};
+use tinygpt_models::gpt::train_gate::{GATE_EVERY, GATE_STEPS, GateRun};
 use tinygpt_models::gpt::{Dataset, GptConfig, Layout, OptimConfig, Trainer, learning_rate};
 
 #[derive(Args, Debug, Clone)]
@@ -303,6 +304,22 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, a: &TrainArgs) -> Result
         ..OptimConfig::default()
     };
     prepare_out(&out)?;
+    // A training fast path trains the run's own first steps beside the f32 path before it is used.
+    let batch_of = |s: usize| data.batch(false, seed, s as u64, a.batch_size, cfg.block_size);
+    let lr_of = |s: usize| learning_rate(s, a.warmup, a.max_iters, a.lr, a.min_lr);
+    let run = GateRun {
+        cfg: &cfg,
+        batch: a.batch_size,
+        params: &params,
+        optim,
+        seed: seed as u32,
+        steps: GATE_STEPS,
+        every: GATE_EVERY,
+        batch_of: &batch_of,
+        lr_of: &lr_of,
+        held_out: data.batch(true, seed ^ 0xE7A1, 0, a.batch_size, cfg.block_size),
+    };
+    let paths = crate::gates::prepare_training(be, gate, paths, &run)?;
     let t_setup = Instant::now();
     let mut tr = Trainer::new(
         be,

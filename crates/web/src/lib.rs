@@ -415,7 +415,9 @@ impl Session {
         let seed = get("seed", 1337.0) as u64;
         let params = Layout::new(&cfg).init(&cfg, seed);
         let mut i = self.inner.borrow_mut();
-        let paths = i.paths();
+        // The page does not run the training gate, so it never trains on the tensor-core path (which
+        // WebGPU does not expose today anyway).
+        let paths = i.paths().without(PathId::MixedTraining);
         let batch = get("batch_size", 16.0) as usize;
         let trainer = Trainer::new(
             &i.be,

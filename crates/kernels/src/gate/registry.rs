@@ -132,6 +132,28 @@ pub static REGISTRY: &[PathDef] = &[
         detect: |_| Ok(()),
         evaluate: evaluate_quant,
     },
+    PathDef {
+        id: PathId::MixedTraining,
+        name: "tc-training",
+        pill: "+tensor-core training",
+        active_text: "tensor-core training active",
+        kernel_version: 1,
+        requires: &[PathId::CoopMatrix],
+        detect: |g| (def(PathId::CoopMatrix).detect)(g),
+        // The op gate checks the mixed-precision kernel (f32 operands rounded to f16) at every shape;
+        // a trainer then runs the training gate (the first steps' losses against the f32 path) before
+        // it trains on it.
+        evaluate: |be, c, seed, paths| {
+            evaluate_nt(
+                be,
+                c,
+                seed,
+                false,
+                |p| Some(Choice::forced(Kernel::CoopMixed, p)),
+                paths,
+            )
+        },
+    },
 ];
 
 /// The registry row of `id`.

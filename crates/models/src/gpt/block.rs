@@ -165,6 +165,7 @@ pub(crate) fn block_forward(
             w.linear(be, a.ln1.at(0), o.c_attn, qkv.at_mut(0), &qkv_g)?;
             attention_forward(
                 be,
+                w.paths,
                 qkv.at(0),
                 a.atty.at_mut(0),
                 probs.at_mut(0),
@@ -252,8 +253,8 @@ pub(crate) fn block_forward(
 pub(crate) struct SavedAttention<'a> {
     pub qkv: &'a Tensor,
     pub probs: &'a Tensor,
-    /// Overwritten as scratch.
-    pub dropped: Option<&'a mut Tensor>,
+    /// The dropped-out probabilities the forward pass's product used.
+    pub dropped: Option<&'a Tensor>,
     pub shape: AttnShape,
     pub drop: AttnDropout,
 }
@@ -274,6 +275,7 @@ pub(crate) struct BackScratch {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn block_backward(
     be: &Backend,
+    paths: PathSet,
     params: &Tensor,
     grads: &mut Tensor,
     o: BlockOffsets,
@@ -299,6 +301,7 @@ pub(crate) fn block_backward(
     let (dmlp, dw) = (s.d4a.at_mut(0), grads.at_mut(o.mlp_proj));
     linear_backward(
         be,
+        paths,
         s.tmp.at(0),
         a.act.at(0),
         w.at(o.mlp_proj),
@@ -312,6 +315,7 @@ pub(crate) fn block_backward(
     let (dln, dw) = (s.dln.at_mut(0), grads.at_mut(o.c_fc));
     linear_backward(
         be,
+        paths,
         s.d4b.at(0),
         a.ln2.at(0),
         w.at(o.c_fc),
@@ -346,6 +350,7 @@ pub(crate) fn block_backward(
     let (datty, dw) = (s.datty.at_mut(0), grads.at_mut(o.attn_proj));
     linear_backward(
         be,
+        paths,
         s.tmp.at(0),
         a.atty.at(0),
         w.at(o.attn_proj),
@@ -357,9 +362,10 @@ pub(crate) fn block_backward(
     )?;
     attention_backward(
         be,
+        paths,
         attn.qkv.at(0),
         attn.probs.at(0),
-        attn.dropped.map(|t| t.at_mut(0)),
+        attn.dropped.map(|t| t.at(0)),
         s.datty.at(0),
         s.dqkv.at_mut(0),
         s.dprobs.at_mut(0),
@@ -369,6 +375,7 @@ pub(crate) fn block_backward(
     let (dln, dw) = (s.dln.at_mut(0), grads.at_mut(o.c_attn));
     linear_backward(
         be,
+        paths,
         s.dqkv.at(0),
         a.ln1.at(0),
         w.at(o.c_attn),
@@ -394,10 +401,12 @@ pub(crate) fn block_backward(
 }
 
 /// Gradients of y = x · Wᵀ for `rows` rows (W is `out` x `inp`): dW = dyᵀ · x and dx = dy · W, as
-/// llm.c's matmul_backward. The backward pass runs on the f32 kernels.
+/// llm.c's matmul_backward, on the kernels `paths` chooses (f32, or with the tensor-core training
+/// path f16 operands).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn linear_backward(
     be: &Backend,
+    paths: PathSet,
     dy: TRef<'_>,
     x: TRef<'_>,
     w: TRef<'_>,
@@ -407,6 +416,6 @@ pub(crate) fn linear_backward(
     out: usize,
     inp: usize,
 ) -> Result<()> {
-    matmul(be, PathSet::F32, dy, x, dw, &Gemm::tn(out, inp, rows))?;
-    matmul(be, PathSet::F32, dy, w, dx, &Gemm::nn(rows, inp, out))
+    matmul(be, paths, dy, x, dw, &Gemm::tn(out, inp, rows))?;
+    matmul(be, paths, dy, w, dx, &Gemm::nn(rows, inp, out))
 }

@@ -64,6 +64,8 @@ impl GptRunner {
     /// Uploads `params` (host, [`Layout`] order) and plans buffers for a full block; every product runs
     /// on the kernels of `paths`.
     pub fn new(be: &Backend, cfg: &GptConfig, params: &[f32], paths: PathSet) -> Result<Self> {
+        // The tensor-core training path is a trainer's (its f16 operands are gated by training).
+        let paths = paths.without(PathId::MixedTraining);
         let layout = Layout::new(cfg);
         let (t, c) = (cfg.block_size, cfg.n_embd);
         let z = |n: usize, unit: usize| be.zeros(n, unit);

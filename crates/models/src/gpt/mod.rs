@@ -10,6 +10,7 @@ pub mod hf;
 pub mod infer;
 pub mod layout;
 pub mod train;
+pub mod train_gate;
 
 pub use config::GptConfig;
 pub use data::{CharVocab, DataError, Dataset};

@@ -73,8 +73,12 @@ pub struct Trainer {
     v: Tensor,
     /// AdamW steps taken so far.
     pub step: u32,
-    /// The fast paths the forward pass runs on (the backward pass and the optimizer stay f32).
+    /// The fast paths the products run on (f32 unless the tensor-core training path is held).
     paths: PathSet,
+    /// The loss's gradient is multiplied by this power of two before the backward pass (loss scaling,
+    /// so f16 operands hold per-token gradients of order one) and divided out in the optimizer step:
+    /// the token count rounded to a power of two with the tensor-core training path, else 1.
+    loss_scale: f32,
     ids: Tensor,
     targets: Tensor,
     index: GradIndex,
@@ -107,10 +111,22 @@ fn drop_seed(seed: u32, step: u32, layer: usize, site: u32) -> u32 {
 }
 
 impl Trainer {
+    /// The paths of `paths` a trainer with `optim` uses: never the inference kernel's f16 weights on
+    /// the tensor cores, f16 weights elsewhere only with `optim.f16_forward`.
+    pub fn training_paths(paths: PathSet, optim: &OptimConfig) -> PathSet {
+        let paths = paths.without(PathId::CoopMatrix);
+        if optim.f16_forward {
+            paths
+        } else {
+            paths.without(PathId::F16Storage).without(PathId::ShaderF16)
+        }
+    }
+
     /// Plans every buffer for batches of `batch` sequences, starting from `params` (host, in
-    /// [`Layout`] order) and, when resuming, the optimizer moments and step. The forward pass uses the
-    /// fast paths of `paths` that suit training: f16 weights only with `optim.f16_forward`, never the
-    /// tensor cores (for this model they measured slower than the f32 kernels, docs/perf.md).
+    /// [`Layout`] order) and, when resuming, the optimizer moments and step. The products use the fast
+    /// paths of `paths` that suit training: f16 weights only with `optim.f16_forward`, the tensor cores
+    /// only through the training path ([`PathId::MixedTraining`], f16 operands of f32 tensors, which
+    /// must have passed the training gate), never the inference kernel's f16 weights.
     pub fn new(
         be: &Backend,
         cfg: &GptConfig,
@@ -126,12 +142,14 @@ impl Trainer {
             layout.total,
             "parameters do not match the layout"
         );
-        let mut paths = paths.without(PathId::CoopMatrix);
-        if !optim.f16_forward {
-            paths = paths.without(PathId::F16Storage).without(PathId::ShaderF16);
-        }
+        let paths = Self::training_paths(paths, &optim);
         let (t, c, h, v) = (cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size);
         let n = batch * t;
+        let loss_scale = if paths.has(PathId::MixedTraining) {
+            (n.max(1) as f32).log2().round().exp2()
+        } else {
+            1.0
+        };
         let shape = AttnShape {
             batch,
             t,
@@ -175,6 +193,7 @@ impl Trainer {
             v: vv,
             step,
             paths,
+            loss_scale,
             ids: be.zeros_typed(n, t, DType::U32)?,
             targets: be.zeros_typed(n, t, DType::U32)?,
             index: GradIndex::new(be, n, v)?,
@@ -367,7 +386,17 @@ impl Trainer {
         let dl = train.then(|| self.dlogits.at_mut(0));
         let (logits, targets) = (self.logits.at(0), self.targets.at(0));
         let inv_n = 1.0 / n as f32;
-        cross_entropy(be, logits, targets, self.losses.at_mut(0), dl, n, v, inv_n)?;
+        let grad_scale = inv_n * self.loss_scale;
+        cross_entropy(
+            be,
+            logits,
+            targets,
+            self.losses.at_mut(0),
+            dl,
+            n,
+            v,
+            grad_scale,
+        )?;
         let mean = self.stats.at_mut(0);
         reduce(be, Reduce::Sum, self.losses.at(0), n, mean, inv_n, false)
     }
@@ -391,11 +420,12 @@ impl Trainer {
         let w = &self.params;
         let g = &mut self.grads;
         let s = &mut self.back;
+        let paths = self.paths;
 
         // Head: dwte = dlogitsᵀ · lnf; dlnf = dlogits · wte; back through the final LayerNorm.
         let (dwte, dln) = (g.at_mut(lay.wte()), s.dln.at_mut(0));
         let (dlogits, lnf) = (self.dlogits.at(0), self.lnf.at(0));
-        linear_backward(be, dlogits, lnf, w.at(lay.wte()), dwte, dln, n, v, c)?;
+        linear_backward(be, paths, dlogits, lnf, w.at(lay.wte()), dwte, dln, n, v, c)?;
         norm_backward(
             be,
             NormKind::Layer,
@@ -415,13 +445,14 @@ impl Trainer {
             let attn = SavedAttention {
                 qkv: &a.qkv,
                 probs: &a.probs,
-                dropped: a.dropped.as_mut(),
+                dropped: a.dropped.as_ref(),
                 shape,
                 drop: (p > 0.0).then(|| (p, drop_seed(seed, self.step, l, 1))),
             };
             let (o, x) = (lay.block(l), a.x.at(0));
             block_backward(
                 be,
+                paths,
                 w,
                 g,
                 o,
@@ -471,7 +502,7 @@ impl Trainer {
             self.grads.at(0),
             total,
             self.stats.at_mut(1),
-            1.0,
+            1.0 / (self.loss_scale * self.loss_scale),
             false,
         )?;
         let o = &self.optim;
@@ -486,6 +517,7 @@ impl Trainer {
                 eps: o.eps,
                 weight_decay: wd,
                 step: self.step,
+                grad_scale: self.loss_scale,
             };
             let clip = (o.grad_clip > 0.0).then(|| Clip {
                 norm_sq: self.stats.at(1),
@@ -572,10 +604,20 @@ impl Trainer {
         pollster::block_on(self.read_state(be))
     }
 
-    /// The last backward pass's gradients on the host.
+    /// The last backward pass's gradients on the host (loss scaling divided out).
+    pub async fn read_grads(&self, be: &Backend) -> Result<Vec<f32>> {
+        let g = &self.grads;
+        let mut g = be.read_f32(g.into(), g.len()).await?;
+        if self.loss_scale != 1.0 {
+            g.iter_mut().for_each(|v| *v /= self.loss_scale);
+        }
+        Ok(g)
+    }
+
+    /// [`Trainer::read_grads`], blocking (native).
     #[cfg(not(target_arch = "wasm32"))]
     pub fn grads_host(&self, be: &Backend) -> Result<Vec<f32>> {
-        be.to_vec(&self.grads)
+        pollster::block_on(self.read_grads(be))
     }
 }
 

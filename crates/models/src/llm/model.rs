@@ -50,7 +50,7 @@ use tinygpt_kernels::ops::rope::{
 };
 use tinygpt_kernels::ops::sample::{PARAM_WORDS, RowSampling, sample_rows};
 use tinygpt_kernels::path::Fault;
-use tinygpt_kernels::{Backend, DType, PathSet, PendingRead, TMut, TRef, Tensor};
+use tinygpt_kernels::{Backend, DType, PathId, PathSet, PendingRead, TMut, TRef, Tensor};
 
 use super::config::{LayerAttention, LlmConfig};
 use super::error::{LlmError, Result};
@@ -373,7 +373,8 @@ impl Llm {
                 batch,
                 context,
                 parallel: opts.parallel,
-                paths: opts.paths,
+                // The tensor-core training path is a trainer's, never an inference runner's.
+                paths: opts.paths.without(PathId::MixedTraining),
                 scored: None,
                 pool,
                 last_rows: 0,
@@ -395,6 +396,7 @@ impl Llm {
     /// drift guard's fallback ([`super::DriftGuard`]). Fails if a token fed from the device has not
     /// been read yet ([`Llm::finish_picks`]).
     pub fn switch_paths(&mut self, be: &Backend, file: &GgufFile, paths: PathSet) -> Result<()> {
+        let paths = paths.without(PathId::MixedTraining);
         if !self.unread.is_empty() {
             return Err(LlmError::Options(
                 "a picked token is still on the device: finish_picks first".into(),

@@ -16,6 +16,9 @@ pub struct AdamW {
     pub weight_decay: f32,
     /// 1-based step number (for bias correction).
     pub step: u32,
+    /// The gradients hold this multiple of the true gradient (loss scaling; 1 without): divided out
+    /// before clipping and the moments.
+    pub grad_scale: f32,
 }
 
 /// Global-norm clipping: scale gradients by min(1, max_norm / (‖g‖ + 1e-6)), with ‖g‖² read from
@@ -38,6 +41,12 @@ pub fn adamw(
     h: &AdamW,
     clip: Option<Clip<'_>>,
 ) -> Result<()> {
+    if !(h.grad_scale.is_finite() && h.grad_scale > 0.0) {
+        return Err(Error::Shape {
+            op: "adamw",
+            msg: format!("gradient scale {} is not a positive number", h.grad_scale),
+        });
+    }
     if h.step == 0 {
         return Err(Error::Shape {
             op: "adamw",
@@ -54,7 +63,7 @@ pub fn adamw(
                     (cl.max_norm / (ns.sqrt() + 1e-6)).min(1.0)
                 }
                 None => 1.0,
-            };
+            } / h.grad_scale;
             let gs = grad.cpu("adamw", "grad", n)?;
             let ps = param.cpu("adamw", "param", n)?;
             let ms = m.cpu("adamw", "m", n)?;
@@ -112,6 +121,7 @@ pub fn adamw(
                 bc2_sqrt.to_bits(),
                 clip.map_or(0.0, |c| c.max_norm).to_bits(),
                 clip.is_some() as u32,
+                (1.0 / h.grad_scale).to_bits(),
             ];
             run(g, "adamw", &pipe, n, &ops, &extra, Grid::Threads(256))
         }
@@ -146,58 +156,62 @@ mod tests {
         let gr = rng.vec(n, -1.0, 1.0);
         let m = rng.vec(n, -0.1, 0.1);
         let v = rng.vec(n, 0.0, 0.1);
-        let h = AdamW {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.99,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            step: 7,
-        };
-        let norm_sq: f32 = 9.0; // ‖g‖ = 3, clip to 1 → scale ≈ 1/3
-        let args = [
-            Arg::data(p.clone(), 1),
-            Arg::data(gr.clone(), 1),
-            Arg::data(m.clone(), 1),
-            Arg::data(v.clone(), 1),
-            Arg::data(vec![norm_sq], 1),
-        ];
-        let out = check_twin("adamw", 1e-12, &args, Some(4096), |be, t| {
-            let [tp, tg, tm, tv, tn] = t else {
-                unreachable!()
+        // Loss-scaled gradients (a power of two times the true ones) give the same step.
+        for grad_scale in [1.0f32, 1024.0] {
+            let h = AdamW {
+                lr: 1e-3,
+                beta1: 0.9,
+                beta2: 0.99,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                step: 7,
+                grad_scale,
             };
-            let clip = Clip {
-                norm_sq: (&*tn).into(),
-                max_norm: 1.0,
-            };
-            adamw(
-                be,
-                tp.into(),
-                (&*tg).into(),
-                tm.into(),
-                tv.into(),
-                n,
-                &h,
-                Some(clip),
-            )
-        });
-        let scale = 1.0 / (3.0 + 1e-6);
-        for i in 0..n {
-            let (pw, mw, vw) = torch_step(
-                p[i] as f64,
-                gr[i] as f64,
-                m[i] as f64,
-                v[i] as f64,
-                &h,
-                scale,
-            );
-            assert!(
-                (out[0][i] as f64 - pw).abs() < 1e-6,
-                "p[{i}] {} vs {pw}",
-                out[0][i]
-            );
-            assert!((out[2][i] as f64 - mw).abs() < 1e-6);
-            assert!((out[3][i] as f64 - vw).abs() < 1e-6);
+            let norm_sq: f32 = 9.0; // ‖g‖ = 3, clip to 1 → scale ≈ 1/3
+            let args = [
+                Arg::data(p.clone(), 1),
+                Arg::data(gr.iter().map(|g| g * grad_scale).collect(), 1),
+                Arg::data(m.clone(), 1),
+                Arg::data(v.clone(), 1),
+                Arg::data(vec![norm_sq], 1),
+            ];
+            let out = check_twin("adamw", 1e-12, &args, Some(4096), |be, t| {
+                let [tp, tg, tm, tv, tn] = t else {
+                    unreachable!()
+                };
+                let clip = Clip {
+                    norm_sq: (&*tn).into(),
+                    max_norm: 1.0,
+                };
+                adamw(
+                    be,
+                    tp.into(),
+                    (&*tg).into(),
+                    tm.into(),
+                    tv.into(),
+                    n,
+                    &h,
+                    Some(clip),
+                )
+            });
+            let scale = 1.0 / (3.0 + 1e-6);
+            for i in 0..n {
+                let (pw, mw, vw) = torch_step(
+                    p[i] as f64,
+                    gr[i] as f64,
+                    m[i] as f64,
+                    v[i] as f64,
+                    &h,
+                    scale,
+                );
+                assert!(
+                    (out[0][i] as f64 - pw).abs() < 1e-6,
+                    "p[{i}] {} vs {pw}",
+                    out[0][i]
+                );
+                assert!((out[2][i] as f64 - mw).abs() < 1e-6);
+                assert!((out[3][i] as f64 - vw).abs() < 1e-6);
+            }
         }
     }
 }

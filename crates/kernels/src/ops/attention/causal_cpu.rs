@@ -128,14 +128,14 @@ unsafe fn product(
 /// dqkv (overwritten) from dy, as [`super::attention_backward`] defines it, in blocks that skip the
 /// masked half: for each (sequence, head), dV from the probabilities the product used (keys c0..c1
 /// take rows c0..t), then per block of query rows r0..r1 the probabilities' gradient over keys 0..r1,
-/// dropout's and softmax's backward in place (into `dropped` with dropout, else `scratch`) and dQ,
+/// dropout's and softmax's backward in place in `scratch` and dQ,
 /// then dK from the scores' gradient like dV.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn backward(
     c: &CpuBackend,
     qkv: &[f32],
     probs: &[f32],
-    dropped: Option<&mut [f32]>,
+    dropped: Option<&[f32]>,
     dy: &[f32],
     dqkv: &mut [f32],
     scratch: &mut [f32],
@@ -148,7 +148,6 @@ pub(super) fn backward(
     let scale = s.scale();
     let use_drop = matches!(drop, Some((p, _)) if p > 0.0) && dropped.is_some();
     let (dq, sp) = (Ptr(dqkv.as_mut_ptr()), Ptr(scratch.as_mut_ptr()));
-    let dp = dropped.map(|d| Ptr(d.as_mut_ptr()));
     c.install(|| {
         (0..s.batch * heads).into_par_iter().for_each(|z| {
             let (b, h) = (z / heads, z % heads);
@@ -156,12 +155,12 @@ pub(super) fn backward(
             let (k, v) = (q + cw, q + 2 * cw);
             let yo = b * t * cw + h * hd;
             let pz = z * t * t;
-            // SAFETY: this task alone writes score matrix z of `scratch` and `dropped` and head h's
+            // SAFETY: this task alone writes score matrix z of `scratch` and head h's
             // columns of sequence b in dqkv; all indices stay inside the slices (qkv and dqkv:
             // batch·t·3c, probs, dropped and scratch: batch·heads·t·t, dy: batch·t·c).
             unsafe {
-                let used = match (use_drop, dp) {
-                    (true, Some(d)) => d.get().add(pz) as *const f32,
+                let used = match (use_drop, dropped) {
+                    (true, Some(d)) => d.as_ptr().add(pz),
                     _ => probs.as_ptr().add(pz),
                 };
                 // dV[c0..c1] = Σ_{i ≥ c0} P'[i, c0..c1]ᵀ dY[i].
@@ -175,10 +174,7 @@ pub(super) fn backward(
                         1.0,
                     );
                 }
-                let ds = match (use_drop, dp) {
-                    (true, Some(d)) => d.get().add(pz),
-                    _ => sp.get().add(pz),
-                };
+                let ds = sp.get().add(pz);
                 for rb in 0..blocks {
                     let (r0, r1) = (rb * ROWS, (rb * ROWS + ROWS).min(t));
                     let rows =
@@ -194,15 +190,14 @@ pub(super) fn backward(
                     for row in rows.chunks_mut(t) {
                         row[r1..].fill(0.0);
                     }
-                    // dP = dropout'(dP') into `dropped` (no longer needed by dV), else in place.
-                    let dsr: &mut [f32] = match (use_drop, drop) {
-                        (true, Some((p, seed))) => {
-                            let d = std::slice::from_raw_parts_mut(ds.add(r0 * t), (r1 - r0) * t);
-                            fastmath::map1i(d, rows, (pz + r0 * t) as u32, kept_fn(p, seed));
-                            d
+                    // dP = dropout'(dP'), in place.
+                    if let (true, Some((p, seed))) = (use_drop, drop) {
+                        let (kept, first) = (kept_fn(p, seed), (pz + r0 * t) as u32);
+                        for (j, v) in rows.iter_mut().enumerate() {
+                            *v = kept(first.wrapping_add(j as u32), *v);
                         }
-                        _ => rows,
-                    };
+                    }
+                    let dsr = rows;
                     fastmath::wide(|| {
                         let pr = &probs[pz + r0 * t..pz + r1 * t];
                         for (i, (g, y)) in dsr.chunks_mut(t).zip(pr.chunks(t)).enumerate() {

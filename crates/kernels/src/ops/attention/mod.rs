@@ -10,9 +10,11 @@
 mod causal_cpu;
 
 use super::common::{PRELUDE, repeat_lines, row_kernel};
-use super::dropout::{check_probability, dropout};
+use super::dropout::check_probability;
 use super::matmul::{Gemm, matmul};
-use super::softmax::{SoftmaxShape, softmax, softmax_backward};
+use super::softmax::{
+    SoftmaxShape, softmax_backward, softmax_dropout, softmax_dropout_backward, softmax_planted,
+};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, Operand, PipelineOptions, segments};
@@ -57,9 +59,12 @@ impl AttnShape {
 pub type AttnDropout = Option<(f32, u32)>;
 
 /// y = softmax(Q Kᵀ / √d, causal) V per (sequence, head). `probs` receives the probabilities and, with
-/// dropout, `dropped` the dropped-out probabilities the product used (both `probs_len()` long).
+/// dropout, `dropped` the dropped-out probabilities the product used (both `probs_len()` long). The
+/// products run on the kernels `paths` chooses.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_forward(
     be: &Backend,
+    paths: PathSet,
     qkv: TRef<'_>,
     mut y: TMut<'_>,
     mut probs: TMut<'_>,
@@ -101,19 +106,8 @@ pub fn attention_forward(
             s.qkv_stride(),
             s.p_stride(),
         );
-    matmul(
-        be,
-        PathSet::F32,
-        qkv,
-        qkv.shift(c),
-        probs.reborrow(),
-        &scores,
-    )?;
-    softmax(
-        be,
-        probs.reborrow(),
-        SoftmaxShape::causal(s.batch * s.heads * t, t),
-    )?;
+    matmul(be, paths, qkv, qkv.shift(c), probs.reborrow(), &scores)?;
+    let shape = SoftmaxShape::causal(s.batch * s.heads * t, t);
     let mix = Gemm::nn(t, hd, t).lda(t).ldb(3 * c).ldc(c).batched(
         [s.batch, s.heads],
         s.p_stride(),
@@ -123,22 +117,28 @@ pub fn attention_forward(
     let v = qkv.shift(2 * c);
     match (drop, dropped) {
         (Some((p, seed)), Some(mut d)) if p > 0.0 => {
-            dropout(be, probs.as_ref(), d.reborrow(), s.probs_len(), p, seed)?;
-            matmul(be, PathSet::F32, d.as_ref(), v, y.reborrow(), &mix)
+            // The softmax writes the dropped-out probabilities as well, in the same pass.
+            let fault = paths.fault();
+            softmax_dropout(be, probs.reborrow(), d.reborrow(), shape, (p, seed), fault)?;
+            matmul(be, paths, d.as_ref(), v, y.reborrow(), &mix)
         }
-        _ => matmul(be, PathSet::F32, probs.as_ref(), v, y, &mix),
+        _ => {
+            softmax_planted(be, probs.reborrow(), shape, paths.fault())?;
+            matmul(be, paths, probs.as_ref(), v, y, &mix)
+        }
     }
 }
 
 /// Gradients of [`attention_forward`] into `dqkv` (overwritten), given the forward's `probs` (and
-/// `dropped`, which is overwritten as scratch) and the output gradient `dy`. `scratch` holds
+/// `dropped`) and the output gradient `dy`. `scratch` holds
 /// `probs_len()` elements.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     be: &Backend,
+    paths: PathSet,
     qkv: TRef<'_>,
     probs: TRef<'_>,
-    dropped: Option<TMut<'_>>,
+    dropped: Option<TRef<'_>>,
     dy: TRef<'_>,
     dqkv: TMut<'_>,
     mut scratch: TMut<'_>,
@@ -150,15 +150,11 @@ pub fn attention_backward(
         const OP: &str = "attention_backward";
         let (rows, np) = (s.batch * t, s.probs_len());
         let mut dqkv = dqkv;
-        let mut dropped = dropped;
         causal_cpu::backward(
             cpu,
             qkv.cpu(OP, "qkv", rows * 3 * c)?,
             probs.cpu(OP, "probs", np)?,
-            dropped
-                .as_mut()
-                .map(|d| d.cpu(OP, "dropped", np))
-                .transpose()?,
+            dropped.map(|d| d.cpu(OP, "dropped", np)).transpose()?,
             dy.cpu(OP, "dy", rows * c)?,
             dqkv.cpu(OP, "dqkv", rows * 3 * c)?,
             scratch.cpu(OP, "scratch", np)?,
@@ -174,14 +170,7 @@ pub fn attention_backward(
         s.qkv_stride(),
         s.p_stride(),
     );
-    matmul(
-        be,
-        PathSet::F32,
-        dy,
-        qkv.shift(2 * c),
-        scratch.reborrow(),
-        &dp,
-    )?;
+    matmul(be, paths, dy, qkv.shift(2 * c), scratch.reborrow(), &dp)?;
     // dV = P'ᵀ dY.
     let dv = Gemm::tn(t, hd, t).lda(t).ldb(c).ldc(3 * c).batched(
         [s.batch, s.heads],
@@ -189,37 +178,30 @@ pub fn attention_backward(
         s.y_stride(),
         s.qkv_stride(),
     );
-    let mut dropped = dropped;
     let use_drop = matches!(drop, Some((p, _)) if p > 0.0);
     {
-        let p_used = match (&dropped, use_drop) {
-            (Some(d), true) => d.as_ref(),
+        let p_used = match (dropped, use_drop) {
+            (Some(d), true) => d,
             _ => probs,
         };
         matmul(
             be,
-            PathSet::F32,
+            paths,
             p_used,
             dy,
             dqkv.t.at_mut(dqkv.offset() + 2 * c),
             &dv,
         )?;
     }
-    // dP = dropout'(dP'), then dS = softmax'(P, dP), both in place in one buffer.
-    let ds: TMut<'_> = match (drop, dropped.as_mut(), use_drop) {
-        (Some((p, seed)), Some(d), true) => {
-            dropout(be, scratch.as_ref(), d.reborrow(), s.probs_len(), p, seed)?;
-            d.reborrow()
+    // dP = dropout'(dP'), then dS = softmax'(P, dP), in one pass in place.
+    let shape = SoftmaxShape::causal(s.batch * s.heads * t, t);
+    match drop {
+        Some((p, seed)) if use_drop => {
+            softmax_dropout_backward(be, probs, scratch.reborrow(), shape, (p, seed))?
         }
-        _ => scratch.reborrow(),
-    };
-    let mut ds = ds;
-    softmax_backward(
-        be,
-        probs,
-        ds.reborrow(),
-        SoftmaxShape::causal(s.batch * s.heads * t, t),
-    )?;
+        _ => softmax_backward(be, probs, scratch.reborrow(), shape)?,
+    }
+    let ds = scratch;
     // dQ = dS K / √d and dK = dSᵀ Q / √d.
     let dq = Gemm::nn(t, hd, t)
         .lda(t)
@@ -234,7 +216,7 @@ pub fn attention_backward(
         );
     matmul(
         be,
-        PathSet::F32,
+        paths,
         ds.as_ref(),
         qkv.shift(c),
         dqkv.t.at_mut(dqkv.offset()),
@@ -253,7 +235,7 @@ pub fn attention_backward(
         );
     matmul(
         be,
-        PathSet::F32,
+        paths,
         ds.as_ref(),
         qkv,
         dqkv.t.at_mut(dqkv.offset() + c),

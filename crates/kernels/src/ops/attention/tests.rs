@@ -64,6 +64,7 @@ fn matches_twin(s: AttnShape, chunk: Option<u64>) {
             };
             attention_forward(
                 be,
+                PathSet::F32,
                 (&*tq).into(),
                 ty.into(),
                 (&mut *tp).into(),
@@ -75,12 +76,13 @@ fn matches_twin(s: AttnShape, chunk: Option<u64>) {
                 crate::ops::fill::fill(be, td.into(), s.probs_len(), 0.0)?;
             }
             let dropped = if drop.is_some() {
-                Some(TMut::from(&mut *td))
+                Some(TRef::from(&*td))
             } else {
                 None
             };
             attention_backward(
                 be,
+                PathSet::F32,
                 (&*tq).into(),
                 (&*tp).into(),
                 dropped,
@@ -105,6 +107,7 @@ fn forward_cpu(qkv: &[f32], s: AttnShape) -> Vec<f32> {
     let mut tp = be.zeros(s.probs_len(), 1).unwrap();
     attention_forward(
         &be,
+        PathSet::F32,
         (&tq).into(),
         (&mut ty).into(),
         (&mut tp).into(),
@@ -137,6 +140,7 @@ fn matches_finite_differences(s: AttnShape) {
     let mut tp = be.zeros(s.probs_len(), 1).unwrap();
     attention_forward(
         &be,
+        PathSet::F32,
         (&tq).into(),
         (&mut ty).into(),
         (&mut tp).into(),
@@ -150,6 +154,7 @@ fn matches_finite_differences(s: AttnShape) {
     let mut tsc = be.zeros(s.probs_len(), 1).unwrap();
     attention_backward(
         &be,
+        PathSet::F32,
         (&tq).into(),
         (&tp).into(),
         None,

@@ -7,16 +7,7 @@ struct Params { n: u32, start: u32, o_r: u32, o_x: u32, o_out: u32, threshold: u
 @group(0) @binding(2) var<storage, read> x: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 
-// "lowbias32" integer hash (Chris Wellons' hash-prospector), as in dropout/mod.rs.
-fn hash(v: u32) -> u32 {
-  var h = v;
-  h = h ^ (h >> 16u);
-  h = h * 0x7feb352du;
-  h = h ^ (h >> 15u);
-  h = h * 0x846ca68bu;
-  h = h ^ (h >> 16u);
-  return h;
-}
+// hash: hash.wgsl.
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,

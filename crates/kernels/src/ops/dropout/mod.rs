@@ -1,7 +1,7 @@
 //! Inverted dropout with a counter-based mask: the mask of element i is a hash of (seed, i), so the
 //! forward and backward passes, and the CPU and GPU backends, all draw the same mask without storing it.
 
-use super::common::{Grid, kernel, run};
+use super::common::{Grid, kernel_parts, run};
 use super::fastmath::{map1i, map2i};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
@@ -48,7 +48,11 @@ pub(crate) fn check_probability(op: &'static str, p: f32) -> Result<()> {
     }
 }
 
-fn threshold(p: f32) -> u32 {
+/// The WGSL twin of [`hash`], for kernels that draw dropout's mask.
+pub(crate) const HASH_WGSL: &str = include_str!("hash.wgsl");
+
+/// The hash value at or above which an element survives dropout with probability `p`.
+pub(crate) fn threshold(p: f32) -> u32 {
     (p as f64 * 4_294_967_296.0).min(u32::MAX as f64) as u32
 }
 
@@ -119,10 +123,10 @@ fn launch(
                 Operand::rows(x.gpu(OP, "x", n)?, x.offset(), 1),
                 Operand::rows(out.gpu(OP, "out", n)?, out.offset(), 1),
             ];
-            let pipe = kernel(
+            let pipe = kernel_parts(
                 g,
                 OP,
-                include_str!("dropout.wgsl"),
+                &[HASH_WGSL, include_str!("dropout.wgsl")],
                 &[Access::Read, Access::Read, Access::ReadWrite],
             )?;
             let extra = [th, seed, scale.to_bits(), residual.is_some() as u32];

@@ -177,6 +177,279 @@ pub(crate) fn matmul_coop(
     )
 }
 
+/// Output tile of the mixed-precision kernel (rows and columns); its k-step is [`MIXED_BK`].
+pub(super) const MIXED_TILE: usize = 128;
+const MIXED_BK: usize = 32;
+
+/// Whether the mixed-precision tensor-core kernel can take a product: f32 operands in one buffer each,
+/// any layout, batched.
+pub(super) fn mixed_suits(g: &Gemm) -> bool {
+    g.m >= 16 && g.n >= 16 && g.k >= 16
+}
+
+/// The mixed-precision product on the tensor cores, for training: f32 operands in any layout (a
+/// two-level batch of strided matrices), each rounded to f16 as it is staged into workgroup memory,
+/// multiplied on 16x16x16 fragments into f32 accumulators; C = alpha · op(A) op(B) + beta · C in f32.
+///
+/// A workgroup of eight 32-lane subgroups computes a 128x128 tile of C, each subgroup a 64x32 block as
+/// 4x2 fragments. Each k-step stages 32 columns of op(A) and 32 rows of op(B): both operands are
+/// stored in workgroup memory in the layout their global rows arrive in (so global reads are coalesced
+/// and writes to workgroup memory fall on distinct banks), padded to break bank conflicts, and loaded
+/// into fragments row- or column-major to match. The next k-step's global loads are issued before the
+/// current one is multiplied (register double-buffering).
+fn mixed_source(trans_a: bool, trans_b: bool, fault: Option<Fault>) -> String {
+    const NT: usize = 256;
+    // Padded strides (f16 elements): a tile stored with k contiguous has rows of BK + 8, one stored with
+    // m (or n) contiguous has rows of 128 + 8.
+    let (ks, ms) = (MIXED_BK + 8, MIXED_TILE + 8);
+    let per = MIXED_TILE * MIXED_BK / NT; // elements of each operand one thread stages per k-step
+    let acc = if fault == Some(Fault::F16Accumulation) {
+        "f16"
+    } else {
+        "f32"
+    };
+    let mut loads = String::new();
+    let mut stores = String::new();
+    for i in 0..per {
+        // Operand A (op(A) is M x K).
+        let (ar, ak, aidx, aslot) = if trans_a {
+            // Stored K x M: consecutive threads take consecutive m.
+            (
+                format!("(({i}u * 256u + lid) % 128u)"),
+                format!("(({i}u * 256u + lid) / 128u)"),
+                "a_base + (k0 + kk) * p.lda + row0 + r",
+                format!("kk * {ms}u + r"),
+            )
+        } else {
+            (
+                format!("(({i}u * 256u + lid) / 32u)"),
+                format!("(({i}u * 256u + lid) % 32u)"),
+                "a_base + (row0 + r) * p.lda + k0 + kk",
+                format!("r * {ks}u + kk"),
+            )
+        };
+        loads.push_str(&format!(
+            "    {{ let r = {ar}; let kk = {ak}; ra[{i}] = 0.0;
+      if (row0 + r < p.m && k0 + kk < p.k) {{ ra[{i}] = mat_a[{aidx}]; }} }}\n"
+        ));
+        stores.push_str(&format!(
+            "    {{ let r = {ar}; let kk = {ak}; As[{aslot}] = f16(ra[{i}]); }}\n"
+        ));
+        // Operand B (op(B) is K x N).
+        let (bc, bk, bidx, bslot) = if trans_b {
+            // Stored N x K: consecutive threads take consecutive k.
+            (
+                format!("(({i}u * 256u + lid) / 32u)"),
+                format!("(({i}u * 256u + lid) % 32u)"),
+                "b_base + (col0 + c) * p.ldb + k0 + kk",
+                format!("c * {ks}u + kk"),
+            )
+        } else {
+            (
+                format!("(({i}u * 256u + lid) % 128u)"),
+                format!("(({i}u * 256u + lid) / 128u)"),
+                "b_base + (k0 + kk) * p.ldb + col0 + c",
+                format!("kk * {ms}u + c"),
+            )
+        };
+        loads.push_str(&format!(
+            "    {{ let c = {bc}; let kk = {bk}; rb[{i}] = 0.0;
+      if (col0 + c < p.n && k0 + kk < p.k) {{ rb[{i}] = mat_b[{bidx}]; }} }}\n"
+        ));
+        stores.push_str(&format!(
+            "    {{ let c = {bc}; let kk = {bk}; Bs[{bslot}] = f16(rb[{i}]); }}\n"
+        ));
+    }
+    // Fragment loads: A fragment fi covers rows fm + 16 fi, B fragment fj columns fn0 + 16 fj.
+    let mut frags = String::new();
+    for fi in 0..4 {
+        let (ptr, stride, f) = if trans_a {
+            (format!("kk * {ms}u + fm + {}u", 16 * fi), "sm", "coopLoad")
+        } else {
+            (
+                format!("(fm + {}u) * {ks}u + kk", 16 * fi),
+                "sk",
+                "coopLoadT",
+            )
+        };
+        frags.push_str(&format!(
+            "      let ia{fi} = {ptr};\n      let a{fi} = {f}<coop_mat16x16<f16, A>>(&As[ia{fi}], {stride});\n"
+        ));
+    }
+    for fj in 0..2 {
+        let (ptr, stride, f) = if trans_b {
+            (
+                format!("(fn0 + {}u) * {ks}u + kk", 16 * fj),
+                "sk",
+                "coopLoad",
+            )
+        } else {
+            (
+                format!("kk * {ms}u + fn0 + {}u", 16 * fj),
+                "sm",
+                "coopLoadT",
+            )
+        };
+        frags.push_str(&format!(
+            "      let ib{fj} = {ptr};\n      let b{fj} = {f}<coop_mat16x16<f16, B>>(&Bs[ib{fj}], {stride});\n"
+        ));
+    }
+    for fi in 0..4 {
+        for fj in 0..2 {
+            frags.push_str(&format!(
+                "      c{fi}{fj} = coopMultiplyAdd(a{fi}, b{fj}, c{fi}{fj});\n"
+            ));
+        }
+    }
+    let mut decl = String::new();
+    let mut out = String::new();
+    for fi in 0..4 {
+        for fj in 0..2 {
+            decl.push_str(&format!("  var c{fi}{fj} = coop_mat16x16<{acc}, C>();\n"));
+            out.push_str(&format!(
+                "  coopStoreT(c{fi}{fj}, &Cs[cbase], s16);
+  workgroupBarrier();
+  for (var j = 0u; j < 8u; j = j + 1u) {{
+    let e = lane * 8u + j;
+    let r = row0 + fm + {}u + e / 16u;
+    let c = col0 + fn0 + {}u + e % 16u;
+    if (r < p.m && c < p.n) {{
+      let ci = c_base + r * p.ldc + c;
+      var v = p.alpha * f32(Cs[cbase + e]);
+      if (p.beta != 0.0) {{ v = v + p.beta * mat_c[ci]; }}
+      mat_c[ci] = v;
+    }}
+  }}
+  workgroupBarrier();
+",
+                16 * fi,
+                16 * fj
+            ));
+        }
+    }
+    let tail = match fault {
+        Some(Fault::OutOfBoundsWrite) => {
+            "  if (lid == 0u && wid.x == 0u && wid.y == 0u && wid.z == 0u) { mat_c[c_base + p.m * p.ldc] = 1.0; }"
+        }
+        Some(Fault::NanOutput) => {
+            "  if (lid == 0u && wid.x == 0u && wid.y == 0u && wid.z == 0u) { mat_c[c_base] = bitcast<f32>(0x7fc00000u); }"
+        }
+        _ => "",
+    };
+    let shared = MIXED_TILE * ks.max(ms * MIXED_BK / MIXED_TILE);
+    format!(
+        "enable f16;
+enable wgpu_cooperative_matrix;
+struct Params {{
+  m: u32, n: u32, k: u32,
+  lda: u32, ldb: u32, ldc: u32,
+  a_off: u32, b_off: u32, c_off: u32,
+  b2: u32,
+  sa1: u32, sa2: u32, sb1: u32, sb2: u32, sc1: u32, sc2: u32,
+  alpha: f32, beta: f32,
+}}
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> mat_a: array<f32>;
+@group(0) @binding(2) var<storage, read> mat_b: array<f32>;
+@group(0) @binding(3) var<storage, read_write> mat_c: array<f32>;
+
+var<workgroup> As: array<f16, {shared}>;
+var<workgroup> Bs: array<f16, {shared}>;
+var<workgroup> Cs: array<{acc}, 2048>; // one 16x16 fragment per subgroup
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+  let z1 = wid.z / p.b2;
+  let z2 = wid.z % p.b2;
+  let a_base = p.a_off + z1 * p.sa1 + z2 * p.sa2;
+  let b_base = p.b_off + z1 * p.sb1 + z2 * p.sb2;
+  let c_base = p.c_off + z1 * p.sc1 + z2 * p.sc2;
+  let row0 = wid.y * 128u;
+  let col0 = wid.x * 128u;
+  let sg = lid / 32u;
+  let fm = (sg / 4u) * 64u;
+  let fn0 = (sg % 4u) * 32u;
+  let sk = {ks}u;
+  let sm = {ms}u;
+{decl}
+  var ra: array<f32, {per}>;
+  var rb: array<f32, {per}>;
+  {{
+    let k0 = 0u;
+{loads}
+  }}
+  for (var k0 = 0u; k0 < p.k; k0 = k0 + 32u) {{
+{stores}
+    workgroupBarrier();
+    if (k0 + 32u < p.k) {{
+      let k0 = k0 + 32u;
+{loads}
+    }}
+    for (var kk = 0u; kk < 32u; kk = kk + 16u) {{
+{frags}
+    }}
+    workgroupBarrier();
+  }}
+  let lane = lid % 32u;
+  let cbase = sg * 256u;
+  let s16 = 16u;
+{out}
+{tail}
+}}
+"
+    )
+}
+
+/// C = alpha · op(A) op(B) + beta · C on the tensor cores with f16-rounded operands (see
+/// [`mixed_source`]); every operand in one buffer.
+pub(super) fn matmul_coop_mixed(
+    gb: &GpuBackend,
+    (ta, oa): (&GpuTensor, usize),
+    (tb, ob): (&GpuTensor, usize),
+    (tc, oc): (&GpuTensor, usize),
+    g: &Gemm,
+    fault: Option<Fault>,
+) -> Result<()> {
+    if ta.num_chunks() != 1 || tb.num_chunks() != 1 || tc.num_chunks() != 1 {
+        return Err(Error::Shape {
+            op: "matmul_coop_mixed",
+            msg: "the mixed-precision tensor-core kernel takes every operand in one buffer".into(),
+        });
+    }
+    if g.m == 0 || g.n == 0 || g.batches() == 0 {
+        return Ok(());
+    }
+    let (trans_a, trans_b) = (g.trans_a, g.trans_b);
+    let key = format!(
+        "gemm_coop_mixed_{}{}{}",
+        if trans_a { 't' } else { 'n' },
+        if trans_b { 't' } else { 'n' },
+        fault.map_or(String::new(), |f| format!("_fault{f:?}"))
+    );
+    let pipe = gb.pipeline(
+        &key,
+        &[Access::Read, Access::Read, Access::ReadWrite],
+        PipelineOptions::default(),
+        || mixed_source(trans_a, trans_b, fault),
+    )?;
+    let p = super::params(g, [oa, ob, oc], g.m, g.n, g.k, g.beta);
+    let bufs = [
+        &ta.chunks[0].buffer,
+        &tb.chunks[0].buffer,
+        &tc.chunks[0].buffer,
+    ];
+    gb.dispatch(
+        &pipe,
+        &p,
+        &bufs,
+        [
+            g.n.div_ceil(MIXED_TILE) as u32,
+            g.m.div_ceil(MIXED_TILE) as u32,
+            g.batches() as u32,
+        ],
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -185,8 +458,17 @@ mod tests {
     /// itself only runs where the adapter has cooperative matrices; its gate then decides).
     #[test]
     fn cooperative_kernel_parses_and_validates() {
-        for fault in [None, Some(Fault::OutOfBoundsWrite), Some(Fault::NanOutput)] {
-            let src = source(fault);
+        let faults = [
+            None,
+            Some(Fault::OutOfBoundsWrite),
+            Some(Fault::NanOutput),
+            Some(Fault::F16Accumulation),
+        ];
+        let mixed = faults.iter().flat_map(|&f| {
+            [(false, false), (false, true), (true, false), (true, true)]
+                .map(|(ta, tb)| mixed_source(ta, tb, f))
+        });
+        for src in faults[..3].iter().map(|&f| source(f)).chain(mixed) {
             let module = naga::front::wgsl::parse_str(&src)
                 .unwrap_or_else(|e| panic!("{}", e.emit_to_string(&src)));
             let mut v = naga::valid::Validator::new(

@@ -296,9 +296,12 @@ pub enum Kernel {
     /// The tiled kernel over `splits` slices of K at once (a product whose few output tiles would
     /// leave most of the device idle through a long K: training's weight gradients), then one kernel
     /// adding the slices: f32 data, every operand in one buffer.
-    SplitK { splits: usize },
+    SplitK { splits: usize, mixed: bool },
     /// Tensor cores: x · Wᵀ with f16 weights, every operand in one buffer.
     Coop,
+    /// Tensor cores with f32 operands rounded to f16 in workgroup memory, f32 accumulation: any
+    /// layout, batched, every operand in one buffer (the tensor-core training path).
+    CoopMixed,
     /// Straight from the quantized blocks.
     Quant,
 }
@@ -361,8 +364,29 @@ pub fn choose(
                     shader_f16,
                     subgroups: paths.has(PathId::Subgroups),
                 }
+            } else if !f16 && single && paths.has(PathId::MixedTraining) {
+                // Training's products with f16 operands: on the tensor cores where the adapter has
+                // them (the path's gate requires it outside tests), else the tiled kernel's f16-operand
+                // form; long-K products (weight gradients) split over slices of K either way.
+                let coop = gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+                    && coop::mixed_suits(g);
+                match split_k(gb, g) {
+                    Some(splits) => Kernel::SplitK {
+                        splits,
+                        mixed: true,
+                    },
+                    None if coop => Kernel::CoopMixed,
+                    None => Kernel::Tiled {
+                        tile: choose_tile(g),
+                        shader_f16: true,
+                        direct: false,
+                    },
+                }
             } else if let (true, false, Some(splits)) = (single, f16, split_k(gb, g)) {
-                Kernel::SplitK { splits }
+                Kernel::SplitK {
+                    splits,
+                    mixed: false,
+                }
             } else if gb.info().device_type == "Cpu" && !shader_f16 {
                 // A software adapter: the barrier-free form, on small tiles (it has few cores to fill).
                 Kernel::Tiled {
@@ -412,7 +436,13 @@ pub fn run(
         Weights::F16(_) | Weights::Quant(_) => g.validate_nt(&b)?,
         Weights::F32(_) => {}
     }
-    let fault = choice.fault;
+    let fault = match choice.fault {
+        // Planted in weight gradients (Aᵀ·B) only, where it becomes f16 accumulators.
+        Some(Fault::WeightGradF16Accumulation) => g.trans_a.then_some(Fault::F16Accumulation),
+        // Not a product's fault.
+        Some(Fault::CausalMaskPast128) => None,
+        f => f,
+    };
     match (be, b, choice.kernel) {
         (Backend::Cpu(cb), b, Kernel::Cpu) => {
             let a = a.cpu("matmul", "A", ea)?;
@@ -461,7 +491,14 @@ pub fn run(
                     msg: "the cooperative-matrix kernel reads f16 weights".into(),
                 }),
                 Kernel::Scale => gpu_scale(gb, c, g),
-                Kernel::SplitK { splits } if !f16 => gpu_split_k(gb, a, b, c, g, splits, fault),
+                Kernel::CoopMixed if !f16 => coop::matmul_coop_mixed(gb, a, b, c, g, fault),
+                Kernel::CoopMixed => Err(Error::Shape {
+                    op: "matmul",
+                    msg: "the mixed-precision tensor-core kernel reads f32 operands".into(),
+                }),
+                Kernel::SplitK { splits, mixed } if !f16 => {
+                    gpu_split_k(gb, a, b, c, g, splits, mixed, fault)
+                }
                 Kernel::SplitK { .. } => Err(Error::Shape {
                     op: "matmul",
                     msg: "the split-K kernel reads f32 weights".into(),
@@ -583,6 +620,7 @@ fn split_slices(g: &Gemm, max: usize) -> Option<usize> {
 
 /// C = alpha · A · op(B) + beta · C as `splits` products over slices of K, written side by side into a
 /// scratch tensor by one batched dispatch of the tiled kernel, then summed slice by slice into C.
+#[allow(clippy::too_many_arguments)]
 fn gpu_split_k(
     gb: &GpuBackend,
     (ta, oa): (&GpuTensor, usize),
@@ -590,11 +628,28 @@ fn gpu_split_k(
     (tc, oc): (&GpuTensor, usize),
     g: &Gemm,
     splits: usize,
+    mixed: bool,
     fault: Option<Fault>,
 ) -> Result<()> {
     if g.m == 0 || g.n == 0 {
         return Ok(());
     }
+    // One slice product: on the tensor cores (mixed precision, where the adapter has them), on the
+    // tiled kernel with f16 operands (mixed, elsewhere), or on the f32 tiled kernel.
+    let coop = mixed && gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX);
+    let slice =
+        |a: (&GpuTensor, usize), b: (&GpuTensor, usize), c: (&GpuTensor, usize), sg: &Gemm| {
+            if coop && coop::mixed_suits(sg) {
+                return coop::matmul_coop_mixed(gb, a, b, c, sg, fault);
+            }
+            let opts = GemmOpts {
+                trans_a: g.trans_a,
+                trans_b: g.trans_b,
+                shader_f16: mixed,
+                ..GemmOpts::default()
+            };
+            gpu_tiled(gb, a, b, c, sg, choose_tile(sg), opts, fault)
+        };
     if splits == 0 || splits > g.k || g.batches() != 1 {
         return Err(Error::Shape {
             op: "matmul",
@@ -617,22 +672,8 @@ fn gpu_split_k(
         ..*g
     }
     .batched([1, splits], [0, step_a], [0, step_b], [0, part]);
-    let opts = GemmOpts {
-        trans_a: g.trans_a,
-        trans_b: g.trans_b,
-        ..GemmOpts::default()
-    };
     let ts = &scratch;
-    gpu_tiled(
-        gb,
-        (ta, oa),
-        (tb, ob),
-        (ts, 0),
-        &sliced,
-        choose_tile(&sliced),
-        opts,
-        fault,
-    )?;
+    slice((ta, oa), (tb, ob), (ts, 0), &sliced)?;
     let rest = g.k - len * splits;
     if rest > 0 {
         // The remainder of K adds into the last slice.
@@ -645,16 +686,7 @@ fn gpu_split_k(
         };
         let (ra, rb) = (oa + splits * step_a, ob + splits * step_b);
         let last = (splits - 1) * part;
-        gpu_tiled(
-            gb,
-            (ta, ra),
-            (tb, rb),
-            (ts, last),
-            &tail,
-            choose_tile(&tail),
-            opts,
-            fault,
-        )?;
+        slice((ta, ra), (tb, rb), (ts, last), &tail)?;
     }
     let pipe = crate::ops::common::kernel(
         gb,

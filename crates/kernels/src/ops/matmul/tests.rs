@@ -357,7 +357,17 @@ fn gpu_split_k_matches_reference() {
         } else {
             be.from_f32(&c0, 1).unwrap()
         };
-        let got = run_forced(&be, Kernel::SplitK { splits: *splits }, g, &ta, &tb, tc);
+        let got = run_forced(
+            &be,
+            Kernel::SplitK {
+                splits: *splits,
+                mixed: false,
+            },
+            g,
+            &ta,
+            &tb,
+            tc,
+        );
         assert_nmse(&format!("{g:?} in {splits} slices"), &want, &got, BOUND);
     }
 }

@@ -1,11 +1,13 @@
 //! Row softmax (in place), optionally scaled and causally masked, and its backward (in place on the
 //! incoming gradient).
 
-use super::common::{Grid, row_kernel, run};
+use super::common::{Grid, row_kernel_parts, run};
+use super::dropout::{HASH_WGSL, check_probability, kept_fn, threshold};
 use super::fastmath;
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, Operand};
+use crate::path::Fault;
 use rayon::prelude::*;
 
 /// Rows of `cols` scores; with `causal_t > 0`, row r is query position `r % causal_t + causal_offset`
@@ -76,15 +78,62 @@ pub(crate) fn row_backward(g: &mut [f32], y: &[f32], valid: usize, scale: f32) {
 
 /// x ← softmax(scale · x) per row.
 pub fn softmax(be: &Backend, mut x: TMut<'_>, s: SoftmaxShape) -> Result<()> {
-    launch(be, x.reborrow(), None, s)
+    launch(be, x.reborrow(), None, None, s, None, None)
+}
+
+/// [`softmax`] with the planted fault of a path set: with [`Fault::CausalMaskPast128`] the GPU kernel
+/// lets query positions from 128 on see one position ahead (tests only; `None` in production).
+pub fn softmax_planted(
+    be: &Backend,
+    mut x: TMut<'_>,
+    s: SoftmaxShape,
+    fault: Option<Fault>,
+) -> Result<()> {
+    launch(be, x.reborrow(), None, None, s, None, fault)
+}
+
+/// [`softmax_planted`], then `dropped` ← dropout(x) with probability `p` under `seed` (the values
+/// [`dropout`](super::dropout::dropout) gives over the whole tensor), in one pass.
+pub fn softmax_dropout(
+    be: &Backend,
+    x: TMut<'_>,
+    dropped: TMut<'_>,
+    s: SoftmaxShape,
+    (p, seed): (f32, u32),
+    fault: Option<Fault>,
+) -> Result<()> {
+    check_probability("softmax", p)?;
+    launch(be, x, None, Some(dropped), s, Some((p, seed)), fault)
 }
 
 /// dy ← scale · y ⊙ (dy − Σ dy ⊙ y) per row: the gradient with respect to softmax's input.
 pub fn softmax_backward(be: &Backend, y: TRef<'_>, dy: TMut<'_>, s: SoftmaxShape) -> Result<()> {
-    launch(be, dy, Some(y), s)
+    launch(be, dy, Some(y), None, s, None, None)
 }
 
-fn launch(be: &Backend, mut x: TMut<'_>, y: Option<TRef<'_>>, s: SoftmaxShape) -> Result<()> {
+/// [`softmax_backward`] of [`softmax_dropout`]: `dy` holds the gradient of the dropped-out
+/// probabilities and becomes the gradient of the scores (dropout's backward, then softmax's, in one
+/// pass).
+pub fn softmax_dropout_backward(
+    be: &Backend,
+    y: TRef<'_>,
+    dy: TMut<'_>,
+    s: SoftmaxShape,
+    (p, seed): (f32, u32),
+) -> Result<()> {
+    check_probability("softmax", p)?;
+    launch(be, dy, Some(y), None, s, Some((p, seed)), None)
+}
+
+fn launch(
+    be: &Backend,
+    mut x: TMut<'_>,
+    y: Option<TRef<'_>>,
+    mut dropped: Option<TMut<'_>>,
+    s: SoftmaxShape,
+    drop: Option<(f32, u32)>,
+    fault: Option<Fault>,
+) -> Result<()> {
     if s.cols == 0 {
         return Err(Error::Shape {
             op: "softmax",
@@ -96,61 +145,105 @@ fn launch(be: &Backend, mut x: TMut<'_>, y: Option<TRef<'_>>, s: SoftmaxShape) -
         Backend::Cpu(c) => {
             let ys = y.map(|y| y.cpu("softmax", "y", n)).transpose()?;
             let xs = x.cpu("softmax", "x", n)?;
+            let ds = dropped
+                .as_mut()
+                .map(|d| d.cpu("softmax", "dropped", n))
+                .transpose()?;
+            let kept = drop.map(|(p, seed)| kept_fn(p, seed));
             // Blocks of rows, each block's loops compiled wide (see fastmath::wide).
             const ROWS: usize = 64;
+            let block = s.cols * ROWS;
             c.install(|| {
-                xs.par_chunks_mut(s.cols * ROWS)
-                    .enumerate()
-                    .for_each(|(b, block)| {
-                        fastmath::wide(|| {
-                            for (i, row) in block.chunks_mut(s.cols).enumerate() {
-                                let r = b * ROWS + i;
-                                let valid = s.valid(r);
-                                match ys {
-                                    None => row_forward(row, valid, s.scale),
-                                    Some(ys) => {
-                                        let yr = &ys[r * s.cols..][..s.cols];
-                                        row_backward(row, yr, valid, s.scale)
+                xs.par_chunks_mut(block).enumerate().for_each(|(b, block)| {
+                    fastmath::wide(|| {
+                        for (i, row) in block.chunks_mut(s.cols).enumerate() {
+                            let r = b * ROWS + i;
+                            let valid = s.valid(r);
+                            let first = (r * s.cols) as u32;
+                            match ys {
+                                None => row_forward(row, valid, s.scale),
+                                Some(ys) => {
+                                    if let Some(kept) = kept {
+                                        for (j, v) in row.iter_mut().enumerate() {
+                                            *v = kept(first.wrapping_add(j as u32), *v);
+                                        }
                                     }
+                                    let yr = &ys[r * s.cols..][..s.cols];
+                                    row_backward(row, yr, valid, s.scale)
                                 }
                             }
-                        })
+                        }
                     })
+                })
             });
+            if let (Some(ds), Some(kept)) = (ds, kept) {
+                c.install(|| {
+                    ds.par_chunks_mut(block)
+                        .zip(xs.par_chunks(block))
+                        .enumerate()
+                        .for_each(|(b, (d, x))| {
+                            let first = (b * block) as u32;
+                            for (j, (d, &x)) in d.iter_mut().zip(x).enumerate() {
+                                *d = kept(first.wrapping_add(j as u32), x);
+                            }
+                        })
+                });
+            }
             Ok(())
         }
         Backend::Gpu(g) => {
             let tx = x.gpu("softmax", "x", n)?;
-            // The forward pass reads no y; a small dummy buffer fills its binding (binding x twice
+            // Operands a pass does not use are bound to small dummy buffers (binding x twice
             // would mix read-only and read-write use of one buffer, which WebGPU forbids).
-            let dummy;
-            let (ty, oy, per) = match &y {
+            let (dummy, dummy_rw);
+            let (ty, oy, per_y) = match &y {
                 Some(y) => (y.gpu("softmax", "y", n)?, y.offset(), s.cols),
                 None => {
                     dummy = g.scratch("dummy", 1)?;
                     (&dummy, 0, 0)
                 }
             };
+            let (td, od, per_d) = match &dropped {
+                Some(d) => (d.gpu("softmax", "dropped", n)?, d.offset(), s.cols),
+                None => {
+                    dummy_rw = g.scratch("dummy_rw", 1)?;
+                    (&dummy_rw, 0, 0)
+                }
+            };
+            let operand = |t, o, per| {
+                if per == 0 {
+                    Operand::whole(t, o, 1)
+                } else {
+                    Operand::rows(t, o, per)
+                }
+            };
             let ops = [
                 Operand::rows(tx, x.offset(), s.cols),
-                if per == 0 {
-                    Operand::whole(ty, oy, 1)
-                } else {
-                    Operand::rows(ty, oy, per)
-                },
+                operand(ty, oy, per_y),
+                operand(td, od, per_d),
             ];
-            let pipe = row_kernel(
-                g,
-                "softmax",
-                include_str!("softmax.wgsl"),
-                &[Access::ReadWrite, Access::Read],
-            )?;
+            const SOURCE: &str = include_str!("softmax.wgsl");
+            const BINDINGS: [Access; 3] = [Access::ReadWrite, Access::Read, Access::ReadWrite];
+            let pipe = if fault == Some(Fault::CausalMaskPast128) {
+                let leak = SOURCE.replace(
+                    "p.causal_offset + 1u);",
+                    "p.causal_offset + select(1u, 2u, (p.start + row) % p.causal_t >= 128u));",
+                );
+                row_kernel_parts(g, "softmax_fault_causal128", &[HASH_WGSL, &leak], &BINDINGS)?
+            } else {
+                row_kernel_parts(g, "softmax", &[HASH_WGSL, SOURCE], &BINDINGS)?
+            };
+            let (p, seed) = drop.unwrap_or((0.0, 0));
             let extra = [
                 s.cols as u32,
                 s.scale.to_bits(),
                 s.causal_t as u32,
                 s.causal_offset as u32,
                 y.is_some() as u32,
+                drop.is_some() as u32,
+                threshold(p),
+                seed,
+                (1.0 / (1.0 - p)).to_bits(),
             ];
             run(g, "softmax", &pipe, s.rows, &ops, &extra, Grid::Groups)
         }
@@ -160,6 +253,7 @@ fn launch(be: &Backend, mut x: TMut<'_>, y: Option<TRef<'_>>, s: SoftmaxShape) -
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Tensor;
     use crate::testing::{Arg, SeedRng, check_twin};
 
     #[test]
@@ -203,6 +297,76 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The fused pass gives what softmax then dropout (and dropout's backward then softmax's) give,
+    /// bit for bit, on every backend, with bindings split into segments of rows (the mask is indexed
+    /// over the whole tensor), and the backends agree with each other.
+    #[test]
+    fn softmax_with_dropout_fused_equals_the_two_passes() {
+        let mut rng = SeedRng::new(32);
+        let (rows, cols) = (96, 40);
+        let x = rng.vec(rows * cols, -4.0, 4.0);
+        let dy = rng.vec(rows * cols, -1.0, 1.0);
+        let mut s = SoftmaxShape::causal(rows, cols);
+        s.scale = 0.6;
+        let drop = (0.3, 77);
+        let n = rows * cols;
+        let args = [
+            Arg::data(x.clone(), cols),
+            Arg::out(n, cols),
+            Arg::data(dy.clone(), cols),
+            Arg::data(x, cols),
+            Arg::out(n, cols),
+            Arg::data(dy, cols),
+        ];
+        check_twin(
+            "softmax_dropout",
+            1e-11,
+            &args,
+            Some((cols as u64 * 4 * 16).max(1024)),
+            |be, t| {
+                let [x, d, dy, x2, d2, dy2] = t else {
+                    unreachable!()
+                };
+                softmax_dropout(be, (&mut *x).into(), (&mut *d).into(), s, drop, None)?;
+                softmax_dropout_backward(be, (&*x).into(), (&mut *dy).into(), s, drop)?;
+                softmax(be, (&mut *x2).into(), s)?;
+                let d2v = d2.len();
+                crate::ops::dropout::dropout(
+                    be,
+                    (&*x2).into(),
+                    (&mut *d2).into(),
+                    d2v,
+                    drop.0,
+                    drop.1,
+                )?;
+                let mut g = be.zeros(n, cols)?;
+                crate::ops::dropout::dropout(
+                    be,
+                    (&*dy2).into(),
+                    (&mut g).into(),
+                    n,
+                    drop.0,
+                    drop.1,
+                )?;
+                softmax_backward(be, (&*x2).into(), (&mut g).into(), s)?;
+                let bits = |t: &Tensor| -> Vec<u32> {
+                    be.to_vec(t).unwrap().iter().map(|v| v.to_bits()).collect()
+                };
+                assert!(bits(x) == bits(x2), "{}: probabilities differ", be.kind());
+                assert!(
+                    bits(d) == bits(d2),
+                    "{}: dropped-out probabilities differ",
+                    be.kind()
+                );
+                assert!(bits(dy) == bits(&g), "{}: gradients differ", be.kind());
+                let kept = bits(d).iter().filter(|&&b| b != 0).count() as f64;
+                let live = bits(x).iter().filter(|&&b| b != 0).count() as f64;
+                assert!((kept / live - 0.7).abs() < 0.05, "kept {kept} of {live}");
+                Ok(())
+            },
+        );
     }
 
     #[test]

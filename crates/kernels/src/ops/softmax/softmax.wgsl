@@ -1,12 +1,26 @@
 // In-place row softmax of scale * x, one workgroup per row. With causal_t > 0, row r is query position
 // q = r % causal_t + causal_offset and columns c > q are masked to exactly 0 (attention's causal mask).
 // BACKWARD (in place on dy): dx = scale * y * (dy - sum(dy * y)).
-struct Params { n: u32, start: u32, o_x: u32, o_y: u32, cols: u32, scale: f32, causal_t: u32, causal_offset: u32, backward: u32 }
+// With has_drop, dropout (ops/dropout: the mask of element i is keep(i), i counted over the whole
+// tensor) is fused in: the forward pass also writes the dropped-out probabilities to d, and the
+// backward pass reads dy as the gradient of the dropped-out probabilities (dropout's backward applied
+// as each element is read). The values are those of the separate dropout kernel, bit for bit.
+struct Params { n: u32, start: u32, o_x: u32, o_y: u32, o_d: u32, cols: u32, scale: f32, causal_t: u32,
+                causal_offset: u32, backward: u32, has_drop: u32, threshold: u32, seed: u32, drop_scale: f32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read_write> x: array<f32>;
 @group(0) @binding(2) var<storage, read> y: array<f32>;
+@group(0) @binding(3) var<storage, read_write> d: array<f32>;
 
-// reduce_sum / reduce_max and WG: ops/common.rs, ROW_REDUCE.
+// reduce_sum / reduce_max and WG: ops/common.rs, ROW_REDUCE; hash: ops/dropout/hash.wgsl.
+
+// Dropout of v at column c of this row (v itself without dropout).
+fn dropped(v: f32, row: u32, c: u32) -> f32 {
+  if (p.has_drop == 0u) { return v; }
+  let keep = hash(((p.start + row) * p.cols + c) ^ hash(p.seed)) >= p.threshold;
+  return select(0.0, v * p.drop_scale, keep);
+}
+
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
@@ -22,18 +36,20 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     var s = 0.0;
     for (var c = lid; c < valid; c = c + WG) { s = s + exp(p.scale * x[base + c] - m); }
     let inv = 1.0 / reduce_sum(s, lid);
+    let db = p.o_d + row * p.cols;
     for (var c = lid; c < p.cols; c = c + WG) {
       var v = 0.0;
       if (c < valid) { v = exp(p.scale * x[base + c] - m) * inv; }
       x[base + c] = v;
+      if (p.has_drop != 0u) { d[db + c] = dropped(v, row, c); }
     }
   } else {
     let yb = p.o_y + row * p.cols;
-    var d = 0.0;
-    for (var c = lid; c < valid; c = c + WG) { d = d + x[base + c] * y[yb + c]; }
-    d = reduce_sum(d, lid);
+    var s = 0.0;
+    for (var c = lid; c < valid; c = c + WG) { s = s + dropped(x[base + c], row, c) * y[yb + c]; }
+    s = reduce_sum(s, lid);
     for (var c = lid; c < p.cols; c = c + WG) {
-      x[base + c] = p.scale * y[yb + c] * (x[base + c] - d);
+      x[base + c] = p.scale * y[yb + c] * (dropped(x[base + c], row, c) - s);
     }
   }
 }

@@ -300,7 +300,13 @@ fn plant(src: String, fault: Option<Fault>) -> String {
         None => src,
     };
     match fault {
-        None | Some(Fault::F16Accumulation | Fault::RopePast500) => src,
+        None
+        | Some(
+            Fault::F16Accumulation
+            | Fault::RopePast500
+            | Fault::WeightGradF16Accumulation
+            | Fault::CausalMaskPast128,
+        ) => src,
         // Zero-extends the bytes: negative quants become 128..255.
         Some(Fault::SignExtensionDropped) => src.replace(
             "vec4<f32>((vec4<i32>(bitcast<i32>(w)) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u))",
