@@ -137,7 +137,7 @@ pub static REGISTRY: &[PathDef] = &[
         name: "tc-training",
         pill: "+tensor-core training",
         active_text: "tensor-core training active",
-        kernel_version: 1,
+        kernel_version: 2,
         requires: &[PathId::CoopMatrix],
         detect: |g| (def(PathId::CoopMatrix).detect)(g),
         // The op gate checks the mixed-precision kernel (f32 operands rounded to f16) at every shape;

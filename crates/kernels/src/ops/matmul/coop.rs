@@ -100,7 +100,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     "  coopStoreT(c{fr}{fc}, &Cs[cbase], s16);
   workgroupBarrier();
   for (var j = 0u; j < 8u; j = j + 1u) {{
-    let e = lane * 8u + j;
+    let e = j * 32u + lane;
     let r = row0 + sr + {}u + e / 16u;
     let c = col0 + sc + {}u + e % 16u;
     if (r < p.m && c < p.n) {{
@@ -310,7 +310,7 @@ fn mixed_source(trans_a: bool, trans_b: bool, fault: Option<Fault>) -> String {
                 "  coopStoreT(c{fi}{fj}, &Cs[cbase], s16);
   workgroupBarrier();
   for (var j = 0u; j < 8u; j = j + 1u) {{
-    let e = lane * 8u + j;
+    let e = j * 32u + lane;
     let r = row0 + fm + {}u + e / 16u;
     let c = col0 + fn0 + {}u + e % 16u;
     if (r < p.m && c < p.n) {{

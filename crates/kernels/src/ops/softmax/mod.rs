@@ -245,7 +245,8 @@ fn launch(
                 seed,
                 (1.0 / (1.0 - p)).to_bits(),
             ];
-            run(g, "softmax", &pipe, s.rows, &ops, &extra, Grid::Groups)
+            // Four rows per workgroup (softmax.wgsl).
+            run(g, "softmax", &pipe, s.rows, &ops, &extra, Grid::Threads(4))
         }
     }
 }

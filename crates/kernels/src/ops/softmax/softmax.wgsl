@@ -1,5 +1,6 @@
-// In-place row softmax of scale * x, one workgroup per row. With causal_t > 0, row r is query position
-// q = r % causal_t + causal_offset and columns c > q are masked to exactly 0 (attention's causal mask).
+// In-place row softmax of scale * x, four rows per workgroup of 256 (64 threads per row). With
+// causal_t > 0, row r is query position q = r % causal_t + causal_offset and columns c > q are masked
+// to exactly 0 (attention's causal mask).
 // BACKWARD (in place on dy): dx = scale * y * (dy - sum(dy * y)).
 // With has_drop, dropout (ops/dropout: the mask of element i is keep(i), i counted over the whole
 // tensor) is fused in: the forward pass also writes the dropped-out probabilities to d, and the
@@ -12,7 +13,37 @@ struct Params { n: u32, start: u32, o_x: u32, o_y: u32, o_d: u32, cols: u32, sca
 @group(0) @binding(2) var<storage, read> y: array<f32>;
 @group(0) @binding(3) var<storage, read_write> d: array<f32>;
 
-// reduce_sum / reduce_max and WG: ops/common.rs, ROW_REDUCE; hash: ops/dropout/hash.wgsl.
+// `red` and WG: ops/common.rs, ROW_REDUCE; hash: ops/dropout/hash.wgsl.
+const TPR: u32 = 64u; // threads per row
+const ROWS: u32 = 4u; // rows per workgroup (WG / TPR)
+
+// The sum (or maximum) of v over the TPR threads of this thread's row. Every thread of the workgroup
+// calls it (barriers).
+fn row_sum(v: f32, lid: u32) -> f32 {
+  red[lid] = v;
+  workgroupBarrier();
+  let lane = lid % TPR;
+  for (var s = TPR / 2u; s > 0u; s = s >> 1u) {
+    if (lane < s) { red[lid] = red[lid] + red[lid + s]; }
+    workgroupBarrier();
+  }
+  let r = red[lid - lane];
+  workgroupBarrier();
+  return r;
+}
+
+fn row_max(v: f32, lid: u32) -> f32 {
+  red[lid] = v;
+  workgroupBarrier();
+  let lane = lid % TPR;
+  for (var s = TPR / 2u; s > 0u; s = s >> 1u) {
+    if (lane < s) { red[lid] = max(red[lid], red[lid + s]); }
+    workgroupBarrier();
+  }
+  let r = red[lid - lane];
+  workgroupBarrier();
+  return r;
+}
 
 // Dropout of v at column c of this row (v itself without dropout).
 fn dropped(v: f32, row: u32, c: u32) -> f32 {
@@ -24,20 +55,26 @@ fn dropped(v: f32, row: u32, c: u32) -> f32 {
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
-  let row = group_index(wid, nwg);
-  if (row >= p.n) { return; }
-  var valid = p.cols;
-  if (p.causal_t > 0u) { valid = min(p.cols, (p.start + row) % p.causal_t + p.causal_offset + 1u); }
+  let row = group_index(wid, nwg) * ROWS + lid / TPR;
+  let lane = lid % TPR;
+  // A thread past the last row still takes part in the reductions' barriers, over no columns.
+  var valid = 0u;
+  var cols = 0u;
+  if (row < p.n) {
+    cols = p.cols;
+    valid = p.cols;
+    if (p.causal_t > 0u) { valid = min(p.cols, (p.start + row) % p.causal_t + p.causal_offset + 1u); }
+  }
   let base = p.o_x + row * p.cols;
   if (p.backward == 0u) {
     var m = bitcast<f32>(0xff7fffffu); // -f32::MAX, as bits: the decimal literal is out of range for some compilers (Tint)
-    for (var c = lid; c < valid; c = c + WG) { m = max(m, p.scale * x[base + c]); }
-    m = reduce_max(m, lid);
+    for (var c = lane; c < valid; c = c + TPR) { m = max(m, p.scale * x[base + c]); }
+    m = row_max(m, lid);
     var s = 0.0;
-    for (var c = lid; c < valid; c = c + WG) { s = s + exp(p.scale * x[base + c] - m); }
-    let inv = 1.0 / reduce_sum(s, lid);
+    for (var c = lane; c < valid; c = c + TPR) { s = s + exp(p.scale * x[base + c] - m); }
+    let inv = 1.0 / row_sum(s, lid);
     let db = p.o_d + row * p.cols;
-    for (var c = lid; c < p.cols; c = c + WG) {
+    for (var c = lane; c < cols; c = c + TPR) {
       var v = 0.0;
       if (c < valid) { v = exp(p.scale * x[base + c] - m) * inv; }
       x[base + c] = v;
@@ -46,9 +83,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   } else {
     let yb = p.o_y + row * p.cols;
     var s = 0.0;
-    for (var c = lid; c < valid; c = c + WG) { s = s + dropped(x[base + c], row, c) * y[yb + c]; }
-    s = reduce_sum(s, lid);
-    for (var c = lid; c < p.cols; c = c + WG) {
+    for (var c = lane; c < valid; c = c + TPR) { s = s + dropped(x[base + c], row, c) * y[yb + c]; }
+    s = row_sum(s, lid);
+    for (var c = lane; c < cols; c = c + TPR) {
       x[base + c] = p.scale * y[yb + c] * (dropped(x[base + c], row, c) - s);
     }
   }
