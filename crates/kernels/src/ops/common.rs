@@ -41,6 +41,41 @@ fn reduce_max(v: f32, lid: u32) -> f32 {
 }
 ";
 
+/// Row-wise kernels that give each row 64 threads and a workgroup of 256 four rows (after
+/// [`ROW_REDUCE`], whose `red` they share): `row_sum` / `row_max` reduce over the threads of the
+/// calling thread's row. Every thread of the workgroup must call them (they hold barriers). Such a
+/// kernel is recorded with `Grid::Threads(4)`.
+pub(crate) const ROWS4: &str = "
+const TPR: u32 = 64u; // threads per row
+const ROWS: u32 = 4u; // rows per workgroup
+
+fn row_sum(v: f32, lid: u32) -> f32 {
+  red[lid] = v;
+  workgroupBarrier();
+  let lane = lid % TPR;
+  for (var s = TPR / 2u; s > 0u; s = s >> 1u) {
+    if (lane < s) { red[lid] = red[lid] + red[lid + s]; }
+    workgroupBarrier();
+  }
+  let r = red[lid - lane];
+  workgroupBarrier();
+  return r;
+}
+
+fn row_max(v: f32, lid: u32) -> f32 {
+  red[lid] = v;
+  workgroupBarrier();
+  let lane = lid % TPR;
+  for (var s = TPR / 2u; s > 0u; s = s >> 1u) {
+    if (lane < s) { red[lid] = max(red[lid], red[lid + s]); }
+    workgroupBarrier();
+  }
+  let r = red[lid - lane];
+  workgroupBarrier();
+  return r;
+}
+";
+
 /// How a segmented op maps units to workgroups.
 #[derive(Clone, Copy)]
 pub(crate) enum Grid {

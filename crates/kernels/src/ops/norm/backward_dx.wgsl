@@ -1,4 +1,4 @@
-// Input gradient of LayerNorm / RMSNorm, one workgroup per row. With xh = (x - mean) * rstd and
+// Input gradient of LayerNorm / RMSNorm. With xh = (x - mean) * rstd and
 // g = dy * w:  LN: dx = rstd * (g - mean(g) - xh * mean(g * xh));  RMS: dx = rstd * (g - xh * mean(g * xh)).
 // ACCUMULATE adds into dx (the residual stream's gradient) instead of overwriting.
 struct Params { n: u32, start: u32, o_x: u32, o_w: u32, o_dy: u32, o_mean: u32, o_rstd: u32, o_dx: u32, cols: u32, rms: u32, accumulate: u32 }
@@ -10,29 +10,36 @@ struct Params { n: u32, start: u32, o_x: u32, o_w: u32, o_dy: u32, o_mean: u32, 
 @group(0) @binding(5) var<storage, read> rstd_in: array<f32>;
 @group(0) @binding(6) var<storage, read_write> dx: array<f32>;
 
-// reduce_sum / reduce_max and WG: ops/common.rs, ROW_REDUCE.
+// row_sum, TPR and ROWS: ops/common.rs, ROWS4 (four rows per workgroup, 64 threads each).
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
-  let row = group_index(wid, nwg);
-  if (row >= p.n) { return; }
+  let row = group_index(wid, nwg) * ROWS + lid / TPR;
+  let lane = lid % TPR;
+  // A thread past the last row still takes part in the reductions' barriers, over no columns.
+  let live = row < p.n;
+  let cols = select(0u, p.cols, live);
   let xb = p.o_x + row * p.cols;
   let db = p.o_dy + row * p.cols;
-  let mean = mean_in[p.o_mean + row];
-  let rstd = rstd_in[p.o_rstd + row];
+  var mean = 0.0;
+  var rstd = 0.0;
+  if (live) {
+    mean = mean_in[p.o_mean + row];
+    rstd = rstd_in[p.o_rstd + row];
+  }
   var sg = 0.0;
   var sgx = 0.0;
-  for (var c = lid; c < p.cols; c = c + WG) {
+  for (var c = lane; c < cols; c = c + TPR) {
     let g = dy[db + c] * w[p.o_w + c];
     sg = sg + g;
     sgx = sgx + g * (x[xb + c] - mean) * rstd;
   }
   let inv = 1.0 / f32(p.cols);
-  var mg = reduce_sum(sg, lid) * inv;
-  let mgx = reduce_sum(sgx, lid) * inv;
+  var mg = row_sum(sg, lid) * inv;
+  let mgx = row_sum(sgx, lid) * inv;
   if (p.rms != 0u) { mg = 0.0; }
   let ob = p.o_dx + row * p.cols;
-  for (var c = lid; c < p.cols; c = c + WG) {
+  for (var c = lane; c < cols; c = c + TPR) {
     let g = dy[db + c] * w[p.o_w + c];
     let xh = (x[xb + c] - mean) * rstd;
     var v = rstd * (g - mg - xh * mgx);

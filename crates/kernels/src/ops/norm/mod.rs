@@ -4,7 +4,7 @@
 //! followed by their reciprocal standard deviations, saved by the forward pass for the backward pass.
 
 use super::Grad;
-use super::common::{Grid, kernel, row_kernel, run};
+use super::common::{Grid, ROWS4, kernel, row_kernel, row_kernel_parts, run};
 use super::fastmath;
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
@@ -116,13 +116,14 @@ pub fn norm_forward(
                 };
                 let mut access = vec![Access::Read, Access::Read];
                 access.extend(std::iter::repeat_n(Access::ReadWrite, n - 2));
-                let pipe = row_kernel(g, key, &source, &access)?;
+                let pipe = row_kernel_parts(g, key, &[ROWS4, &source], &access)?;
                 let mut p = vec![seg.len() as u32, seg.start as u32];
                 p.extend(seg.places.iter().map(|pl| pl.offset as u32));
                 p.extend_from_slice(&extra);
                 let bufs: Vec<&wgpu::Buffer> =
                     seg.places[..n].iter().map(|pl| &pl.buffer).collect();
-                g.dispatch(&pipe, &p, &bufs, g.grid(seg.len()))?;
+                // Four rows per workgroup (ROWS4).
+                g.dispatch(&pipe, &p, &bufs, g.grid(seg.len().div_ceil(4)))?;
             }
             Ok(())
         }
@@ -303,10 +304,10 @@ fn gpu_backward(
         Operand::rows(ts, stats.offset() + rows, 1),
         Operand::rows(dx.gpu("norm_backward", "dx", n)?, dx.offset(), cols),
     ];
-    let pipe = row_kernel(
+    let pipe = row_kernel_parts(
         g,
         "norm_backward_dx",
-        include_str!("backward_dx.wgsl"),
+        &[ROWS4, include_str!("backward_dx.wgsl")],
         &[
             Access::Read,
             Access::Read,
@@ -321,7 +322,16 @@ fn gpu_backward(
         (kind == NormKind::Rms) as u32,
         accumulate_dx as u32,
     ];
-    run(g, "norm_backward", &pipe, rows, &ops, &extra, Grid::Groups)?;
+    // Four rows per workgroup (ROWS4).
+    run(
+        g,
+        "norm_backward",
+        &pipe,
+        rows,
+        &ops,
+        &extra,
+        Grid::Threads(4),
+    )?;
 
     // dw in two stages through a scratch buffer of per-block partial sums.
     const RB: usize = 64;

@@ -1,7 +1,7 @@
 //! Row softmax (in place), optionally scaled and causally masked, and its backward (in place on the
 //! incoming gradient).
 
-use super::common::{Grid, row_kernel_parts, run};
+use super::common::{Grid, ROWS4, row_kernel_parts, run};
 use super::dropout::{HASH_WGSL, check_probability, kept_fn, threshold};
 use super::fastmath;
 use crate::backend::{Backend, TMut, TRef};
@@ -229,9 +229,14 @@ fn launch(
                     "p.causal_offset + 1u);",
                     "p.causal_offset + select(1u, 2u, (p.start + row) % p.causal_t >= 128u));",
                 );
-                row_kernel_parts(g, "softmax_fault_causal128", &[HASH_WGSL, &leak], &BINDINGS)?
+                row_kernel_parts(
+                    g,
+                    "softmax_fault_causal128",
+                    &[HASH_WGSL, ROWS4, &leak],
+                    &BINDINGS,
+                )?
             } else {
-                row_kernel_parts(g, "softmax", &[HASH_WGSL, SOURCE], &BINDINGS)?
+                row_kernel_parts(g, "softmax", &[HASH_WGSL, ROWS4, SOURCE], &BINDINGS)?
             };
             let (p, seed) = drop.unwrap_or((0.0, 0));
             let extra = [

@@ -13,37 +13,7 @@ struct Params { n: u32, start: u32, o_x: u32, o_y: u32, o_d: u32, cols: u32, sca
 @group(0) @binding(2) var<storage, read> y: array<f32>;
 @group(0) @binding(3) var<storage, read_write> d: array<f32>;
 
-// `red` and WG: ops/common.rs, ROW_REDUCE; hash: ops/dropout/hash.wgsl.
-const TPR: u32 = 64u; // threads per row
-const ROWS: u32 = 4u; // rows per workgroup (WG / TPR)
-
-// The sum (or maximum) of v over the TPR threads of this thread's row. Every thread of the workgroup
-// calls it (barriers).
-fn row_sum(v: f32, lid: u32) -> f32 {
-  red[lid] = v;
-  workgroupBarrier();
-  let lane = lid % TPR;
-  for (var s = TPR / 2u; s > 0u; s = s >> 1u) {
-    if (lane < s) { red[lid] = red[lid] + red[lid + s]; }
-    workgroupBarrier();
-  }
-  let r = red[lid - lane];
-  workgroupBarrier();
-  return r;
-}
-
-fn row_max(v: f32, lid: u32) -> f32 {
-  red[lid] = v;
-  workgroupBarrier();
-  let lane = lid % TPR;
-  for (var s = TPR / 2u; s > 0u; s = s >> 1u) {
-    if (lane < s) { red[lid] = max(red[lid], red[lid + s]); }
-    workgroupBarrier();
-  }
-  let r = red[lid - lane];
-  workgroupBarrier();
-  return r;
-}
+// row_sum / row_max, TPR and ROWS: ops/common.rs, ROWS4; hash: ops/dropout/hash.wgsl.
 
 // Dropout of v at column c of this row (v itself without dropout).
 fn dropped(v: f32, row: u32, c: u32) -> f32 {
