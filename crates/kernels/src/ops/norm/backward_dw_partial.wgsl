@@ -1,5 +1,5 @@
 // Weight gradient of LayerNorm / RMSNorm, stage 1: partial[block, c] = sum over the block's rows of
-// dy * xh. Workgroup (x: tile of 64 columns, y: block of 64 rows); 4 lanes of 64 threads split the rows.
+// dy * xh. Workgroup (x: tile of 64 columns, y: block of RB rows); 4 lanes of 64 threads split the rows.
 struct Params { n: u32, start: u32, o_x: u32, o_dy: u32, o_mean: u32, o_rstd: u32, o_part: u32, cols: u32, block0: u32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<f32>;
@@ -8,7 +8,7 @@ struct Params { n: u32, start: u32, o_x: u32, o_dy: u32, o_mean: u32, o_rstd: u3
 @group(0) @binding(4) var<storage, read> rstd_in: array<f32>;
 @group(0) @binding(5) var<storage, read_write> part: array<f32>;
 
-const RB: u32 = 64u;
+const RB: u32 = 256u; // as RB in mod.rs
 var<workgroup> red: array<f32, 256>;
 
 @compute @workgroup_size(256)

@@ -333,8 +333,9 @@ fn gpu_backward(
         Grid::Threads(4),
     )?;
 
-    // dw in two stages through a scratch buffer of per-block partial sums.
-    const RB: usize = 64;
+    // dw in two stages through a scratch buffer of per-block partial sums (blocks of RB rows, as in
+    // backward_dw_partial.wgsl).
+    const RB: usize = 256;
     let seg_ops = [
         Operand::rows(tx, x.offset(), cols),
         Operand::rows(tdy, dy.offset(), cols),
@@ -404,7 +405,7 @@ fn gpu_backward(
         cols,
         &ops,
         &[blocks as u32, accumulate_dw as u32],
-        Grid::Threads(256),
+        Grid::Threads(64),
     )
 }
 
