@@ -1,4 +1,4 @@
-// LayerNorm (no bias) or RMSNorm of each row:
+// LayerNorm (no bias) or RMSNorm of each row, one workgroup per row:
 //   LN:  y = (x - mean) * rstd * w,  rstd = 1 / sqrt(mean((x - mean)^2) + eps)
 //   RMS: y = x * rstd * w,           rstd = 1 / sqrt(mean(x^2) + eps)
 // mean and rstd are saved per row for the backward pass (mean = 0 for RMS).
@@ -10,31 +10,28 @@ struct Params { n: u32, start: u32, o_x: u32, o_w: u32, o_y: u32, o_mean: u32, o
 @group(0) @binding(4) var<storage, read_write> mean_out: array<f32>;
 @group(0) @binding(5) var<storage, read_write> rstd_out: array<f32>;
 
-// row_sum, TPR and ROWS: ops/common.rs, ROWS4 (four rows per workgroup, 64 threads each).
+// reduce_sum / reduce_max and WG: ops/common.rs, ROW_REDUCE.
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
-  let row = group_index(wid, nwg) * ROWS + lid / TPR;
-  let lane = lid % TPR;
-  // A thread past the last row still takes part in the reductions' barriers, over no columns.
-  let live = row < p.n;
-  let cols = select(0u, p.cols, live);
+  let row = group_index(wid, nwg);
+  if (row >= p.n) { return; }
   let base = p.o_x + row * p.cols;
   let inv = 1.0 / f32(p.cols);
   var mean = 0.0;
   if (p.rms == 0u) {
     var s = 0.0;
-    for (var c = lane; c < cols; c = c + TPR) { s = s + x[base + c]; }
-    mean = row_sum(s, lid) * inv;
+    for (var c = lid; c < p.cols; c = c + WG) { s = s + x[base + c]; }
+    mean = reduce_sum(s, lid) * inv;
   }
   var q = 0.0;
-  for (var c = lane; c < cols; c = c + TPR) { let d = x[base + c] - mean; q = q + d * d; }
-  let rstd = 1.0 / sqrt(row_sum(q, lid) * inv + p.eps);
+  for (var c = lid; c < p.cols; c = c + WG) { let d = x[base + c] - mean; q = q + d * d; }
+  let rstd = 1.0 / sqrt(reduce_sum(q, lid) * inv + p.eps);
   let ybase = p.o_y + row * p.cols;
-  for (var c = lane; c < cols; c = c + TPR) {
+  for (var c = lid; c < p.cols; c = c + WG) {
     y[ybase + c] = (x[base + c] - mean) * rstd * w[p.o_w + c];
   }
-  if (lane == 0u && live) {
+  if (lid == 0u) {
     mean_out[p.o_mean + row] = mean;
     rstd_out[p.o_rstd + row] = rstd;
   }

@@ -116,14 +116,15 @@ pub fn norm_forward(
                 };
                 let mut access = vec![Access::Read, Access::Read];
                 access.extend(std::iter::repeat_n(Access::ReadWrite, n - 2));
-                let pipe = row_kernel_parts(g, key, &[ROWS4, &source], &access)?;
+                let pipe = row_kernel(g, key, &source, &access)?;
                 let mut p = vec![seg.len() as u32, seg.start as u32];
                 p.extend(seg.places.iter().map(|pl| pl.offset as u32));
                 p.extend_from_slice(&extra);
                 let bufs: Vec<&wgpu::Buffer> =
                     seg.places[..n].iter().map(|pl| &pl.buffer).collect();
-                // Four rows per workgroup (ROWS4).
-                g.dispatch(&pipe, &p, &bufs, g.grid(seg.len().div_ceil(4)))?;
+                // One row per workgroup: the fused decode kernels (matmul/fused.rs, rope/cache.rs)
+                // stage the norm in the same order, and must give the same bits.
+                g.dispatch(&pipe, &p, &bufs, g.grid(seg.len()))?;
             }
             Ok(())
         }
