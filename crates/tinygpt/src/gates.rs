@@ -498,11 +498,19 @@ pub fn prepare_training(
     };
     let i = g.info();
     let (adapter, driver) = (i.name.clone(), format!("{} {}", i.driver, i.driver_info));
+    // A verdict holds for the shapes it trained: a fault can live past some sequence length or width.
+    let c = run.cfg;
     let key = format!(
-        "{adapter}|{driver}|training-gate|{}|v{}|{} steps",
+        "{adapter}|{driver}|training-gate|{}|v{}|{} steps|{}x{}x{} block {} vocab {} batch {}",
         id.name(),
         id.kernel_version(),
-        run.steps
+        run.steps,
+        c.n_layer,
+        c.n_head,
+        c.n_embd,
+        c.block_size,
+        c.vocab_size,
+        run.batch
     );
     let mut store = FileStore::open();
     let verdict = |r: &TrainGateReport| {

@@ -78,7 +78,7 @@ impl TrainGateReport {
             );
         };
         format!(
-            "[ops] training gate ({}): first gradients {:.3}% off, {} steps, loss at step {} {:.4} (f32 {:.4}), worst difference {:.3}% (limit {:.1}%) — {}{}",
+            "[ops] training gate ({}): first gradients {:.3}% off, {} steps, loss at step {} {:.4} (f32 {:.4}), worst difference {:.3}% (limit {:.1}%), {:.1} s + {:.1} s — {}{}",
             self.paths.join(" + "),
             100.0 * self.grad_error,
             self.steps,
@@ -87,6 +87,8 @@ impl TrainGateReport {
             last.f32_loss,
             100.0 * self.worst_rel,
             100.0 * self.tolerance,
+            self.f32_ms / 1e3,
+            self.fast_ms / 1e3,
             if self.passed { "PASS" } else { "FAIL" },
             self.reason
                 .as_ref()
