@@ -9,6 +9,7 @@
 //! catches it), never a crashed program.
 
 use super::Gemm;
+use super::tiled::PARAMS;
 use crate::error::{Error, Result};
 use crate::gpu::{Access, GpuBackend, GpuTensor, PipelineOptions};
 use crate::path::Fault;
@@ -208,57 +209,56 @@ fn mixed_source(trans_a: bool, trans_b: bool, fault: Option<Fault>) -> String {
     } else {
         "f32"
     };
+    // Staging of one operand's i-th element per thread: `v` names its row of op(A) (`r`) or column
+    // of op(B) (`c`) within the tile. With k contiguous in memory (op(A) = A stored M x K, op(B) = Bᵀ
+    // stored N x K) consecutive threads take consecutive k and the tile is stored in rows of k;
+    // otherwise consecutive threads take consecutive m (or n) and the tile is stored in rows of m.
+    let stage = |i: usize,
+                 k_contiguous: bool,
+                 (mat, reg, tile, v): (&str, &str, &str, &str),
+                 (base, ld, origin, extent): (&str, &str, &str, &str)| {
+        let (vi, ki, idx, slot) = if k_contiguous {
+            (
+                format!("(({i}u * 256u + lid) / 32u)"),
+                format!("(({i}u * 256u + lid) % 32u)"),
+                format!("{base} + ({origin} + {v}) * p.{ld} + k0 + kk"),
+                format!("{v} * {ks}u + kk"),
+            )
+        } else {
+            (
+                format!("(({i}u * 256u + lid) % 128u)"),
+                format!("(({i}u * 256u + lid) / 128u)"),
+                format!("{base} + (k0 + kk) * p.{ld} + {origin} + {v}"),
+                format!("kk * {ms}u + {v}"),
+            )
+        };
+        (
+            format!(
+                "    {{ let {v} = {vi}; let kk = {ki}; {reg}[{i}] = 0.0;
+      if ({origin} + {v} < p.{extent} && k0 + kk < p.k) {{ {reg}[{i}] = {mat}[{idx}]; }} }}\n"
+            ),
+            format!("    {{ let {v} = {vi}; let kk = {ki}; {tile}[{slot}] = f16({reg}[{i}]); }}\n"),
+        )
+    };
     let mut loads = String::new();
     let mut stores = String::new();
     for i in 0..per {
-        // Operand A (op(A) is M x K).
-        let (ar, ak, aidx, aslot) = if trans_a {
-            // Stored K x M: consecutive threads take consecutive m.
-            (
-                format!("(({i}u * 256u + lid) % 128u)"),
-                format!("(({i}u * 256u + lid) / 128u)"),
-                "a_base + (k0 + kk) * p.lda + row0 + r",
-                format!("kk * {ms}u + r"),
-            )
-        } else {
-            (
-                format!("(({i}u * 256u + lid) / 32u)"),
-                format!("(({i}u * 256u + lid) % 32u)"),
-                "a_base + (row0 + r) * p.lda + k0 + kk",
-                format!("r * {ks}u + kk"),
-            )
-        };
-        loads.push_str(&format!(
-            "    {{ let r = {ar}; let kk = {ak}; ra[{i}] = 0.0;
-      if (row0 + r < p.m && k0 + kk < p.k) {{ ra[{i}] = mat_a[{aidx}]; }} }}\n"
-        ));
-        stores.push_str(&format!(
-            "    {{ let r = {ar}; let kk = {ak}; As[{aslot}] = f16(ra[{i}]); }}\n"
-        ));
-        // Operand B (op(B) is K x N).
-        let (bc, bk, bidx, bslot) = if trans_b {
-            // Stored N x K: consecutive threads take consecutive k.
-            (
-                format!("(({i}u * 256u + lid) / 32u)"),
-                format!("(({i}u * 256u + lid) % 32u)"),
-                "b_base + (col0 + c) * p.ldb + k0 + kk",
-                format!("c * {ks}u + kk"),
-            )
-        } else {
-            (
-                format!("(({i}u * 256u + lid) % 128u)"),
-                format!("(({i}u * 256u + lid) / 128u)"),
-                "b_base + (k0 + kk) * p.ldb + col0 + c",
-                format!("kk * {ms}u + c"),
-            )
-        };
-        loads.push_str(&format!(
-            "    {{ let c = {bc}; let kk = {bk}; rb[{i}] = 0.0;
-      if (col0 + c < p.n && k0 + kk < p.k) {{ rb[{i}] = mat_b[{bidx}]; }} }}\n"
-        ));
-        stores.push_str(&format!(
-            "    {{ let c = {bc}; let kk = {bk}; Bs[{bslot}] = f16(rb[{i}]); }}\n"
-        ));
+        let a = stage(
+            i,
+            !trans_a,
+            ("mat_a", "ra", "As", "r"),
+            ("a_base", "lda", "row0", "m"),
+        );
+        let b = stage(
+            i,
+            trans_b,
+            ("mat_b", "rb", "Bs", "c"),
+            ("b_base", "ldb", "col0", "n"),
+        );
+        for (l, st) in [a, b] {
+            loads.push_str(&l);
+            stores.push_str(&st);
+        }
     }
     // Fragment loads: A fragment fi covers rows fm + 16 fi, B fragment fj columns fn0 + 16 fj.
     let mut frags = String::new();
@@ -340,16 +340,7 @@ fn mixed_source(trans_a: bool, trans_b: bool, fault: Option<Fault>) -> String {
     format!(
         "enable f16;
 enable wgpu_cooperative_matrix;
-struct Params {{
-  m: u32, n: u32, k: u32,
-  lda: u32, ldb: u32, ldc: u32,
-  a_off: u32, b_off: u32, c_off: u32,
-  b2: u32,
-  sa1: u32, sa2: u32, sb1: u32, sb2: u32, sc1: u32, sc2: u32,
-  alpha: f32, beta: f32,
-}}
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> mat_a: array<f32>;
+{PARAMS}@group(0) @binding(1) var<storage, read> mat_a: array<f32>;
 @group(0) @binding(2) var<storage, read> mat_b: array<f32>;
 @group(0) @binding(3) var<storage, read_write> mat_c: array<f32>;
 

@@ -84,8 +84,9 @@ impl GemmOpts {
     }
 }
 
-/// The uniform block every GEMM variant reads. Keep in sync with [`super::params`].
-const PARAMS: &str = "struct Params {
+/// The uniform block every batched GEMM kernel reads (the tiled kernels and the tensor-core training
+/// kernel). Keep in sync with [`super::params`].
+pub(super) const PARAMS: &str = "struct Params {
   m: u32, n: u32, k: u32,
   lda: u32, ldb: u32, ldc: u32,
   a_off: u32, b_off: u32, c_off: u32,
@@ -94,7 +95,10 @@ const PARAMS: &str = "struct Params {
   alpha: f32, beta: f32,
 }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> A: array<f32>;
+";
+
+/// The tiled kernels' operands.
+const BINDINGS: &str = "@group(0) @binding(1) var<storage, read> A: array<f32>;
 @group(0) @binding(2) var<storage, read> B: array<BT>;
 @group(0) @binding(3) var<storage, read_write> C: array<f32>;
 ";
@@ -126,7 +130,7 @@ pub fn gemm_source(t: Tile, o: GemmOpts, fault: Option<Fault>) -> String {
     }
     let _ = writeln!(w, "alias BT = {};", if o.b_f16 { "u32" } else { "f32" });
     let _ = writeln!(w, "alias ST = {st};\nalias AccT = {acc_t};");
-    let _ = writeln!(w, "{PARAMS}");
+    let _ = writeln!(w, "{PARAMS}{BINDINGS}");
     let _ = writeln!(
         w,
         "const BM: u32 = {}u; const BN: u32 = {}u; const BK: u32 = {}u; const NT: u32 = {nt}u;",
@@ -328,7 +332,7 @@ fn direct_source(t: Tile, o: GemmOpts, fault: Option<Fault>) -> String {
     }
     let _ = writeln!(w, "alias BT = {};", if o.b_f16 { "u32" } else { "f32" });
     let _ = writeln!(w, "alias AccT = {acc_t};");
-    let _ = writeln!(w, "{PARAMS}");
+    let _ = writeln!(w, "{PARAMS}{BINDINGS}");
     let a_idx = if o.trans_a {
         "a_base + k * p.lda + r"
     } else {
