@@ -110,18 +110,6 @@ pub(crate) fn kernel_parts(
     })
 }
 
-/// [`row_kernel`] from several parts of source, joined only when the pipeline is first built.
-pub(crate) fn row_kernel_parts(
-    g: &GpuBackend,
-    key: &str,
-    parts: &[&str],
-    bindings: &[Access],
-) -> Result<Rc<Pipeline>> {
-    g.pipeline(key, bindings, PipelineOptions::default(), || {
-        format!("{PRELUDE}\n{ROW_REDUCE}\n{}", parts.join("\n"))
-    })
-}
-
 /// The pipeline for a row-wise kernel: `PRELUDE` + [`ROW_REDUCE`] + `source`.
 pub(crate) fn row_kernel(
     g: &GpuBackend,

@@ -152,6 +152,18 @@ pub fn map1i(out: &mut [f32], a: &[f32], base: u32, f: impl Fn(u32, f32) -> f32)
     map1i_plain(out, a, base, &f)
 }
 
+/// [`map1i`] in place: x[i] = f(base + i, x[i]).
+#[inline(always)]
+pub fn apply1i(x: &mut [f32], base: u32, f: impl Fn(u32, f32) -> f32) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2() {
+        // SAFETY: as in `map1`.
+        unsafe { apply1i_avx2(x, base, &f) };
+        return;
+    }
+    apply1i_plain(x, base, &f)
+}
+
 /// [`map2`] where `f` also takes the element's index, counted from `base`.
 #[inline(always)]
 pub fn map2i(out: &mut [f32], a: &[f32], b: &[f32], base: u32, f: impl Fn(u32, f32, f32) -> f32) {
@@ -168,6 +180,13 @@ pub fn map2i(out: &mut [f32], a: &[f32], b: &[f32], base: u32, f: impl Fn(u32, f
 fn map1i_plain(out: &mut [f32], a: &[f32], base: u32, f: &impl Fn(u32, f32) -> f32) {
     for (i, (o, &x)) in out.iter_mut().zip(a).enumerate() {
         *o = f(base.wrapping_add(i as u32), x);
+    }
+}
+
+#[inline(always)]
+fn apply1i_plain(x: &mut [f32], base: u32, f: &impl Fn(u32, f32) -> f32) {
+    for (i, v) in x.iter_mut().enumerate() {
+        *v = f(base.wrapping_add(i as u32), *v);
     }
 }
 
@@ -219,6 +238,12 @@ unsafe fn map2_avx2(out: &mut [f32], a: &[f32], b: &[f32], f: &impl Fn(f32, f32)
 #[target_feature(enable = "avx2,fma")]
 unsafe fn map1i_avx2(out: &mut [f32], a: &[f32], base: u32, f: &impl Fn(u32, f32) -> f32) {
     map1i_plain(out, a, base, f)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn apply1i_avx2(x: &mut [f32], base: u32, f: &impl Fn(u32, f32) -> f32) {
+    apply1i_plain(x, base, f)
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -192,10 +192,7 @@ pub(super) fn backward(
                     }
                     // dP = dropout'(dP'), in place.
                     if let (true, Some((p, seed))) = (use_drop, drop) {
-                        let (kept, first) = (kept_fn(p, seed), (pz + r0 * t) as u32);
-                        for (j, v) in rows.iter_mut().enumerate() {
-                            *v = kept(first.wrapping_add(j as u32), *v);
-                        }
+                        fastmath::apply1i(rows, (pz + r0 * t) as u32, kept_fn(p, seed));
                     }
                     let dsr = rows;
                     fastmath::wide(|| {

@@ -4,7 +4,7 @@
 //! followed by their reciprocal standard deviations, saved by the forward pass for the backward pass.
 
 use super::Grad;
-use super::common::{Grid, ROWS4, kernel, row_kernel, row_kernel_parts, run};
+use super::common::{Grid, ROW_REDUCE, ROWS4, kernel, kernel_parts, row_kernel, run};
 use super::fastmath;
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
@@ -305,10 +305,10 @@ fn gpu_backward(
         Operand::rows(ts, stats.offset() + rows, 1),
         Operand::rows(dx.gpu("norm_backward", "dx", n)?, dx.offset(), cols),
     ];
-    let pipe = row_kernel_parts(
+    let pipe = kernel_parts(
         g,
         "norm_backward_dx",
-        &[ROWS4, include_str!("backward_dx.wgsl")],
+        &[ROW_REDUCE, ROWS4, include_str!("backward_dx.wgsl")],
         &[
             Access::Read,
             Access::Read,

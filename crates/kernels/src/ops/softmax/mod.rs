@@ -1,7 +1,7 @@
 //! Row softmax (in place), optionally scaled and causally masked, and its backward (in place on the
 //! incoming gradient).
 
-use super::common::{Grid, ROWS4, row_kernel_parts, run};
+use super::common::{Grid, ROW_REDUCE, ROWS4, kernel_parts, run};
 use super::dropout::{HASH_WGSL, check_probability, kept_fn, threshold};
 use super::fastmath;
 use crate::backend::{Backend, TMut, TRef};
@@ -159,14 +159,11 @@ fn launch(
                         for (i, row) in block.chunks_mut(s.cols).enumerate() {
                             let r = b * ROWS + i;
                             let valid = s.valid(r);
-                            let first = (r * s.cols) as u32;
                             match ys {
                                 None => row_forward(row, valid, s.scale),
                                 Some(ys) => {
                                     if let Some(kept) = kept {
-                                        for (j, v) in row.iter_mut().enumerate() {
-                                            *v = kept(first.wrapping_add(j as u32), *v);
-                                        }
+                                        fastmath::apply1i(row, (r * s.cols) as u32, kept);
                                     }
                                     let yr = &ys[r * s.cols..][..s.cols];
                                     row_backward(row, yr, valid, s.scale)
@@ -181,12 +178,7 @@ fn launch(
                     ds.par_chunks_mut(block)
                         .zip(xs.par_chunks(block))
                         .enumerate()
-                        .for_each(|(b, (d, x))| {
-                            let first = (b * block) as u32;
-                            for (j, (d, &x)) in d.iter_mut().zip(x).enumerate() {
-                                *d = kept(first.wrapping_add(j as u32), x);
-                            }
-                        })
+                        .for_each(|(b, (d, x))| fastmath::map1i(d, x, (b * block) as u32, kept))
                 });
             }
             Ok(())
@@ -229,14 +221,19 @@ fn launch(
                     "p.causal_offset + 1u);",
                     "p.causal_offset + select(1u, 2u, (p.start + row) % p.causal_t >= 128u));",
                 );
-                row_kernel_parts(
+                kernel_parts(
                     g,
                     "softmax_fault_causal128",
-                    &[HASH_WGSL, ROWS4, &leak],
+                    &[ROW_REDUCE, ROWS4, HASH_WGSL, &leak],
                     &BINDINGS,
                 )?
             } else {
-                row_kernel_parts(g, "softmax", &[HASH_WGSL, ROWS4, SOURCE], &BINDINGS)?
+                kernel_parts(
+                    g,
+                    "softmax",
+                    &[ROW_REDUCE, ROWS4, HASH_WGSL, SOURCE],
+                    &BINDINGS,
+                )?
             };
             let (p, seed) = drop.unwrap_or((0.0, 0));
             let extra = [
