@@ -120,9 +120,11 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, cmd: &BenchCmd) -> Resul
 
 /// The training gate of the benchmark's model, on the bundled text (whose vocabulary its default
 /// size matches): the tensor-core training path is timed only where it passed.
+#[allow(clippy::too_many_arguments)]
 fn train_gate(
     be: &Backend,
     gate: &crate::gates::GateArgs,
+    data: &tinygpt_models::gpt::Dataset,
     cfg: &GptConfig,
     batch: usize,
     params: &[f32],
@@ -133,7 +135,6 @@ fn train_gate(
     if !paths.has(PathId::MixedTraining) {
         return Ok(paths);
     }
-    let data = bundled_text(cfg.block_size)?;
     // With another --vocab, the text's ids fold into it (still a stream a model can learn).
     let v = cfg.vocab_size as u32;
     let fold = |(x, y): (Vec<u32>, Vec<u32>)| {
@@ -493,10 +494,16 @@ fn train_bench(
     a: &TrainBenchArgs,
     paths: PathSet,
 ) -> Result<()> {
-    let vocab = match a.vocab {
-        Some(v) => v,
-        None => bundled_text(a.block_size.max(1))?.vocab.len(),
+    // The bundled text, read once: for the default vocabulary and for the training gate.
+    let text = if a.vocab.is_none() || paths.has(PathId::MixedTraining) {
+        Some(bundled_text(a.block_size.max(1))?)
+    } else {
+        None
     };
+    let vocab = a
+        .vocab
+        .or_else(|| text.as_ref().map(|t| t.vocab.len()))
+        .context("--vocab: no vocabulary size")?;
     let cfg = GptConfig {
         vocab_size: vocab,
         block_size: a.block_size,
@@ -512,7 +519,10 @@ fn train_bench(
         f16_forward: a.f16_forward,
         ..OptimConfig::default()
     };
-    let paths = train_gate(be, gate, &cfg, a.batch, &params, optim, paths)?;
+    let paths = match &text {
+        Some(data) => train_gate(be, gate, data, &cfg, a.batch, &params, optim, paths)?,
+        None => paths,
+    };
     let mut tr = Trainer::new(be, &cfg, a.batch, &params, None, optim, paths)?;
     println!(
         "config: {} layers, {} heads, {} wide, block {}, batch {}, dropout {} — {:.2}M parameters (set up in {:.2}s)",
