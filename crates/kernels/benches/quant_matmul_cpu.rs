@@ -395,6 +395,44 @@ fn per_call() {
     }
 }
 
+/// Batched decode steps: m sequences' rows through every matrix, head included, each row computed as it
+/// is alone (bit-identical to a call of its own), as `tinygpt serve` and `bench llm --parallel` run them.
+fn batched(name: &str, model: &Model, pool: &rayon::ThreadPool) {
+    println!("\n== batched decode: all {name} matrices (head included), m rows as alone ==");
+    let opts = QmmOptions {
+        alone: true,
+        ..QmmOptions::default()
+    };
+    let kmax = model.iter().map(|m| m.w.cols()).max().unwrap();
+    let nmax = model.iter().map(|m| m.w.rows()).max().unwrap();
+    let macs: usize = model.iter().map(|m| m.w.rows() * m.w.cols()).sum();
+    for m in [1usize, 4, 8, 16] {
+        let x: Vec<f32> = (0..m * kmax)
+            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        let mut y = vec![0f32; m * nmax];
+        let mut v: Vec<f64> = (0..7)
+            .map(|_| {
+                pool.install(|| {
+                    let t = Instant::now();
+                    for w in model {
+                        let (n, k) = (w.w.rows(), w.w.cols());
+                        w.w.run(&x[..m * k], &mut y[..m * n], m, opts);
+                    }
+                    secs(t.elapsed())
+                })
+            })
+            .collect();
+        let t = median(&mut v);
+        println!(
+            "m = {m:2}: {:7.2} ms a step, {:6.1} tokens/s, {:6.1} GFLOP/s",
+            t * 1e3,
+            m as f64 / t,
+            2.0 * (macs * m) as f64 / t / 1e9
+        );
+    }
+}
+
 /// Runs decode steps; returns the median step time and the median time per matrix name.
 fn steps(model: &Model, opts: QmmOptions, n_steps: usize) -> (f64, f64, Vec<(&'static str, f64)>) {
     let kmax = model.iter().map(|m| m.w.cols()).max().unwrap();
@@ -525,9 +563,10 @@ fn decode(title: &str, model: &Model, llama_tok_s: f64) {
 
 /// Prompt processing (m > 1) over one model's layers (not its head).
 fn prompt(name: &str, model: Model) {
+    let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
+    batched(name, &model, &pool);
     println!("\n== prompt processing: all {name} layers (no head), m tokens at once ==");
     let model: Model = model.into_iter().filter(|m| m.name != "head").collect();
-    let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
     let macs: usize = model.iter().map(|m| m.w.rows() * m.w.cols()).sum();
     // The row kernels at every m (a group limit keeps a call off the GEMM path), then the default choice.
     // QMM_ISA=avx2 or scalar runs both on that instruction set instead of the detected one.

@@ -218,7 +218,7 @@ fn map2_plain(out: &mut [f32], a: &[f32], b: &[f32], f: &impl Fn(f32, f32) -> f3
 }
 
 #[cfg(target_arch = "x86_64")]
-fn avx2() -> bool {
+pub(crate) fn avx2() -> bool {
     std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
 }
 

@@ -266,10 +266,45 @@ pub struct DecodeShape {
     pub softcap: f32,
 }
 
+/// [`dot`] of `a` with four vectors at once (the same arithmetic for each, interleaved: four
+/// independent chains).
+#[inline(always)]
+fn dot4(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
+    const LANES: usize = 16;
+    let n = a.len() / LANES * LANES;
+    let (mut a0, mut a1, mut a2, mut a3) = (
+        [0.0f32; LANES],
+        [0.0f32; LANES],
+        [0.0f32; LANES],
+        [0.0f32; LANES],
+    );
+    let [b0, b1, b2, b3] = b;
+    let mut c = 0;
+    while c < n {
+        let x: &[f32; LANES] = a[c..c + LANES].try_into().unwrap();
+        let y0: &[f32; LANES] = b0[c..c + LANES].try_into().unwrap();
+        let y1: &[f32; LANES] = b1[c..c + LANES].try_into().unwrap();
+        let y2: &[f32; LANES] = b2[c..c + LANES].try_into().unwrap();
+        let y3: &[f32; LANES] = b3[c..c + LANES].try_into().unwrap();
+        for i in 0..LANES {
+            a0[i] += x[i] * y0[i];
+            a1[i] += x[i] * y1[i];
+            a2[i] += x[i] * y2[i];
+            a3[i] += x[i] * y3[i];
+        }
+        c += LANES;
+    }
+    let fin = |acc: &[f32; LANES], bk: &[f32]| {
+        let tail: f32 = (n..a.len()).map(|i| a[i] * bk[i]).sum();
+        acc.iter().sum::<f32>() + tail
+    };
+    [fin(&a0, b0), fin(&a1, b1), fin(&a2, b2), fin(&a3, b3)]
+}
+
 /// Σ a·b over 16 independent partial sums: a serial f32 sum is one long dependency chain that the
 /// compiler may not reorder, which made the scores of a long KV cache cost more than a decode step's
 /// matrix products.
-#[inline]
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     const LANES: usize = 16;
     let mut acc = [0.0f32; LANES];
@@ -286,6 +321,121 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     acc.iter().sum::<f32>() + tail
+}
+
+/// One query head at position `qpos` over the cache rows `ks` / `vs` (row j of the sequence at
+/// j · `s.ld_kv`), its KV head `kvh`: softmax(scale · q Kᵀ, causal[, window]) V — the CPU twin's
+/// arithmetic for one (row, head), shared by [`attend`] and the batched rows of
+/// [`rows::attend_rows`] so a row of a batch equals the same row alone bit for bit.
+fn head_cpu(
+    qr: &[f32],
+    ks: &[f32],
+    vs: &[f32],
+    kvh: usize,
+    qpos: usize,
+    s: &DecodeShape,
+) -> Vec<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if super::fastmath::avx2() {
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        return unsafe { head_avx2(qr, ks, vs, kvh, qpos, s) };
+    }
+    head_body(qr, ks, vs, kvh, qpos, s)
+}
+
+/// [`head_body`] built for AVX2 + FMA (the same results: nothing is contracted into an FMA).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn head_avx2(
+    qr: &[f32],
+    ks: &[f32],
+    vs: &[f32],
+    kvh: usize,
+    qpos: usize,
+    s: &DecodeShape,
+) -> Vec<f32> {
+    head_body(qr, ks, vs, kvh, qpos, s)
+}
+
+#[inline(always)]
+fn head_body(
+    qr: &[f32],
+    ks: &[f32],
+    vs: &[f32],
+    kvh: usize,
+    qpos: usize,
+    s: &DecodeShape,
+) -> Vec<f32> {
+    let last = (qpos + 1).min(s.kv_len);
+    let first = if s.window > 0 {
+        (qpos + 1).saturating_sub(s.window)
+    } else {
+        0
+    };
+    // Plain loops: a closure here compiles to a function of its own, outside `head_avx2`'s build.
+    let mut sc: Vec<f32> = Vec::with_capacity(last.saturating_sub(first));
+    let key = |j: usize| &ks[j * s.ld_kv + kvh * s.head_dim..][..s.head_dim];
+    let finish = |x: f32| {
+        let x = x * s.scale;
+        if s.softcap > 0.0 {
+            s.softcap * (x / s.softcap).clamp(-15.0, 15.0).tanh()
+        } else {
+            x
+        }
+    };
+    // Four keys at a time: four independent chains of the same per-key arithmetic as `dot`.
+    let mut j = first;
+    while j + 4 <= last {
+        let d = dot4(qr, [key(j), key(j + 1), key(j + 2), key(j + 3)]);
+        sc.extend(d.map(finish));
+        j += 4;
+    }
+    while j < last {
+        sc.push(finish(dot(qr, key(j))));
+        j += 1;
+    }
+    let mut m = f32::MIN;
+    for &x in &sc {
+        m = m.max(x);
+    }
+    // The exponentials vectorise; their sum stays in order.
+    for x in sc.iter_mut() {
+        *x = super::fastmath::exp(*x - m);
+    }
+    let mut sum = 0.0f32;
+    for &x in &sc {
+        sum += x;
+    }
+    let inv = 1.0 / sum;
+    // o = Σ_j w_j · v_j, each element summed over j in order, 64 elements at a time held in registers.
+    let mut o = vec![0.0f32; s.head_dim];
+    const W: usize = 64;
+    let mut c = 0;
+    while c < s.head_dim {
+        let len = W.min(s.head_dim - c);
+        let mut acc = [0.0f32; W];
+        if len == W {
+            for (jj, &w) in sc.iter().enumerate() {
+                let vr = &vs[(first + jj) * s.ld_kv + kvh * s.head_dim + c..][..W];
+                for i in 0..W {
+                    acc[i] += w * vr[i];
+                }
+            }
+        } else {
+            for (jj, &w) in sc.iter().enumerate() {
+                let vr = &vs[(first + jj) * s.ld_kv + kvh * s.head_dim + c..][..len];
+                for i in 0..len {
+                    acc[i] += w * vr[i];
+                }
+            }
+        }
+        o[c..c + len].copy_from_slice(&acc[..len]);
+        c += len;
+    }
+    for x in o.iter_mut() {
+        *x *= inv;
+    }
+    o
 }
 
 /// out = softmax(scale · q Kᵀ, causal[, window]) V for each query row and head.
@@ -337,38 +487,8 @@ pub fn attend(
                     .into_par_iter()
                     .map(|gi| {
                         let (r, h) = (gi / s.heads, gi % s.heads);
-                        let kvh = h / group;
-                        let qpos = s.q_pos0 + r;
-                        let last = (qpos + 1).min(s.kv_len);
-                        let first = if s.window > 0 {
-                            (qpos + 1).saturating_sub(s.window)
-                        } else {
-                            0
-                        };
                         let qr = &qs[r * s.ld_q + h * s.head_dim..][..s.head_dim];
-                        let mut sc: Vec<f32> = (first..last)
-                            .map(|j| {
-                                let kr = &ks[j * s.ld_kv + kvh * s.head_dim..][..s.head_dim];
-                                let mut x = dot(qr, kr) * s.scale;
-                                if s.softcap > 0.0 {
-                                    x = s.softcap * (x / s.softcap).clamp(-15.0, 15.0).tanh();
-                                }
-                                x
-                            })
-                            .collect();
-                        let m = sc.iter().fold(f32::MIN, |m, &x| m.max(x));
-                        let mut sum = 0.0f32;
-                        for x in &mut sc {
-                            *x = super::fastmath::exp(*x - m);
-                            sum += *x;
-                        }
-                        let inv = 1.0 / sum;
-                        let mut o = vec![0.0f32; s.head_dim];
-                        for (jj, &w) in sc.iter().enumerate() {
-                            let vr = &vs[(first + jj) * s.ld_kv + kvh * s.head_dim..][..s.head_dim];
-                            o.iter_mut().zip(vr).for_each(|(a, b)| *a += w * b);
-                        }
-                        o.iter_mut().for_each(|x| *x *= inv);
+                        let o = head_cpu(qr, ks, vs, h / group, s.q_pos0 + r, &s);
                         (r * s.ld_o + h * s.head_dim, o)
                     })
                     .collect()

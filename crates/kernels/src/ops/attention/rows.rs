@@ -7,11 +7,12 @@
 //!   table (per query row):  [base, pos]  — the row's sequence's first cache row, and its position
 //! ```
 
-use super::{DecodeShape, attend};
+use super::{DecodeShape, attend, head_cpu};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::Access;
 use crate::ops::common::kernel;
+use rayon::prelude::*;
 
 /// Positions one workgroup scores (attend_rows.wgsl's CHUNK): many small splits keep each workgroup
 /// short (a decode step is bound by latency), and a second dispatch merges them. (One workgroup of 256
@@ -161,14 +162,46 @@ pub fn attend_rows(
         }
         Ok(())
     };
-    let g = match be {
-        // The twin: each row through the CPU attention.
-        Backend::Cpu(_) => return one_by_one(&mut out),
-        Backend::Gpu(g) => g,
-    };
     if n == 0 {
         return Ok(());
     }
+    let g = match be {
+        // The twin: every (row, head) of the pass in one parallel loop, each computed exactly as
+        // `attend` computes that row alone (one fork-join a layer, not one a row).
+        Backend::Cpu(c) => {
+            let span_q = (n - 1) * s.ld_q + s.heads * s.head_dim;
+            let span_o = (n - 1) * s.ld_o + s.heads * s.head_dim;
+            let qs = q.cpu("attend_rows", "q", span_q)?;
+            let cs = cache.cpu("attend_rows", "cache", cache_rows * s.ld_kv)?;
+            let os = out.cpu("attend_rows", "out", span_o)?;
+            let group = s.heads / s.kv_heads;
+            let results: Vec<(usize, Vec<f32>)> = c.install(|| {
+                (0..n * s.heads)
+                    .into_par_iter()
+                    .map(|gi| {
+                        let (r, h) = (gi / s.heads, gi % s.heads);
+                        let [base, pos] = rows.host[r].map(|v| v as usize);
+                        let seq = &cs[base * s.ld_kv..];
+                        let qr = &qs[r * s.ld_q + h * s.head_dim..][..s.head_dim];
+                        let o = head_cpu(
+                            qr,
+                            &seq[s.k_at..],
+                            &seq[s.v_at..],
+                            h / group,
+                            pos,
+                            &shape(pos),
+                        );
+                        (r * s.ld_o + h * s.head_dim, o)
+                    })
+                    .collect()
+            });
+            for (off, o) in results {
+                os[off..off + s.head_dim].copy_from_slice(&o);
+            }
+            return Ok(());
+        }
+        Backend::Gpu(g) => g,
+    };
     // The kernel reads the cache as 16-byte vectors and splits 256 threads over a head's vectors.
     let vec4 = [s.ld_kv, s.k_at, s.v_at, cache.offset()]
         .iter()

@@ -717,7 +717,10 @@ fn max_group(isa: CpuIsa, k: usize) -> usize {
 /// portable one takes one row per pass).
 fn group_size(opts: QmmOptions, k: usize) -> usize {
     let best = match (opts.alone, opts.isa) {
-        (true, CpuIsa::Avx512 | CpuIsa::Avx2Fma) => ALONE_GROUP,
+        // The AVX-512 kernels keep two accumulators per row as alone (one pass over the blocks per
+        // pair), as many as the Q4 one keeps otherwise.
+        (true, CpuIsa::Avx512) => max_group(CpuIsa::Avx512, k),
+        (true, CpuIsa::Avx2Fma) => ALONE_GROUP,
         (true, CpuIsa::Scalar) => 1,
         (false, isa) => max_group(isa, k),
     };
@@ -1080,52 +1083,53 @@ mod tests {
     type Product<'a> = dyn Fn(&[f32], &mut [f32], usize) + 'a;
 
     /// With `alone`, every row of a batch comes out bit for bit as it does in a call of its own, on every
-    /// instruction set this CPU runs (AVX-512 shares the weights' decoding between up to four rows), for
-    /// every layout and a batch of every size up to past two groups.
+    /// instruction set this CPU runs (AVX-512 shares the weights' decoding between up to eight rows), for
+    /// every layout, an even and an odd count of blocks, and a batch of every size up to past two groups.
     #[test]
     fn rows_computed_alone_match_one_row_calls() {
         let mut rng = ChaCha8Rng::seed_from_u64(31);
-        let (n, k) = (37, 576);
-        let (w8, w16, w4) = (
-            q8(&mut rng, n, k, 32, -8, -4),
-            q8(&mut rng, n, k, 16, -8, -4),
-            q4(&mut rng, n, k, -8, -4),
-        );
-        for isa in [CpuIsa::Scalar, CpuIsa::Avx2Fma, CpuIsa::Avx512]
-            .into_iter()
-            .filter(|i| i.is_available())
-        {
-            for m in 1..=9 {
-                let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
-                let o = QmmOptions {
-                    alone: true,
-                    ..opts(isa, true)
-                };
-                let run = |f: &Product| {
-                    let mut batch = vec![0.0; m * n];
-                    f(&x, &mut batch, m);
-                    let mut one = vec![0.0; m * n];
-                    for i in 0..m {
-                        f(&x[i * k..(i + 1) * k], &mut one[i * n..(i + 1) * n], 1);
+        for (n, k) in [(37, 576), (21, 544)] {
+            let (w8, w16, w4) = (
+                q8(&mut rng, n, k, 32, -8, -4),
+                q8(&mut rng, n, k, 16, -8, -4),
+                q4(&mut rng, n, k, -8, -4),
+            );
+            for isa in [CpuIsa::Scalar, CpuIsa::Avx2Fma, CpuIsa::Avx512]
+                .into_iter()
+                .filter(|i| i.is_available())
+            {
+                for m in 1..=17 {
+                    let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+                    let o = QmmOptions {
+                        alone: true,
+                        ..opts(isa, true)
+                    };
+                    let run = |f: &Product| {
+                        let mut batch = vec![0.0; m * n];
+                        f(&x, &mut batch, m);
+                        let mut one = vec![0.0; m * n];
+                        for i in 0..m {
+                            f(&x[i * k..(i + 1) * k], &mut one[i * n..(i + 1) * n], 1);
+                        }
+                        (batch, one)
+                    };
+                    for (name, (batch, one)) in [
+                        (
+                            "q8/32",
+                            run(&|x, y, m| q8_matmul_nt_with(x, &w8, m, 0..n, y, n, o)),
+                        ),
+                        (
+                            "q8/16",
+                            run(&|x, y, m| q8_matmul_nt_with(x, &w16, m, 0..n, y, n, o)),
+                        ),
+                        (
+                            "q4",
+                            run(&|x, y, m| q4_matmul_nt_with(x, &w4, m, 0..n, y, n, o)),
+                        ),
+                    ] {
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&batch), bits(&one), "{isa:?} {name} {n}x{k} m={m}");
                     }
-                    (batch, one)
-                };
-                for (name, (batch, one)) in [
-                    (
-                        "q8/32",
-                        run(&|x, y, m| q8_matmul_nt_with(x, &w8, m, 0..n, y, n, o)),
-                    ),
-                    (
-                        "q8/16",
-                        run(&|x, y, m| q8_matmul_nt_with(x, &w16, m, 0..n, y, n, o)),
-                    ),
-                    (
-                        "q4",
-                        run(&|x, y, m| q4_matmul_nt_with(x, &w4, m, 0..n, y, n, o)),
-                    ),
-                ] {
-                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&batch), bits(&one), "{isa:?} {name} m={m}");
                 }
             }
         }

@@ -158,14 +158,14 @@ unsafe fn q8_rows_deq<const R: usize, const BLOCK: usize>(
 /// of [`q8_block_1`]; the quants are converted once.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn q8_block_alone<const R: usize, const BLOCK: usize>(
+unsafe fn q8_block_alone<const R: usize, const BLOCK: usize, const S: usize>(
     x: *const f32,
     ldx: usize,
     b: usize,
     u: usize,
     qr: *const u8,
     sr: *const f32,
-    acc: &mut [[__m512; 4]; R],
+    acc: &mut [[__m512; S]; R],
 ) {
     unsafe {
         let sc = _mm512_set1_ps(*sr.add(b));
@@ -208,20 +208,32 @@ unsafe fn q8_rows_alone<const R: usize, const BLOCK: usize>(
                 prefetch(qr.wrapping_add(ahead * k), k);
                 prefetch(sr.wrapping_add(ahead * nb).cast(), 4 * nb);
             }
-            let mut acc = [[_mm512_setzero_ps(); 4]; R];
+            // Two passes over the row's blocks, each with two of the four accumulators: the first
+            // takes blocks 4i and 4i + 1 (and the tail, into accumulator 0, after them), the second
+            // 4i + 2 and 4i + 3 — each accumulator the same blocks in the same order as in `q8_rows_1`,
+            // with 2R vectors live rather than 4R (eight rows fit the registers).
+            let nb4 = nb / 4 * 4;
+            let mut acc = [[_mm512_setzero_ps(); 2]; R];
             let mut b = 0;
-            while b + 4 <= nb {
-                for u in 0..4 {
-                    q8_block_alone::<R, BLOCK>(x, ldx, b + u, u, qr, sr, &mut acc);
-                }
+            while b < nb4 {
+                q8_block_alone::<R, BLOCK, 2>(x, ldx, b, 0, qr, sr, &mut acc);
+                q8_block_alone::<R, BLOCK, 2>(x, ldx, b + 1, 1, qr, sr, &mut acc);
                 b += 4;
             }
             while b < nb {
-                q8_block_alone::<R, BLOCK>(x, ldx, b, 0, qr, sr, &mut acc);
+                q8_block_alone::<R, BLOCK, 2>(x, ldx, b, 0, qr, sr, &mut acc);
                 b += 1;
             }
+            let first: [__m512; R] = std::array::from_fn(|r| _mm512_add_ps(acc[r][0], acc[r][1]));
+            let mut acc = [[_mm512_setzero_ps(); 2]; R];
+            let mut b = 0;
+            while b < nb4 {
+                q8_block_alone::<R, BLOCK, 2>(x, ldx, b + 2, 0, qr, sr, &mut acc);
+                q8_block_alone::<R, BLOCK, 2>(x, ldx, b + 3, 1, qr, sr, &mut acc);
+                b += 4;
+            }
             for (r, a) in acc.iter().enumerate() {
-                let v = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+                let v = _mm512_add_ps(first[r], _mm512_add_ps(a[0], a[1]));
                 *y.add(r * ldy + n) = _mm512_reduce_add_ps(v);
             }
         }
@@ -318,10 +330,33 @@ pub(super) unsafe fn q4_rows<const R: usize>(
             // row (or rows computed as alone), blocks alternate between a0 and a1 so four FMA chains run
             // at once. (Unrolled by hand:
             // an accumulator array indexed by `b % 2` would live in memory.)
+            if alone && R > 1 {
+                // Several rows as alone: a0 takes the even blocks and a1 the odd ones, each in the same
+                // order as the alternating loop below gives them, so every sum is the same; one pass
+                // per accumulator pair keeps 2R vectors live, not 4R (eight rows fit the registers).
+                let mut a = [[_mm512_setzero_ps(); 2]; R];
+                let mut b = 0;
+                while b < nb {
+                    q4_block(x, ldx, b, qr, sr, mr, iota, &mut a);
+                    b += 2;
+                }
+                let even: [__m512; R] = std::array::from_fn(|r| _mm512_add_ps(a[r][0], a[r][1]));
+                let mut a = [[_mm512_setzero_ps(); 2]; R];
+                let mut b = 1;
+                while b < nb {
+                    q4_block(x, ldx, b, qr, sr, mr, iota, &mut a);
+                    b += 2;
+                }
+                for r in 0..R {
+                    let v = _mm512_add_ps(even[r], _mm512_add_ps(a[r][0], a[r][1]));
+                    *y.add(r * ldy + n) = _mm512_reduce_add_ps(v);
+                }
+                continue;
+            }
             let mut a0 = [[_mm512_setzero_ps(); 2]; R];
             let mut a1 = [[_mm512_setzero_ps(); 2]; R];
             let mut b = 0;
-            if R == 1 || alone {
+            if R == 1 {
                 while b + 2 <= nb {
                     q4_block(x, ldx, b, qr, sr, mr, iota, &mut a0);
                     q4_block(x, ldx, b + 1, qr, sr, mr, iota, &mut a1);
