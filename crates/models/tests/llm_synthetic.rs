@@ -880,6 +880,114 @@ fn the_drift_guard_catches_a_fault_the_start_up_gates_pass() {
     }
 }
 
+/// A server's sequences decoded side by side, watched by one guard (`tinygpt serve`): the planted fault
+/// that appears from position 500 on trips it at the first check past 500 of whichever sequence gets
+/// there; the model and every sequence then move to the f32 path, each sequence's cache recomputed
+/// from its tokens, so each one's next logits are those of the f32 model fed the same tokens.
+#[test]
+fn the_drift_guard_watches_a_servers_sequences() {
+    use tinygpt_kernels::path::Fault;
+    use tinygpt_models::llm::{DriftGuard, Sequence};
+    use tinygpt_models::sampler::argmax;
+    let Some(be) = gpu_backend(None) else { return };
+    let bytes = write(&LONG, &|_| GgmlType::Q8_0, &random);
+    let q = GgufFile::from_bytes(bytes.clone()).unwrap();
+    let faulty = PathSet::of(&[PathId::QuantMatmul]).with_fault(Some(Fault::RopePast500));
+    let load = |paths| {
+        Llm::from_gguf(
+            &be,
+            &q,
+            &LoadOptions {
+                context: Some(600),
+                batch: 64,
+                paths,
+                parallel: 3,
+                sequences: 3,
+            },
+            &mut |_| {},
+        )
+        .expect("loads")
+    };
+    let mut llm = load(faulty);
+    let mut guard = DriftGuard::new(
+        GgufFile::from_bytes(bytes.clone()).unwrap(),
+        600,
+        128,
+        Some(1),
+        true,
+    );
+    // Three prompts of different lengths: the sequences reach their checks at different steps.
+    let mut seqs: Vec<Sequence> = (0..3).map(|_| llm.new_sequence().unwrap()).collect();
+    let mut hist: Vec<Vec<u32>> = Vec::new();
+    for (i, s) in seqs.iter_mut().enumerate() {
+        let prompt = &PROMPT[..PROMPT.len() - 3 * i];
+        llm.feed_sequence(&be, s, prompt).unwrap();
+        hist.push(prompt.to_vec());
+    }
+    let mut next: Vec<u32> = vec![1, 2, 3];
+    let mut event = None;
+    let mut checks_before_trip = 0;
+    for _ in 0..520 {
+        let ids = next.clone();
+        {
+            let mut steps: Vec<(&mut Sequence, u32)> = seqs.iter_mut().zip(ids.clone()).collect();
+            llm.decode_batch(&be, &mut steps).unwrap();
+        }
+        for (h, id) in hist.iter_mut().zip(&ids) {
+            h.push(*id);
+        }
+        let rows = pollster::block_on(llm.read_logits_batch(&be, 3)).unwrap();
+        next = rows.iter().map(|r| argmax(r)).collect();
+        if event.is_none() {
+            event = guard.poll_sequences(&be, &mut llm).unwrap();
+        }
+        for i in 0..3 {
+            if event.is_none() && guard.due(seqs[i].position() - 1) {
+                checks_before_trip += 1;
+                event = pollster::block_on(
+                    guard.check_sequence(&be, &mut llm, &seqs[i], &hist[i], &rows[i]),
+                )
+                .unwrap();
+            }
+        }
+        if event.is_some() {
+            break;
+        }
+    }
+    let e = event.expect("the guard trips");
+    eprintln!("{e:?} after {checks_before_trip} checks");
+    assert!(e.position >= 500 && e.position < 512 + 128, "{e:?}");
+    assert!(e.kl > e.bound, "{e:?}");
+    assert_eq!(e.paths, faulty);
+    assert!(!guard.due(639), "a tripped guard checks no more");
+    // The caller moves the model and every sequence.
+    {
+        let mut all: Vec<(&mut Sequence, &[u32])> = seqs
+            .iter_mut()
+            .zip(&hist)
+            .map(|(s, h)| (s, h.as_slice()))
+            .collect();
+        llm.switch_paths_with(&be, guard.file(), PathSet::F32, &mut all)
+            .unwrap();
+    }
+    assert_eq!(llm.paths(), PathSet::F32);
+    let mut steps: Vec<(&mut Sequence, u32)> = seqs.iter_mut().zip(next.clone()).collect();
+    llm.decode_batch(&be, &mut steps).unwrap();
+    let rows = pollster::block_on(llm.read_logits_batch(&be, 3)).unwrap();
+    let mut reference = load_with(&be, &q, 64, PathSet::F32);
+    for i in 0..3 {
+        reference.reset();
+        reference.feed(&be, &hist[i]).unwrap();
+        let want = reference.decode(&be, next[i]).unwrap();
+        assert_nmse(
+            &format!("sequence {i} after the switch"),
+            &want,
+            &rows[i],
+            1e-10,
+        );
+    }
+}
+
 /// A model that starts on the f32 path while its fast paths are gated elsewhere moves to them between
 /// two tokens (`generate_watched`'s switch, as `run` and `chat` take a background gate's verdict):
 /// generation goes on without a gap or a repeated token, on the fast paths from then on, and the

@@ -210,12 +210,11 @@ fn load_with(
             (None, _) => String::new(),
         },
     );
-    // The drift guard's shadow runs the f32 path on the CPU; a server's batched decoding is not
-    // watched (see docs/precision.md).
+    // The drift guard's shadow runs the f32 path on the CPU (a server's guard watches all its
+    // sequences: see serve::engine).
     let guard = if be.as_gpu().is_some()
         && (!llm.paths().is_empty() || gating.is_some())
         && gate.drift_check > 0
-        && !serving
     {
         let file = GgufFile::open(path).context("cannot open the model")?;
         Some(DriftGuard::new(

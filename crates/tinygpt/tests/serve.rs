@@ -375,7 +375,9 @@ fn requests_decoded_together_on_the_gpu_match_tinygpt_run() {
 
 /// On an adapter without stored gate verdicts the server is ready at once on the f32 path, gates the
 /// fast paths in the background, and moves to them between two requests (never inside one): the texts
-/// before and after equal the f32 path's, and /metrics then lists the fast path.
+/// before and after equal the f32 path's, and /metrics then lists the fast path. On the fast path the
+/// drift guard (here every 4 tokens) checks the request's steps against the f32 path and lets it go
+/// on: /metrics counts the checks and no event.
 #[test]
 fn a_server_on_an_ungated_adapter_serves_at_once_and_moves_to_its_fast_paths_between_requests() {
     if tinygpt_kernels::testing::skip_gpu() {
@@ -396,7 +398,13 @@ fn a_server_on_an_ungated_adapter_serves_at_once_and_moves_to_its_fast_paths_bet
     let s = start_with(
         with_cache(),
         "gpu",
-        &[model.to_str().unwrap(), "--parallel", "2"],
+        &[
+            model.to_str().unwrap(),
+            "--parallel",
+            "2",
+            "--drift-check",
+            "4",
+        ],
     );
     assert!(
         s.ready
@@ -443,6 +451,15 @@ fn a_server_on_an_ungated_adapter_serves_at_once_and_moves_to_its_fast_paths_bet
         m.contains("tinygpt_fast_path_active{path=\"q8 matmul\"} 1"),
         "{m}"
     );
+    // Checks every 4 positions of the second request (the first ran on the f32 path, which the guard
+    // does not watch); the shadow's verdict on the last one may still be out.
+    let count = |name: &str| -> i64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {m}"))
+    };
+    assert!(count("tinygpt_drift_checks ") >= 1, "{m}");
+    assert_eq!(count("tinygpt_drift_events "), 0, "{m}");
     drop(s);
     let _ = std::fs::remove_dir_all(&cache);
 }

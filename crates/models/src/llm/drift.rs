@@ -21,7 +21,7 @@ use tinygpt_kernels::cpu::CpuBackend;
 use tinygpt_kernels::{Backend, PathSet};
 
 use super::error::{LlmError, Result};
-use super::model::{Feed, Llm, LoadOptions};
+use super::model::{Feed, Llm, LoadOptions, Sequence};
 
 /// Checks every this many tokens by default (`--drift-check N`).
 pub const DEFAULT_EVERY: usize = 128;
@@ -226,13 +226,64 @@ impl DriftGuard {
         llm: &mut Llm,
         fast: &[f32],
     ) -> Result<Option<DriftEvent>> {
-        let Some(p) = llm.position().checked_sub(1) else {
+        if llm.position() == 0 {
             return Ok(None);
-        };
+        }
         if let Some(e) = self.settle(be, llm).await? {
             return Ok(Some(e));
         }
-        let history = llm.history();
+        let history = llm.history().to_vec();
+        let r = self.request(be, llm, None, &history, fast).await?;
+        self.submit(be, llm, r, true).await
+    }
+
+    /// [`DriftGuard::check`] for one of the sequences a server decodes side by side: `seq` holds the
+    /// tokens `history` (one per position) and `fast` is its row of the last pass's logits. A verdict
+    /// past the bound is returned but the model is *not* switched: the caller moves it and all its
+    /// sequences ([`Llm::switch_paths_with`]). Checks of different sequences share the shadow, which
+    /// keeps the cache rows of the tokens they have in common.
+    pub async fn check_sequence(
+        &mut self,
+        be: &Backend,
+        llm: &mut Llm,
+        seq: &Sequence,
+        history: &[u32],
+        fast: &[f32],
+    ) -> Result<Option<DriftEvent>> {
+        if history.len() != seq.position() {
+            return Err(LlmError::Options(format!(
+                "a sequence of {} positions checked with {} tokens",
+                seq.position(),
+                history.len()
+            )));
+        }
+        if history.is_empty() {
+            return Ok(None);
+        }
+        if let Some(e) = self.receive(be, llm, true, false)? {
+            return Ok(Some(e));
+        }
+        let r = self.request(be, llm, Some(seq), history, fast).await?;
+        self.submit(be, llm, r, false).await
+    }
+
+    /// Takes the verdict of the last [`DriftGuard::check_sequence`] if it is ready, without switching
+    /// the model (see there).
+    pub fn poll_sequences(&mut self, be: &Backend, llm: &mut Llm) -> Result<Option<DriftEvent>> {
+        self.receive(be, llm, false, false)
+    }
+
+    /// The shadow's next step: the cache rows it lacks of `seq` (the model's own sequence: None),
+    /// which holds `history`, and its last token.
+    async fn request(
+        &mut self,
+        be: &Backend,
+        llm: &Llm,
+        seq: Option<&Sequence>,
+        history: &[u32],
+        fast: &[f32],
+    ) -> Result<Request> {
+        let p = history.len() - 1;
         let id = match history.get(p) {
             Some(&id) if (id as usize) < llm.config().vocab => id,
             _ => {
@@ -251,18 +302,31 @@ impl DriftGuard {
         let tokens = history[from..p].to_vec();
         self.held.truncate(from);
         self.held.extend_from_slice(&tokens);
-        let kv = llm.read_kv(be, from, p - from).await?;
-        let r = Request {
+        let kv = match seq {
+            Some(seq) => llm.read_kv_of(be, seq, from, p - from).await?,
+            None => llm.read_kv(be, from, p - from).await?,
+        };
+        Ok(Request {
             from,
             kv,
             tokens,
             id,
             fast: fast.to_vec(),
-        };
+        })
+    }
+
+    /// Hands `r` to the shadow: in line, its verdict taken now; on its thread, taken later.
+    async fn submit(
+        &mut self,
+        be: &Backend,
+        llm: &mut Llm,
+        r: Request,
+        switch: bool,
+    ) -> Result<Option<DriftEvent>> {
         match &mut self.runner {
             Runner::Inline(shadow) => {
                 let v = shadow.step(r).await?;
-                self.take(be, llm, v)
+                self.take(be, llm, v, switch)
             }
             #[cfg(not(target_arch = "wasm32"))]
             Runner::Thread { tx, pending, .. } => {
@@ -276,18 +340,25 @@ impl DriftGuard {
     /// Takes the verdict of the last check if it is ready (native background shadow; in line every
     /// verdict is taken by [`DriftGuard::check`]).
     pub fn poll(&mut self, be: &Backend, llm: &mut Llm) -> Result<Option<DriftEvent>> {
-        self.receive(be, llm, false)
+        self.receive(be, llm, false, true)
     }
 
     /// Waits for the verdict of the last check, if one is outstanding, and takes it.
     pub async fn settle(&mut self, be: &Backend, llm: &mut Llm) -> Result<Option<DriftEvent>> {
-        self.receive(be, llm, true)
+        self.receive(be, llm, true, true)
     }
 
-    /// Takes the shadow thread's outstanding verdict: waiting for it, or only if it is ready.
+    /// Takes the shadow thread's outstanding verdict: waiting for it, or only if it is ready; with
+    /// `switch`, a verdict past the bound moves the model to the f32 path.
     // In the browser every verdict is taken in line.
     #[cfg_attr(target_arch = "wasm32", allow(unused_variables))]
-    fn receive(&mut self, be: &Backend, llm: &mut Llm, wait: bool) -> Result<Option<DriftEvent>> {
+    fn receive(
+        &mut self,
+        be: &Backend,
+        llm: &mut Llm,
+        wait: bool,
+        switch: bool,
+    ) -> Result<Option<DriftEvent>> {
         match &mut self.runner {
             Runner::Inline(_) => Ok(None),
             #[cfg(not(target_arch = "wasm32"))]
@@ -305,13 +376,20 @@ impl DriftGuard {
                     }
                 };
                 *pending = false;
-                self.take(be, llm, v?)
+                self.take(be, llm, v?, switch)
             }
         }
     }
 
-    /// Counts a verdict; past the bound, moves `llm` to the f32 path.
-    fn take(&mut self, be: &Backend, llm: &mut Llm, v: Verdict) -> Result<Option<DriftEvent>> {
+    /// Counts a verdict; past the bound (the first time), returns the event, and with `switch` moves
+    /// `llm` to the f32 path.
+    fn take(
+        &mut self,
+        be: &Backend,
+        llm: &mut Llm,
+        v: Verdict,
+        switch: bool,
+    ) -> Result<Option<DriftEvent>> {
         let s = &mut self.stats;
         s.checks += 1;
         if v.same_top1 {
@@ -337,9 +415,16 @@ impl DriftGuard {
             checks: s.checks,
             paths: llm.paths(),
         };
-        llm.switch_paths(be, &self.file, PathSet::F32)?;
+        if switch {
+            llm.switch_paths(be, &self.file, PathSet::F32)?;
+        }
         self.tripped = Some(event.clone());
         Ok(Some(event))
+    }
+
+    /// The model file the guard was made for (what a caller switching the model itself loads).
+    pub fn file(&self) -> &GgufFile {
+        &self.file
     }
 }
 

@@ -417,6 +417,32 @@ impl Llm {
         Ok(())
     }
 
+    /// [`Llm::switch_paths`] for a model serving other sequences too: each of `seqs` (with the tokens
+    /// it holds, one per position) has its keys and values recomputed on the new paths.
+    pub fn switch_paths_with(
+        &mut self,
+        be: &Backend,
+        file: &GgufFile,
+        paths: PathSet,
+        seqs: &mut [(&mut Sequence, &[u32])],
+    ) -> Result<()> {
+        self.switch_paths(be, file, paths)?;
+        for (seq, tokens) in seqs.iter_mut() {
+            if tokens.len() != seq.pos {
+                return Err(LlmError::Options(format!(
+                    "a sequence holds {} positions, {} tokens given",
+                    seq.pos,
+                    tokens.len()
+                )));
+            }
+            seq.reset();
+            if !tokens.is_empty() {
+                self.feed_sequence(be, seq, tokens)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The tokens the model's own sequence holds, one per position (see [`Llm::finish_picks`] for
     /// tokens fed from the device).
     pub fn history(&self) -> &[u32] {
@@ -426,15 +452,26 @@ impl Llm {
     /// The keys and values of positions `from .. from + n` of the model's own sequence, per layer (`n`
     /// rows of `[k | v]` each): what [`Llm::write_kv`] puts into another model of the same file.
     pub async fn read_kv(&self, be: &Backend, from: usize, n: usize) -> Result<Vec<Vec<f32>>> {
-        if from + n > self.seq.pos {
+        self.read_kv_of(be, &self.seq, from, n).await
+    }
+
+    /// [`Llm::read_kv`] of another sequence of the model (a server's, from [`Llm::new_sequence`]).
+    pub async fn read_kv_of(
+        &self,
+        be: &Backend,
+        seq: &Sequence,
+        from: usize,
+        n: usize,
+    ) -> Result<Vec<Vec<f32>>> {
+        if from + n > seq.pos {
             return Err(LlmError::Options(format!(
                 "positions {from}..{} asked, {} held",
                 from + n,
-                self.seq.pos
+                seq.pos
             )));
         }
         let pool = &self.core.pool;
-        let at = (pool.base(self.seq.slot) + from) * pool.width;
+        let at = (pool.base(seq.slot) + from) * pool.width;
         if n == 0 {
             return Ok(vec![Vec::new(); pool.kv.len()]);
         }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tinygpt_kernels::ops::sample::RowSampling;
 use tinygpt_kernels::{Backend, PathSet};
 use tinygpt_models::gpt::{CharVocab, GptRunner, GptSequence};
-use tinygpt_models::llm::{Llm, Sequence};
+use tinygpt_models::llm::{DriftGuard, Llm, Sequence};
 use tinygpt_models::sampler::{Sampler, SamplerConfig};
 use tinygpt_models::tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
@@ -76,9 +76,12 @@ pub struct Shared {
     /// Aggregate decode tokens/s over recent steps (f64 bits).
     decode_tps: AtomicU64,
     pub decode_tokens: AtomicU64,
-    /// The pills of the fast paths the model runs on now (they change once, when background gating
-    /// ends).
+    /// The pills of the fast paths the model runs on now (they change when background gating ends,
+    /// and when the drift guard turns them off).
     pub paths: std::sync::Mutex<Vec<String>>,
+    /// Drift-guard checks taken, and those past the bound.
+    pub drift_checks: AtomicU64,
+    pub drift_events: AtomicU64,
 }
 
 impl Shared {
@@ -283,6 +286,17 @@ pub trait Decoder {
     fn move_paths(&mut self, _be: &Backend) -> anyhow::Result<Vec<String>> {
         Ok(Vec::new())
     }
+    /// After a step: the drift guard's checks of the sequences that reached one (each with the
+    /// tokens it holds). When a check passes its bound, the model and every sequence move to the f32
+    /// path; returns the pills then active (none).
+    fn watch(
+        &mut self,
+        _be: &Backend,
+        _rows: &mut [(&mut Self::Seq, &[u32])],
+        _shared: &Shared,
+    ) -> anyhow::Result<Option<Vec<String>>> {
+        Ok(None)
+    }
 }
 
 /// A GGUF model: every decode step is one batched pass.
@@ -292,14 +306,22 @@ pub struct LlmDecoder {
     pub gating: Option<BackgroundGate>,
     /// The gates' verdict, once they finished, until the model moves.
     verdict: Option<std::result::Result<PathSet, String>>,
+    /// Watches the fast paths while they decode (`--drift-check`), with the model's name for the
+    /// gate history.
+    guard: Option<(DriftGuard, String)>,
 }
 
 impl LlmDecoder {
-    pub fn new(llm: Llm, gating: Option<BackgroundGate>) -> Self {
+    pub fn new(
+        llm: Llm,
+        gating: Option<BackgroundGate>,
+        guard: Option<(DriftGuard, String)>,
+    ) -> Self {
         LlmDecoder {
             llm,
             gating,
             verdict: None,
+            guard,
         }
     }
 }
@@ -414,6 +436,71 @@ impl Decoder for LlmDecoder {
             .map(|p| p.pill().to_string())
             .collect())
     }
+
+    fn watch(
+        &mut self,
+        be: &Backend,
+        rows: &mut [(&mut Sequence, &[u32])],
+        shared: &Shared,
+    ) -> anyhow::Result<Option<Vec<String>>> {
+        let Some((guard, name)) = &mut self.guard else {
+            return Ok(None);
+        };
+        // On the f32 path (still gating, or after a trip) there is nothing to watch.
+        if self.llm.paths().is_empty() || guard.tripped().is_some() {
+            return Ok(None);
+        }
+        let before = guard.stats().checks;
+        // The shadow's verdict on an earlier check, if ready; then the checks due at this step, each
+        // against its row of this step's logits (still on the device: only the rows up to the last
+        // due one are read).
+        let mut event = guard.poll_sequences(be, &mut self.llm)?;
+        let due: Vec<usize> = (0..rows.len())
+            .filter(|&i| {
+                let p = rows[i].0.position();
+                p > 0 && guard.due(p - 1)
+            })
+            .collect();
+        if event.is_none()
+            && let Some(&last) = due.last()
+        {
+            let logits = pollster::block_on(self.llm.read_logits_batch(be, last + 1))?;
+            for &i in &due {
+                if event.is_some() {
+                    break;
+                }
+                let (seq, tokens) = &rows[i];
+                event = pollster::block_on(guard.check_sequence(
+                    be,
+                    &mut self.llm,
+                    seq,
+                    tokens,
+                    &logits[i],
+                ))?;
+            }
+        }
+        let checks = guard.stats().checks - before;
+        shared
+            .drift_checks
+            .fetch_add(checks as u64, Ordering::Relaxed);
+        let Some(e) = event else {
+            return Ok(None);
+        };
+        shared.drift_events.fetch_add(1, Ordering::Relaxed);
+        eprintln!(
+            "[ops] drift guard: position {}, KL={:.3e} (bound {:.3e}), top-1 {}/{} — {} off for this run, every request goes on on the f32 path",
+            e.position,
+            e.kl,
+            e.bound,
+            e.same_top1,
+            e.checks,
+            tinygpt_kernels::gate::pills(e.paths)
+        );
+        crate::gates::record_drift(be, name, &e);
+        self.llm
+            .switch_paths_with(be, guard.file(), PathSet::F32, rows)?;
+        Ok(Some(Vec::new()))
+    }
 }
 
 /// The char-level GPT: sequences take turns on one runner (its weights shared, each sequence's cache its
@@ -487,6 +574,9 @@ struct Active<'c, S> {
     generated: usize,
     /// The token to feed at the next step.
     next: u32,
+    /// The tokens the sequence holds, one per position (what the drift guard's shadow and a switch of
+    /// paths recompute it from).
+    fed: Vec<u32>,
     done: bool,
 }
 
@@ -609,11 +699,13 @@ pub fn run<D: Decoder>(
                 stop: StopMatcher::new(job.stop.clone()),
                 generated: 0,
                 next: 0,
+                fed: Vec::new(),
                 done: false,
                 seq,
                 job,
             };
             let prompt = std::mem::take(&mut a.job.prompt);
+            a.fed.extend_from_slice(&prompt);
             // The first token is picked where the later ones are: a request's tokens are those
             // `tinygpt run` gives with the same settings and seed.
             let device = if d.picks_on_device(be) {
@@ -667,6 +759,9 @@ pub fn run<D: Decoder>(
         };
         match result {
             Ok(next) => {
+                for a in active.iter_mut() {
+                    a.fed.push(a.next);
+                }
                 // Each request samples from its own row with its own generator, so the rows are
                 // sampled side by side (the same tokens as one after the other).
                 let mut samplers: Vec<&mut Sampler> =
@@ -680,8 +775,30 @@ pub fn run<D: Decoder>(
                     })
                     .collect();
                 shared.record_step(next.len(), t0.elapsed().as_secs_f64());
+                // The drift guard reads this step's logits: before the next step replaces them.
+                let mut rows: Vec<(&mut D::Seq, &[u32])> = active
+                    .iter_mut()
+                    .map(|a| (&mut a.seq, a.fed.as_slice()))
+                    .collect();
+                match d.watch(be, &mut rows, shared) {
+                    Ok(Some(pills)) => {
+                        if let Ok(mut p) = shared.paths.lock() {
+                            *p = pills;
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        // The sequences' state is not known after a failed check or switch.
+                        eprintln!("[ops] drift guard: {e:#}");
+                        for a in &mut active {
+                            a.fail(500, format!("the drift guard failed: {e:#}"));
+                        }
+                    }
+                }
                 for (a, id) in active.iter_mut().zip(ids) {
-                    a.take_id(id, codec, d);
+                    if !a.done {
+                        a.take_id(id, codec, d);
+                    }
                 }
             }
             Err(e) => {

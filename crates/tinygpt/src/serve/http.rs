@@ -53,6 +53,8 @@ struct Metrics {
     active: Gauge,
     decode_tps: Gauge<f64, AtomicU64>,
     fast_paths: Family<PathLabels, Gauge>,
+    drift_checks: Gauge,
+    drift_events: Gauge,
 }
 
 impl Metrics {
@@ -65,6 +67,8 @@ impl Metrics {
         let active = Gauge::default();
         let decode_tps = Gauge::<f64, AtomicU64>::default();
         let fast_paths = Family::<PathLabels, Gauge>::default();
+        let drift_checks = Gauge::default();
+        let drift_events = Gauge::default();
         registry.register(
             "requests",
             "HTTP requests by route and status",
@@ -92,6 +96,16 @@ impl Metrics {
             "Fast paths the model runs on (1 = active)",
             fast_paths.clone(),
         );
+        registry.register(
+            "drift_checks",
+            "Decode steps the drift guard computed again on the f32 path",
+            drift_checks.clone(),
+        );
+        registry.register(
+            "drift_events",
+            "Drift-guard checks past the bound (the fast paths then turn off)",
+            drift_events.clone(),
+        );
         Metrics {
             registry,
             requests,
@@ -101,6 +115,8 @@ impl Metrics {
             active,
             decode_tps,
             fast_paths,
+            drift_checks,
+            drift_events,
         }
     }
 }
@@ -345,8 +361,14 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     m.active
         .set(st.shared.active.load(Ordering::Relaxed) as i64);
     m.decode_tps.set(st.shared.decode_tps());
-    // The model moves to its fast paths once, when background gating passes them.
+    m.drift_checks
+        .set(st.shared.drift_checks.load(Ordering::Relaxed) as i64);
+    m.drift_events
+        .set(st.shared.drift_events.load(Ordering::Relaxed) as i64);
+    // The model moves to its fast paths when background gating passes them, and off them when the
+    // drift guard trips.
     if let Ok(paths) = st.shared.paths.lock() {
+        m.fast_paths.clear();
         for p in paths.iter() {
             m.fast_paths
                 .get_or_create(&PathLabels {

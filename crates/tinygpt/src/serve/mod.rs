@@ -169,7 +169,14 @@ fn engine_thread(
                     created,
                 };
                 let codec = info.codec.clone();
-                let mut d = LlmDecoder::new(m.llm, m.gating);
+                if let Some(g) = &m.guard {
+                    eprintln!(
+                        "[ops] drift guard: every {} tokens of each request, one step again on the f32 path",
+                        g.every()
+                    );
+                }
+                let guard = m.guard.map(|g| (g, m.name.clone()));
+                let mut d = LlmDecoder::new(m.llm, m.gating, guard);
                 if let Some(r) = ready.take() {
                     let _ = r.send(Ok(info));
                 }
