@@ -742,6 +742,21 @@ impl GpuBackend {
                 ),
             });
         }
+        // A buffer written through one binding may not be bound again in the same dispatch (WebGPU
+        // rejects it when it records the pass, native wgpu does not): an error here, on every backend.
+        for (i, a) in buffers.iter().enumerate() {
+            for (j, b) in buffers.iter().enumerate().skip(i + 1) {
+                if a == b && (pipe.writable[i] || pipe.writable[j]) {
+                    return Err(Error::Shape {
+                        op: "dispatch",
+                        msg: format!(
+                            "{} binds one buffer at storage bindings {i} and {j}, one of them written",
+                            pipe.name
+                        ),
+                    });
+                }
+            }
+        }
         // Uniform blocks are 16-byte multiples.
         let size = ((params.len() * 4).max(16) as u64).div_ceil(16) * 16;
         let mut rec = self.rec.borrow_mut();

@@ -23,6 +23,9 @@ pub struct Pipeline {
     pub name: String,
     pub id: u64,
     pub storage: usize,
+    /// Which storage bindings the kernel writes (WebGPU forbids binding a buffer a dispatch writes to
+    /// a second binding of the same dispatch).
+    pub writable: Vec<bool>,
     pub pipeline: wgpu::ComputePipeline,
     pub layout: wgpu::BindGroupLayout,
 }
@@ -127,6 +130,7 @@ pub(crate) fn build(
         name: name.to_string(),
         id,
         storage: bindings.len(),
+        writable: bindings.iter().map(|a| *a != Access::Read).collect(),
         pipeline,
         layout,
     })

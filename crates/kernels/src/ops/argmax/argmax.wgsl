@@ -16,7 +16,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let r = group_index(wid, nwg);
   if (r >= p.rows) { return; }
   let base = p.o_x + r * p.cols;
-  var bv = bitcast<f32>(0xff800000u);
+  // -inf from a variable: a constant expression of it is an error in WGSL (Tint refuses it).
+  var ninf_bits = 0xff800000u;
+  var bv = bitcast<f32>(ninf_bits);
   var bi = NONE;
   for (var c = lid; c < p.cols; c += WG) {
     let v = x[base + c];

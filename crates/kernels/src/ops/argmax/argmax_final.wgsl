@@ -10,7 +10,9 @@ struct Params { rows: u32, blocks: u32, o_out: u32 }
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
   let r = wid.x;
   if (r >= p.rows) { return; }
-  var bv = bitcast<f32>(0xff800000u);
+  // -inf from a variable: a constant expression of it is an error in WGSL (Tint refuses it).
+  var ninf_bits = 0xff800000u;
+  var bv = bitcast<f32>(ninf_bits);
   var bi = NONE;
   for (var b = lid; b < p.blocks; b += WG) {
     let v = bitcast<f32>(part[(r * p.blocks + b) * 2u]);

@@ -16,7 +16,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   if (b >= p.blocks || r >= p.rows) { return; }
   let base = p.o_x + r * p.cols;
   let end = min((b + 1u) * SPAN, p.cols);
-  var bv = bitcast<f32>(0xff800000u);
+  // -inf from a variable: a constant expression of it is an error in WGSL (Tint refuses it).
+  var ninf_bits = 0xff800000u;
+  var bv = bitcast<f32>(ninf_bits);
   var bi = NONE;
   for (var c = b * SPAN + lid; c < end; c += WG) {
     let v = x[base + c];

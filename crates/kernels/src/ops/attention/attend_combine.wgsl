@@ -28,7 +28,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let stride = p.head_dim + 2u;
   let b = p.o_part + g * p.n_split * stride;
   // M: the largest maximum of a non-empty split (max is exact in any order).
-  var mx = bitcast<f32>(0xff800000u);
+  // -inf from a variable: a constant expression of it is an error in WGSL (Tint refuses it).
+  var ninf_bits = 0xff800000u;
+  var mx = bitcast<f32>(ninf_bits);
   for (var s = lid; s < p.n_split; s = s + WG) {
     if (part[b + s * stride + 1u] > 0.0) { mx = max(mx, part[b + s * stride]); }
   }

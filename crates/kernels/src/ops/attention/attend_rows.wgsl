@@ -66,7 +66,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     // An empty split (rows of a batch differ in length): nothing to merge.
     if (lid < nh) {
       let at = p.o_part + ((r * p.heads + h0 + lid) * p.n_split + wid.y) * stride;
-      part[at] = bitcast<f32>(0xff800000u);
+      // -inf from a variable: a constant expression of it is an error in WGSL (Tint refuses it).
+      var ninf_bits = 0xff800000u;
+      part[at] = bitcast<f32>(ninf_bits);
       part[at + 1u] = 0.0;
     }
     return;
@@ -83,7 +85,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   // Scores: positions lo + j, j = lid / TPP, lid / TPP + WG / TPP, ...: TPP threads each, each thread
   // dimensions t, t + TPP, ... (vec4s), summed by a tree over the TPP threads.
   let t = lid % TPP;
-  let ninf = bitcast<f32>(0xff800000u);
+  var ninf_bits = 0xff800000u;
+  let ninf = bitcast<f32>(ninf_bits);
   for (var j0 = 0u; j0 < CHUNK; j0 = j0 + WG / TPP) {
     let j = j0 + lid / TPP;
     var acc = vec4<f32>(0.0);

@@ -71,12 +71,15 @@ pub fn glu(
             let tg = gate.gpu("glu", "gate", n)?;
             let tu = up.gpu("glu", "up", n)?;
             let to = out.gpu("glu", "out", n)?;
+            // The backward pass's second output is not touched forward; it is bound to a buffer of
+            // its own all the same (WebGPU rejects a written buffer bound twice in one dispatch).
+            let unused = gb.scratch("glu_unused_out", 1)?;
             let ops = [
                 Operand::rows(tg, gate.offset(), 1),
                 Operand::rows(tu, up.offset(), 1),
                 Operand::rows(tg, gate.offset(), 1),
                 Operand::rows(to, out.offset(), 1),
-                Operand::rows(to, out.offset(), 1),
+                Operand::whole(&unused, 0, 1),
             ];
             launch(gb, &ops, n, act, false)
         }
@@ -199,9 +202,7 @@ fn launch(
     act: Activation,
     backward: bool,
 ) -> Result<()> {
-    // The forward pass binds `out` twice (binding 5 unused); wgpu allows one buffer in two writable
-    // bindings of one dispatch only if they do not overlap in use, so the forward variant declares it
-    // read-only-free: we bind the same buffer but the kernel never touches out2 in the forward pass.
+    // The forward pass leaves binding 5 (the backward pass's second output) untouched.
     let pipe = kernel(
         gb,
         if backward { "glu_bwd" } else { "glu" },
