@@ -38,6 +38,12 @@ worker.onmessage = (e) => {
   if (m.event === 'progress') {
     return status(m.total ? `${m.what}: ${Math.round((100 * m.done) / m.total)}%` : `${m.what}…`);
   }
+  if (m.event === 'gated') {
+    // Background gating of the chat's model finished (the chat moves at its next token).
+    const info = $('gguf-info');
+    info.textContent = info.textContent.replace(/ · [^·]*$/, ` · ${m.paths.length ? m.paths.join(' + ') : 'f32 path'}`);
+    return status(m.line);
+  }
   if (m.event === 'device-lost') {
     consoleLine(`[ops] the GPU device was lost (${m.message}) — continuing on the CPU (wasm)`);
     $('backend').textContent = 'CPU (wasm)';
@@ -281,8 +287,10 @@ async function loadGguf(file) {
   try {
     const t0 = performance.now();
     const info = await call('loadGguf', { file });
-    $('gguf-info').textContent = `${info.name}: ${info.arch}, ${info.layers} layers, vocabulary ${info.vocab}, ${info.weights_mb.toFixed(0)} MB of weights, context ${info.context} · ${info.paths.length ? info.paths.join(' + ') : 'f32 path'}`;
-    status(`${info.name} loaded in ${((performance.now() - t0) / 1000).toFixed(1)} s — ready to chat.`);
+    const paths = info.gating ? 'f32 path, fast paths gating…' : (info.paths.length ? info.paths.join(' + ') : 'f32 path');
+    $('gguf-info').textContent = `${info.name}: ${info.arch}, ${info.layers} layers, vocabulary ${info.vocab}, ${info.weights_mb.toFixed(0)} MB of weights, context ${info.context} · ${paths}`;
+    const gating = info.gating ? ' (on the f32 path while the fast paths are gated in the background)' : '';
+    status(`${info.name} loaded in ${((performance.now() - t0) / 1000).toFixed(1)} s — ready to chat${gating}.`);
     for (const id of ['chat-input', 'chat-send', 'chat-reset']) $(id).disabled = false;
   } catch (e) {
     status(`cannot load ${file.name}: ${e.message}`, true);
@@ -315,7 +323,9 @@ async function send() {
     });
     $('chat-output').textContent += '\n';
     const drift = r.drift ? ` · ${r.drift.line}` : '';
-    status(`${r.tokens} tokens in ${r.seconds.toFixed(2)} s (${r.tokens_per_s.toFixed(1)} tokens/s; prompt ${r.prompt_tokens} tokens in ${r.prompt_seconds.toFixed(2)} s) · ${r.finish}${drift}`, Boolean(r.drift));
+    const moved = r.moved ? ` · moved to ${r.moved.paths.join(' + ')} at position ${r.moved.position}` : '';
+    if (r.moved) consoleLine(`[ops] the chat moved to ${r.moved.paths.join(' + ')} at position ${r.moved.position}`);
+    status(`${r.tokens} tokens in ${r.seconds.toFixed(2)} s (${r.tokens_per_s.toFixed(1)} tokens/s; prompt ${r.prompt_tokens} tokens in ${r.prompt_seconds.toFixed(2)} s) · ${r.finish}${moved}${drift}`, Boolean(r.drift));
   } catch (e) {
     status(e.message, true);
   } finally {

@@ -150,10 +150,15 @@ const commands = {
   async bundledText() { return await (await fetch('data/shakespeare.txt')).text(); },
   async loadGguf({ file }) {
     const bytes = await readFile(file);
-    post({ event: 'progress', what: `gating and loading ${file.name}`, done: 0, total: 0 });
-    const info = JSON.parse(await session.load_gguf(bytes, file.name.replace(/\.gguf$/i, ''), log));
+    post({ event: 'progress', what: `loading ${file.name}`, done: 0, total: 0 });
+    // The model answers on the f32 path at once; its fast paths are gated in the background, and
+    // their verdicts saved (after whatever command runs then) when the gates finish.
+    const gated = (json) => {
+      post({ event: 'gated', ...JSON.parse(json) });
+      queue = queue.then(() => persist()).catch(() => {});
+    };
+    const info = JSON.parse(await session.load_gguf(bytes, file.name.replace(/\.gguf$/i, ''), log, gated));
     chatModel = info.name;
-    await persist();
     return info;
   },
   async chatSend({ message, maxTokens, temperature, seed }) {

@@ -20,6 +20,7 @@ const BIN = process.env.TINYGPT_BIN ?? path.join(ROOT, 'target/release/tinygpt')
 const MODELS = process.env.TINYGPT_MODELS_DIR ?? path.join(ROOT, '.cache/models');
 const SMOLLM2 = path.join(MODELS, 'SmolLM2-135M-Instruct.Q4_1.gguf');
 const GEMMA = path.join(MODELS, 'gemma-3-270m-Q4_K_M.gguf');
+const QWEN2 = path.join(ROOT, 'crates/models/tests/data/qwen/qwen2.q8_0.gguf');
 const ENV = { ...process.env, TINYGPT_CACHE_DIR: mkdtempSync(path.join(tmpdir(), 'tinygpt-web-cache-')) };
 const MINUTE = 60_000;
 
@@ -137,6 +138,31 @@ test('WebGPU (SwiftShader): gates, pills, sampling, training, checkpoint', { tim
   // The same text as the native CPU backend for the same seed, prompt and settings.
   const want = native(['generate', '--prompt', 'ROMEO:', '-n', '30', '--seed', '7']).replace(/\n$/, '');
   assert.equal(await sample(page, { prompt: 'ROMEO:', n: 30, seed: 7 }), want);
+  // A GGUF model is ready at once on the f32 path while its fast paths are gated in the background;
+  // the first reply (greedy) equals `tinygpt chat`'s, and once the gates pass the chat moves to them.
+  await page.setInputFiles('#gguf-file', QWEN2);
+  await page.waitForFunction(() => !document.getElementById('chat-input').disabled || /cannot load/.test(document.getElementById('status').textContent), null, { timeout: 5 * MINUTE });
+  assert.doesNotMatch(await page.textContent('#status'), /cannot load/, await page.textContent('#console'));
+  assert.match(await page.textContent('#gguf-info'), /qwen2.*f32 path, fast paths gating…/);
+  assert.match(await page.textContent('#status'), /ready to chat \(on the f32 path while the fast paths are gated in the background\)/);
+  for (const message of ['Hello', 'Hi']) {
+    if (message === 'Hi') {
+      await page.waitForFunction(() => /\[ops\] fast paths gated in [\d.]+ s: \+/.test(document.getElementById('console').textContent), null, { timeout: 10 * MINUTE });
+    }
+    await page.fill('#chat-temperature', '0');
+    await page.fill('#chat-max-tokens', '8');
+    await page.fill('#chat-input', message);
+    await page.click('#chat-send');
+    // The reply is done when the send button is back (the status line may have moved on to gating).
+    await page.waitForFunction((m) => !document.getElementById('chat-send').disabled && document.getElementById('chat-output').textContent.includes(`> ${m}\n`), message, { timeout: 5 * MINUTE });
+  }
+  const qwenLog = await page.textContent('#console');
+  mark(`qwen2 chat: ${qwenLog.split('\n').filter((l) => /fast paths gated|the chat moved/.test(l)).join(' | ')}`);
+  const qwenReply = (await page.textContent('#chat-output')).split('> Hello\n')[1].split('\n> Hi')[0].replace(/\n$/, '');
+  const qwenNative = native(['chat', QWEN2, '-n', '8', '--temperature', '0'], 'Hello\n');
+  assert.equal(qwenReply, qwenNative.replace(/\n$/, ''), `page: ${JSON.stringify(await page.textContent('#chat-output'))} · ${await page.textContent('#status')}\n${qwenLog.slice(-2000)}\n${consoleLines.slice(-20).join('\n')}`);
+  assert.match(qwenLog, /\[ops\] the chat moved to [a-z0-9-]+( \+ [a-z0-9-]+)* at position \d+/, qwenLog);
+  assert.doesNotMatch(await page.textContent('#gguf-info'), /gating…/);
   await trainTiny(page, context, 30);
   await page.screenshot({ path: path.join(ROOT, 'docs/img/playground.png'), fullPage: true });
   await context.close();

@@ -13,6 +13,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
+use std::sync::Arc;
 
 use js_sys::{Function, Promise, Uint8Array};
 use serde_json::{Value, json};
@@ -32,7 +33,7 @@ use tinygpt_models::llm::{DriftGuard, Llm, LlmConfig, LoadOptions};
 use tinygpt_models::sampler::{Sampler, SamplerConfig};
 use tinygpt_models::tokenizer::Tokenizer;
 use wasm_bindgen::prelude::*;
-use wasm_bindgen_futures::{JsFuture, future_to_promise};
+use wasm_bindgen_futures::{JsFuture, future_to_promise, spawn_local};
 use web_time::Instant;
 
 mod archive;
@@ -105,6 +106,20 @@ struct Chat {
     cached: Vec<u32>,
     /// Watches generation on fast paths (the f32 shadow runs on the wasm CPU backend).
     guard: Option<DriftGuard>,
+    /// The file (the weights are converted again from it when the model moves to other paths).
+    file: Arc<GgufFile>,
+    /// Which load this is (background gating applies to the load it was started for).
+    load: u64,
+}
+
+/// Fast paths being gated for the chat's model, on a second device, while it answers on the f32
+/// path: the first reply never waits for the gates.
+struct BackgroundGating {
+    load: u64,
+    /// Set when the gates finished: the paths that passed (or why gating failed) until the chat
+    /// moves, and the verdicts and records they stored until the worker saves them.
+    paths: Option<std::result::Result<PathSet, String>>,
+    store: Option<MemoryStore>,
 }
 
 struct Inner {
@@ -120,6 +135,10 @@ struct Inner {
 #[wasm_bindgen]
 pub struct Session {
     inner: Rc<RefCell<Inner>>,
+    /// Apart from `inner` (borrowed across a whole call): the gating future writes here while a
+    /// reply runs.
+    gating: Rc<RefCell<Option<BackgroundGating>>>,
+    loads: Rc<Cell<u64>>,
     stop: Rc<Cell<bool>>,
     label: String,
     fallback: Option<String>,
@@ -193,6 +212,8 @@ pub fn open_session(choice: String, verdicts: String) -> Promise {
                 training: None,
                 chat: None,
             })),
+            gating: Rc::new(RefCell::new(None)),
+            loads: Rc::new(Cell::new(0)),
             stop: Rc::new(Cell::new(false)),
         };
         Ok(JsValue::from(s))
@@ -242,14 +263,19 @@ impl Session {
         self.fallback.clone()
     }
 
-    /// The stored verdicts (JSON), for the worker to save to IndexedDB.
+    /// The stored verdicts (JSON), for the worker to save to IndexedDB (those of background gating
+    /// that finished included).
     pub fn verdicts(&self) -> String {
-        serde_json::to_string(&self.inner.borrow().store.verdicts).unwrap_or_default()
+        let mut i = self.inner.borrow_mut();
+        absorb_gating(&self.gating, &mut i.store);
+        serde_json::to_string(&i.store.verdicts).unwrap_or_default()
     }
 
     /// Gating runs recorded since the last call (JSON list), for the page's telemetry.
     pub fn take_records(&self) -> String {
-        let records = std::mem::take(&mut self.inner.borrow_mut().store.records);
+        let mut i = self.inner.borrow_mut();
+        absorb_gating(&self.gating, &mut i.store);
+        let records = std::mem::take(&mut i.store.records);
         serde_json::to_string(&records).unwrap_or_default()
     }
 
@@ -581,58 +607,84 @@ impl Session {
         })
     }
 
-    /// Loads a GGUF model from its bytes, gated end to end; resolves to its description (JSON).
-    pub fn load_gguf(&self, bytes: Vec<u8>, name: String, log: Function) -> Promise {
-        let inner = self.inner.clone();
+    /// Loads a GGUF model from its bytes on the f32 path and resolves to its description (JSON) at
+    /// once. Where the adapter has fast paths, they are gated for this model in the background (op
+    /// gates at its shapes, then the token gate, each log line to `log`, on a second device); when
+    /// they finish, `on_gated` hears of it (JSON: the paths that passed, a status line) and the chat
+    /// moves to them at its next token ([`Session::chat_send`]).
+    pub fn load_gguf(
+        &self,
+        bytes: Vec<u8>,
+        name: String,
+        log: Function,
+        on_gated: Function,
+    ) -> Promise {
+        let (inner, gating, loads) = (self.inner.clone(), self.gating.clone(), self.loads.clone());
         future_to_promise(async move {
             let file = GgufFile::from_bytes(bytes).map_err(|e| {
                 js_err(format!(
                     "{name} is not a GGUF model this runner can read: {e}"
                 ))
             })?;
+            let file = Arc::new(file);
             let cfg = LlmConfig::from_gguf(&file).map_err(js_err)?;
             let tok = Tokenizer::from_gguf(file.metadata()).map_err(js_err)?;
             let mut i = inner.borrow_mut();
             let Inner {
                 be, store, device, ..
             } = &mut *i;
-            let paths = match device.as_ref() {
-                Some(d) if !d.paths.is_empty() => {
-                    let gate_model = GgufGate {
-                        file: &file,
-                        cfg: &cfg,
-                        prompt: tok.encode("The capital of France is", true),
-                        name: name.clone(),
-                        tokens: tinygpt_models::gating::token_budget(be),
-                    };
-                    let opts = GateOptions {
-                        seed: 20261129,
-                        ..GateOptions::default()
-                    };
-                    gate_for_model(be, store, &gate_model, &opts, &mut |l| call(&log, l))
-                        .await
-                        .map_err(js_err)?
-                        .paths
-                }
-                _ => PathSet::F32,
-            };
+            let gate = device.as_ref().is_some_and(|d| !d.paths.is_empty());
             let opts = LoadOptions {
                 context: Some(cfg.train_context.clamp(1, 2048)),
-                paths,
+                paths: PathSet::F32,
                 ..LoadOptions::default()
             };
             let llm = Llm::from_gguf(be, &file, &opts, &mut |_| {}).map_err(js_err)?;
             // The guard keeps the file: its f32 shadow is made from it at the first check, and the
-            // model's weights are converted again from it if the guard trips.
-            let guard = (!paths.is_empty()).then(|| {
+            // model's weights are converted again from it if the guard trips. It checks only while
+            // the model is on fast paths.
+            let guard = gate.then(|| {
                 DriftGuard::new(
-                    file,
+                    file.clone(),
                     llm.context(),
                     tinygpt_models::llm::drift::DEFAULT_EVERY,
                     Some(1),
                     false,
                 )
             });
+            let load = loads.get() + 1;
+            loads.set(load);
+            if gate {
+                *gating.borrow_mut() = Some(BackgroundGating {
+                    load,
+                    paths: None,
+                    store: None,
+                });
+                let gate_model = GgufGate {
+                    file: &file,
+                    cfg: &cfg,
+                    prompt: tok.encode("The capital of France is", true),
+                    name: name.clone(),
+                    tokens: tinygpt_models::gating::token_budget(be),
+                };
+                let (prompt, tokens) = (gate_model.prompt.clone(), gate_model.tokens);
+                spawn_local(gate_in_background(
+                    GatingJob {
+                        load,
+                        file: file.clone(),
+                        cfg: cfg.clone(),
+                        prompt,
+                        tokens,
+                        name: name.clone(),
+                        store: store.clone(),
+                    },
+                    gating.clone(),
+                    log,
+                    on_gated,
+                ));
+            } else {
+                *gating.borrow_mut() = None;
+            }
             let template = match tok.chat_template() {
                 Some(src) => Some(ChatTemplate::new(src).map_err(js_err)?),
                 None => ChatTemplate::builtin(if tok.token_id("<start_of_turn>").is_some() {
@@ -645,7 +697,8 @@ impl Session {
             let info = json!({"name": name, "arch": cfg.arch.name(), "layers": cfg.n_layer,
                 "vocab": cfg.vocab, "context": llm.context(),
                 "weights_mb": llm.memory().weights as f64 / 1e6,
-                "paths": paths.iter().map(PathId::name).collect::<Vec<_>>()});
+                "paths": llm.paths().iter().map(PathId::name).collect::<Vec<_>>(),
+                "gating": gate});
             i.chat = Some(Chat {
                 llm,
                 tok,
@@ -654,6 +707,8 @@ impl Session {
                 messages: Vec::new(),
                 cached: Vec::new(),
                 guard,
+                file,
+                load,
             });
             Ok(JsValue::from_str(&info.to_string()))
         })
@@ -677,7 +732,7 @@ impl Session {
         seed: u64,
         on_text: Function,
     ) -> Promise {
-        let (inner, stop) = (self.inner.clone(), self.stop.clone());
+        let (inner, stop, gating) = (self.inner.clone(), self.stop.clone(), self.gating.clone());
         stop.set(false);
         future_to_promise(async move {
             let sc = SamplerConfig {
@@ -688,10 +743,16 @@ impl Session {
             };
             sc.validate().map_err(js_err)?;
             let mut i = inner.borrow_mut();
-            let Inner { be, chat, .. } = &mut *i;
+            let Inner {
+                be, chat, store, ..
+            } = &mut *i;
             let c = chat
                 .as_mut()
                 .ok_or_else(|| js_err("no GGUF model is loaded"))?;
+            // Fast paths gated since the last reply take effect before the prompt.
+            let mut moved = None;
+            move_to_gated(&gating, store, be, &mut c.llm, &c.file, c.load, &mut moved)
+                .map_err(js_err)?;
             let template = c
                 .template
                 .as_ref()
@@ -745,7 +806,8 @@ impl Session {
             let mut made = Vec::new();
             let tok = &c.tok;
             let mut drift = None;
-            let g = tinygpt_models::llm::generate_guarded(
+            let (file, load) = (c.file.clone(), c.load);
+            let g = tinygpt_models::llm::generate_watched(
                 be,
                 &mut c.llm,
                 &mut sampler,
@@ -779,9 +841,23 @@ impl Session {
                         "same_top1": e.same_top1, "checks": e.checks, "line": line,
                         "paths": e.paths.iter().map(PathId::name).collect::<Vec<_>>()}));
                 },
+                // Between two tokens: the paths background gating passed, once it has.
+                |llm| {
+                    move_to_gated(&gating, store, be, llm, &file, load, &mut moved)
+                        .map_err(|e| tinygpt_models::llm::LlmError::Options(e.to_string()))
+                },
             )
-            .await
-            .map_err(js_err)?;
+            .await;
+            let g = match g {
+                Ok(g) => g,
+                Err(e) => {
+                    // The conversation stays as it was before this message: the model keeps the
+                    // tokens known to be fed (none of this reply's), the message is dropped.
+                    c.llm.truncate(c.cached.len());
+                    c.messages.pop();
+                    return Err(js_err(e));
+                }
+            };
             // Every token but the last was fed (an end-of-generation token never).
             let fed = c.llm.position() - c.cached.len();
             c.cached.extend_from_slice(&made[..fed]);
@@ -801,6 +877,7 @@ impl Session {
                         "prompt_seconds": prompt_secs, "finish": finish,
                         "tokens_per_s": made as f64 / secs.max(1e-9), "drift": drift,
                         "drift_checks": c.guard.as_ref().map_or(0, |g| g.stats().checks),
+                        "moved": moved,
                         "paths": c.llm.paths().iter().map(PathId::name).collect::<Vec<_>>()})
                 .to_string(),
             ))
@@ -844,4 +921,138 @@ async fn gpt_from(
         vocab: config.vocab.clone(),
         config,
     })
+}
+
+/// What background gating needs of a model load (it owns all of it: the call that started it has
+/// returned).
+struct GatingJob {
+    load: u64,
+    file: Arc<GgufFile>,
+    cfg: LlmConfig,
+    prompt: Vec<u32>,
+    tokens: usize,
+    name: String,
+    /// The verdicts stored when it started (it adds its own).
+    store: MemoryStore,
+}
+
+/// Gates a model's fast paths on a device of its own (the same adapter, WebGPU's default limits),
+/// then leaves the verdict for the chat ([`move_to_gated`]) and tells `on_gated`.
+async fn gate_in_background(
+    mut job: GatingJob,
+    gating: Rc<RefCell<Option<BackgroundGating>>>,
+    log: Function,
+    on_gated: Function,
+) {
+    let t0 = Instant::now();
+    call(
+        &log,
+        format!(
+            "[ops] {}: answering on the f32 path while its fast paths are gated in the background",
+            job.name
+        ),
+    );
+    let opts = DeviceOptions {
+        backend: BackendChoice::Gpu,
+        low_end: true,
+        ..DeviceOptions::default()
+    };
+    let result = match tinygpt_kernels::device::open(&opts).await {
+        Ok((be, _)) => {
+            let gate_model = GgufGate {
+                file: &job.file,
+                cfg: &job.cfg,
+                prompt: job.prompt.clone(),
+                name: job.name.clone(),
+                tokens: job.tokens,
+            };
+            let gopts = GateOptions {
+                seed: 20261129,
+                ..GateOptions::default()
+            };
+            gate_for_model(&be, &mut job.store, &gate_model, &gopts, &mut |l| {
+                call(&log, l)
+            })
+            .await
+            .map(|g| g.paths)
+            .map_err(|e| e.to_string())
+        }
+        Err(e) => Err(format!("no second WebGPU device to gate on ({e})")),
+    };
+    let secs = t0.elapsed().as_secs_f64();
+    let line = match &result {
+        Ok(p) if !p.is_empty() => format!(
+            "fast paths gated in {secs:.1} s: {} — the chat moves to them at its next token",
+            tinygpt_kernels::gate::pills(*p)
+        ),
+        Ok(_) => {
+            format!("gated in {secs:.1} s: no fast path passed — the chat stays on the f32 path")
+        }
+        Err(e) => format!("gating failed ({e}) — the chat stays on the f32 path"),
+    };
+    call(&log, format!("[ops] {line}"));
+    let current = {
+        let mut g = gating.borrow_mut();
+        match g.as_mut().filter(|g| g.load == job.load) {
+            Some(g) => {
+                g.paths = Some(result.clone());
+                g.store = Some(std::mem::take(&mut job.store));
+                true
+            }
+            None => false,
+        }
+    };
+    if current {
+        let paths = result.unwrap_or(PathSet::F32);
+        call(
+            &on_gated,
+            json!({"paths": paths.iter().map(PathId::name).collect::<Vec<_>>(),
+                   "seconds": secs, "line": line})
+            .to_string(),
+        );
+    }
+}
+
+/// Moves the verdicts and records that background gating stored into the session's store.
+fn absorb_gating(gating: &RefCell<Option<BackgroundGating>>, store: &mut MemoryStore) {
+    if let Some(s) = gating.borrow_mut().as_mut().and_then(|g| g.store.take()) {
+        store.verdicts.extend(s.verdicts);
+        store.records.extend(s.records);
+    }
+}
+
+/// If background gating for load `load` has finished, moves `llm` to the paths it passed (none:
+/// it stays); `moved` then describes the move. True when the model moved (its next logits are then
+/// those of the new paths after the same tokens).
+fn move_to_gated(
+    gating: &RefCell<Option<BackgroundGating>>,
+    store: &mut MemoryStore,
+    be: &Backend,
+    llm: &mut Llm,
+    file: &GgufFile,
+    load: u64,
+    moved: &mut Option<Value>,
+) -> Result<bool, tinygpt_models::llm::LlmError> {
+    let paths = {
+        let mut g = gating.borrow_mut();
+        match g.as_mut().filter(|g| g.load == load) {
+            Some(g) => match g.paths.take() {
+                Some(p) => p,
+                None => return Ok(false),
+            },
+            None => return Ok(false),
+        }
+    };
+    absorb_gating(gating, store);
+    *gating.borrow_mut() = None;
+    match paths {
+        Ok(p) if !p.is_empty() => {
+            let position = llm.position();
+            llm.switch_paths(be, file, p)?;
+            *moved = Some(json!({"position": position,
+                "paths": p.iter().map(PathId::name).collect::<Vec<_>>()}));
+            Ok(true)
+        }
+        _ => Ok(false),
+    }
 }

@@ -114,8 +114,8 @@ enum Runner {
     Thread {
         tx: std::sync::mpsc::Sender<Request>,
         rx: std::sync::mpsc::Receiver<Result<Verdict>>,
-        /// A request sent whose verdict has not been taken.
-        pending: bool,
+        /// Requests sent whose verdicts have not been taken (the shadow takes them in order).
+        pending: usize,
     },
 }
 
@@ -136,13 +136,13 @@ impl DriftGuard {
     /// the thread that drives the device); with `background` (native only) on a thread of its own, its
     /// verdict taken when it is ready.
     pub fn new(
-        file: GgufFile,
+        file: impl Into<Arc<GgufFile>>,
         context: usize,
         every: usize,
         threads: Option<usize>,
         background: bool,
     ) -> DriftGuard {
-        let file = Arc::new(file);
+        let file = file.into();
         #[cfg(not(target_arch = "wasm32"))]
         let threads = threads.or_else(|| {
             std::thread::available_parallelism()
@@ -171,11 +171,7 @@ impl DriftGuard {
                     }
                 }
             });
-            Runner::Thread {
-                tx,
-                rx,
-                pending: false,
-            }
+            Runner::Thread { tx, rx, pending: 0 }
         } else {
             Runner::Inline(Box::new(shadow()))
         };
@@ -241,7 +237,8 @@ impl DriftGuard {
     /// tokens `history` (one per position) and `fast` is its row of the last pass's logits. A verdict
     /// past the bound is returned but the model is *not* switched: the caller moves it and all its
     /// sequences ([`Llm::switch_paths_with`]). Checks of different sequences share the shadow, which
-    /// keeps the cache rows of the tokens they have in common.
+    /// keeps the cache rows of the tokens they have in common. On the shadow's thread the checks
+    /// queue: this never waits for an earlier verdict (verdicts that are ready are taken).
     pub async fn check_sequence(
         &mut self,
         be: &Backend,
@@ -260,7 +257,7 @@ impl DriftGuard {
         if history.is_empty() {
             return Ok(None);
         }
-        if let Some(e) = self.receive(be, llm, true, false)? {
+        if let Some(e) = self.receive(be, llm, false, false)? {
             return Ok(Some(e));
         }
         let r = self.request(be, llm, Some(seq), history, fast).await?;
@@ -331,7 +328,7 @@ impl DriftGuard {
             #[cfg(not(target_arch = "wasm32"))]
             Runner::Thread { tx, pending, .. } => {
                 tx.send(r).map_err(|_| stopped())?;
-                *pending = true;
+                *pending += 1;
                 Ok(None)
             }
         }
@@ -348,8 +345,9 @@ impl DriftGuard {
         self.receive(be, llm, true, true)
     }
 
-    /// Takes the shadow thread's outstanding verdict: waiting for it, or only if it is ready; with
-    /// `switch`, a verdict past the bound moves the model to the f32 path.
+    /// Takes the shadow thread's outstanding verdicts: waiting for all of them, or those that are
+    /// ready; with `switch`, a verdict past the bound moves the model to the f32 path. Returns the
+    /// first event.
     // In the browser every verdict is taken in line.
     #[cfg_attr(target_arch = "wasm32", allow(unused_variables))]
     fn receive(
@@ -359,24 +357,35 @@ impl DriftGuard {
         wait: bool,
         switch: bool,
     ) -> Result<Option<DriftEvent>> {
-        match &mut self.runner {
-            Runner::Inline(_) => Ok(None),
-            #[cfg(not(target_arch = "wasm32"))]
-            Runner::Thread { rx, pending, .. } => {
-                if !*pending {
-                    return Ok(None);
+        #[cfg(target_arch = "wasm32")]
+        return Ok(None);
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            let mut event = None;
+            loop {
+                let Runner::Thread { rx, pending, .. } = &mut self.runner else {
+                    return Ok(event);
+                };
+                if *pending == 0 {
+                    return Ok(event);
                 }
                 let v = if wait {
                     rx.recv().map_err(|_| stopped())?
                 } else {
                     match rx.try_recv() {
                         Ok(v) => v,
-                        Err(std::sync::mpsc::TryRecvError::Empty) => return Ok(None),
-                        Err(std::sync::mpsc::TryRecvError::Disconnected) => return Err(stopped()),
+                        Err(std::sync::mpsc::TryRecvError::Empty) => return Ok(event),
+                        Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                            return Err(stopped());
+                        }
                     }
                 };
-                *pending = false;
-                self.take(be, llm, v?, switch)
+                *pending -= 1;
+                if let Some(e) = self.take(be, llm, v?, switch)?
+                    && event.is_none()
+                {
+                    event = Some(e);
+                }
             }
         }
     }
