@@ -217,11 +217,15 @@ fn load_with(
         && gate.drift_check > 0
     {
         let file = GgufFile::open(path).context("cannot open the model")?;
+        // A server's shadow takes a quarter of the cores: its threads must not take the CPU from
+        // the thread driving the device and the HTTP side (a lone generation gives it all but one).
+        let threads = serving
+            .then(|| std::thread::available_parallelism().map_or(1, |n| (n.get() / 4).max(1)));
         Some(DriftGuard::new(
             file,
             llm.context(),
             gate.drift_check,
-            None,
+            threads,
             true,
         ))
     } else {

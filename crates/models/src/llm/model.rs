@@ -200,6 +200,12 @@ pub struct Sequence {
 }
 
 impl Sequence {
+    /// Which slot of the model's KV cache the sequence holds (unique among the live sequences of a
+    /// model).
+    pub fn slot(&self) -> usize {
+        self.slot
+    }
+
     /// Positions in use (tokens fed since the last reset).
     pub fn position(&self) -> usize {
         self.pos
@@ -933,6 +939,25 @@ impl Llm {
     /// The logits of each of the first `n` rows of the last decode pass.
     pub async fn read_logits_batch(&self, be: &Backend, n: usize) -> Result<Vec<Vec<f32>>> {
         self.core.read_logits(be, n).await
+    }
+
+    /// The logits of row `i` of the last decode pass alone (one row read back, not the rows
+    /// before it).
+    pub async fn read_logits_row(&self, be: &Backend, i: usize) -> Result<Vec<f32>> {
+        let c = &self.core;
+        let v = c.cfg.vocab;
+        if i >= c.parallel {
+            return Err(LlmError::Options(format!(
+                "row {i} of a pass of at most {} sequences",
+                c.parallel
+            )));
+        }
+        let mut row = be.read_f32(c.s.logits.at(i * v), v).await?;
+        let cap = c.cfg.final_softcap;
+        if cap > 0.0 {
+            row.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
+        }
+        Ok(row)
     }
 
     /// Feeds the prompt (or any tokens after what is cached) and returns the last position's logits.

@@ -309,6 +309,8 @@ pub struct LlmDecoder {
     /// Watches the fast paths while they decode (`--drift-check`), with the model's name for the
     /// gate history.
     guard: Option<(DriftGuard, String)>,
+    /// Slots of the sequences owed a drift check (one is checked a step).
+    owed: std::collections::VecDeque<usize>,
 }
 
 impl LlmDecoder {
@@ -322,6 +324,7 @@ impl LlmDecoder {
             gating,
             verdict: None,
             guard,
+            owed: Default::default(),
         }
     }
 }
@@ -451,33 +454,30 @@ impl Decoder for LlmDecoder {
             return Ok(None);
         }
         let before = guard.stats().checks;
-        // The shadow's verdict on an earlier check, if ready; then the checks due at this step, each
-        // against its row of this step's logits (still on the device: only the rows up to the last
-        // due one are read).
+        // Verdicts the shadow has finished; then this step's check. Sequences reach their checks
+        // together (a batch of requests sent at once), so they are owed and checked one a step, at
+        // the position they have then (any step's distribution is as good a sample), against their
+        // row of this step's logits (only that row is read back). The shadow takes the checks in
+        // order on its thread: a check never waits for the one before.
         let mut event = guard.poll_sequences(be, &mut self.llm)?;
-        let due: Vec<usize> = (0..rows.len())
-            .filter(|&i| {
-                let p = rows[i].0.position();
-                p > 0 && guard.due(p - 1)
-            })
-            .collect();
-        if event.is_none()
-            && let Some(&last) = due.last()
-        {
-            let logits = pollster::block_on(self.llm.read_logits_batch(be, last + 1))?;
-            for &i in &due {
-                if event.is_some() {
-                    break;
-                }
-                let (seq, tokens) = &rows[i];
-                event = pollster::block_on(guard.check_sequence(
-                    be,
-                    &mut self.llm,
-                    seq,
-                    tokens,
-                    &logits[i],
-                ))?;
+        for (seq, _) in rows.iter() {
+            let p = seq.position();
+            if p > 0 && guard.due(p - 1) && !self.owed.contains(&seq.slot()) {
+                self.owed.push_back(seq.slot());
             }
+        }
+        while event.is_none()
+            && let Some(slot) = self.owed.pop_front()
+        {
+            // A request that finished before its turn is not checked.
+            let Some(i) = rows.iter().position(|(s, _)| s.slot() == slot) else {
+                continue;
+            };
+            let fast = pollster::block_on(self.llm.read_logits_row(be, i))?;
+            let (seq, tokens) = &rows[i];
+            event =
+                pollster::block_on(guard.check_sequence(be, &mut self.llm, seq, tokens, &fast))?;
+            break;
         }
         let checks = guard.stats().checks - before;
         shared
