@@ -403,27 +403,9 @@ fn batched(name: &str, model: &Model, pool: &rayon::ThreadPool) {
         alone: true,
         ..QmmOptions::default()
     };
-    let kmax = model.iter().map(|m| m.w.cols()).max().unwrap();
-    let nmax = model.iter().map(|m| m.w.rows()).max().unwrap();
     let macs: usize = model.iter().map(|m| m.w.rows() * m.w.cols()).sum();
     for m in [1usize, 4, 8, 16] {
-        let x: Vec<f32> = (0..m * kmax)
-            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-            .collect();
-        let mut y = vec![0f32; m * nmax];
-        let mut v: Vec<f64> = (0..7)
-            .map(|_| {
-                pool.install(|| {
-                    let t = Instant::now();
-                    for w in model {
-                        let (n, k) = (w.w.rows(), w.w.cols());
-                        w.w.run(&x[..m * k], &mut y[..m * n], m, opts);
-                    }
-                    secs(t.elapsed())
-                })
-            })
-            .collect();
-        let t = median(&mut v);
+        let t = median_pass(model, m, opts, pool);
         println!(
             "m = {m:2}: {:7.2} ms a step, {:6.1} tokens/s, {:6.1} GFLOP/s",
             t * 1e3,
@@ -431,6 +413,29 @@ fn batched(name: &str, model: &Model, pool: &rayon::ThreadPool) {
             2.0 * (macs * m) as f64 / t / 1e9
         );
     }
+}
+
+/// Median of 7 passes of m activation rows through every matrix of `model` (inside `pool`).
+fn median_pass(model: &Model, m: usize, opts: QmmOptions, pool: &rayon::ThreadPool) -> f64 {
+    let kmax = model.iter().map(|w| w.w.cols()).max().unwrap();
+    let nmax = model.iter().map(|w| w.w.rows()).max().unwrap();
+    let x: Vec<f32> = (0..m * kmax)
+        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
+    let mut y = vec![0f32; m * nmax];
+    let mut v: Vec<f64> = (0..7)
+        .map(|_| {
+            pool.install(|| {
+                let t = Instant::now();
+                for w in model {
+                    let (n, k) = (w.w.rows(), w.w.cols());
+                    w.w.run(&x[..m * k], &mut y[..m * n], m, opts);
+                }
+                secs(t.elapsed())
+            })
+        })
+        .collect();
+    median(&mut v)
 }
 
 /// Runs decode steps; returns the median step time and the median time per matrix name.
@@ -598,23 +603,7 @@ fn prompt(name: &str, model: Model) {
     ] {
         println!("{what}:");
         for &m in ms {
-            let x: Vec<f32> = (0..m * 2048)
-                .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-                .collect();
-            let mut y = vec![0f32; m * 2048];
-            let mut v: Vec<f64> = (0..7)
-                .map(|_| {
-                    pool.install(|| {
-                        let t = Instant::now();
-                        for w in &model {
-                            let (n, k) = (w.w.rows(), w.w.cols());
-                            w.w.run(&x[..m * k], &mut y[..m * n], m, opts);
-                        }
-                        secs(t.elapsed())
-                    })
-                })
-                .collect();
-            let t = median(&mut v);
+            let t = median_pass(&model, m, opts, &pool);
             println!(
                 "m = {m:3}: {:8.2} ms, {:7.1} tokens/s, {:6.1} GFLOP/s",
                 t * 1e3,

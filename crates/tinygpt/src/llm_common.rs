@@ -389,15 +389,7 @@ pub fn generate(
         },
         guard.as_mut(),
         |e| {
-            eprintln!(
-                "\n[ops] drift guard: position {}, KL={:.3e} (bound {:.3e}), top-1 {}/{} — {} off for this run, going on on the f32 path",
-                e.position,
-                e.kl,
-                e.bound,
-                e.same_top1,
-                e.checks,
-                pills(e.paths)
-            );
+            eprintln!("\n{}", e.log_line("going on on the f32 path"));
             crate::gates::record_drift(be, name, e);
         },
         |llm| {

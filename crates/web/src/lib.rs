@@ -660,21 +660,13 @@ impl Session {
                     paths: None,
                     store: None,
                 });
-                let gate_model = GgufGate {
-                    file: &file,
-                    cfg: &cfg,
-                    prompt: tok.encode("The capital of France is", true),
-                    name: name.clone(),
-                    tokens: tinygpt_models::gating::token_budget(be),
-                };
-                let (prompt, tokens) = (gate_model.prompt.clone(), gate_model.tokens);
                 spawn_local(gate_in_background(
                     GatingJob {
                         load,
                         file: file.clone(),
                         cfg: cfg.clone(),
-                        prompt,
-                        tokens,
+                        prompt: tok.encode("The capital of France is", true),
+                        tokens: tinygpt_models::gating::token_budget(be),
                         name: name.clone(),
                         store: store.clone(),
                     },
@@ -827,15 +819,7 @@ impl Session {
                 },
                 c.guard.as_mut(),
                 |e| {
-                    let line = format!(
-                        "[ops] drift guard: position {}, KL={:.3e} (bound {:.3e}), top-1 {}/{} — {} off for this run, going on on the f32 path",
-                        e.position,
-                        e.kl,
-                        e.bound,
-                        e.same_top1,
-                        e.checks,
-                        tinygpt_kernels::gate::pills(e.paths)
-                    );
+                    let line = e.log_line("going on on the f32 path");
                     console_warn(&line);
                     drift = Some(json!({"position": e.position, "kl": e.kl, "bound": e.bound,
                         "same_top1": e.same_top1, "checks": e.checks, "line": line,

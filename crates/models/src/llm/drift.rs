@@ -41,6 +41,22 @@ pub struct DriftEvent {
     pub paths: PathSet,
 }
 
+impl DriftEvent {
+    /// The console line of the event: `[ops] drift guard: position P, KL=… (bound …), top-1 a/b — +…
+    /// off for this run, ` followed by `then` (what happens next).
+    pub fn log_line(&self, then: &str) -> String {
+        format!(
+            "[ops] drift guard: position {}, KL={:.3e} (bound {:.3e}), top-1 {}/{} — {} off for this run, {then}",
+            self.position,
+            self.kl,
+            self.bound,
+            self.same_top1,
+            self.checks,
+            tinygpt_kernels::gate::pills(self.paths)
+        )
+    }
+}
+
 /// What the guard has seen.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct DriftStats {

@@ -487,15 +487,7 @@ impl Decoder for LlmDecoder {
             return Ok(None);
         };
         shared.drift_events.fetch_add(1, Ordering::Relaxed);
-        eprintln!(
-            "[ops] drift guard: position {}, KL={:.3e} (bound {:.3e}), top-1 {}/{} — {} off for this run, every request goes on on the f32 path",
-            e.position,
-            e.kl,
-            e.bound,
-            e.same_top1,
-            e.checks,
-            tinygpt_kernels::gate::pills(e.paths)
-        );
+        eprintln!("{}", e.log_line("every request goes on on the f32 path"));
         crate::gates::record_drift(be, name, &e);
         self.llm
             .switch_paths_with(be, guard.file(), PathSet::F32, rows)?;

@@ -372,7 +372,8 @@ fn head_body(
     } else {
         0
     };
-    // Plain loops: a closure here compiles to a function of its own, outside `head_avx2`'s build.
+    // Plain loops, no iterator adapters: an adapter's fold compiles to a function of its own, outside
+    // `head_avx2`'s build (the closures below are called directly and inlined).
     let mut sc: Vec<f32> = Vec::with_capacity(last.saturating_sub(first));
     let key = |j: usize| &ks[j * s.ld_kv + kvh * s.head_dim..][..s.head_dim];
     let finish = |x: f32| {

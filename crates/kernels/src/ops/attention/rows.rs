@@ -165,12 +165,12 @@ pub fn attend_rows(
     if n == 0 {
         return Ok(());
     }
+    let span_q = (n - 1) * s.ld_q + s.heads * s.head_dim;
+    let span_o = (n - 1) * s.ld_o + s.heads * s.head_dim;
     let g = match be {
         // The twin: every (row, head) of the pass in one parallel loop, each computed exactly as
         // `attend` computes that row alone (one fork-join a layer, not one a row).
         Backend::Cpu(c) => {
-            let span_q = (n - 1) * s.ld_q + s.heads * s.head_dim;
-            let span_o = (n - 1) * s.ld_o + s.heads * s.head_dim;
             let qs = q.cpu("attend_rows", "q", span_q)?;
             let cs = cache.cpu("attend_rows", "cache", cache_rows * s.ld_kv)?;
             let os = out.cpu("attend_rows", "out", span_o)?;
@@ -209,8 +209,6 @@ pub fn attend_rows(
     if !vec4 || !s.head_dim.is_multiple_of(4) || s.head_dim > 256 || 256 % (s.head_dim / 4) != 0 {
         return one_by_one(&mut out);
     }
-    let span_q = (n - 1) * s.ld_q + s.heads * s.head_dim;
-    let span_o = (n - 1) * s.ld_o + s.heads * s.head_dim;
     let (Some((bq, oq)), Some((bo, oo)), Some((bt, ot))) = (
         q.gpu("attend_rows", "q", span_q)?.span(q.offset(), span_q),
         out.gpu("attend_rows", "out", span_o)?
