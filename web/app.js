@@ -142,6 +142,11 @@ $('generate').onclick = async () => {
     });
     $('output').textContent = $('prompt').value + $('output').textContent;
     $('gen-stats').textContent = `${r.tokens} characters in ${r.seconds.toFixed(2)} s (${r.tokens_per_s.toFixed(1)} tokens/s)`;
+    if (r.drift) {
+      // The drift guard moved the model to the f32 path mid-generation.
+      consoleLine(r.drift.line);
+      status(r.drift.line, true);
+    }
   } catch (e) {
     status(e.message, true);
   } finally {

@@ -62,12 +62,12 @@ async function persist() {
 let chatModel = '';
 
 // A drift-guard event, recorded as the CLI records it (`tinygpt gates --history` reads the same shape).
-async function recordDrift(d) {
+async function recordDrift(d, subject = chatModel) {
   const info = JSON.parse(session.adapter_info());
   await appendHistory([{
     kind: 'drift', time_unix: Math.floor(Date.now() / 1000),
     adapter: info.name ?? session.backend(), driver: `${info.driver ?? ''} ${info.driver_info ?? ''}`.trim(),
-    subject: chatModel, position: d.position, kl: d.kl, bound: d.bound, same_top1: d.same_top1,
+    subject, position: d.position, kl: d.kl, bound: d.bound, same_top1: d.same_top1,
     checks: d.checks, paths: d.paths,
   }]);
 }
@@ -134,8 +134,10 @@ const commands = {
   },
   async history() { return JSON.parse((await idbGet('history')) ?? '[]'); },
   async generate({ prompt, n, temperature, topK, seed }) {
-    return JSON.parse(await session.generate(prompt, n, temperature, topK, 1.0, BigInt(seed),
+    const r = JSON.parse(await session.generate(prompt, n, temperature, topK, 1.0, BigInt(seed),
       (t) => post({ event: 'text', target: 'output', text: t })));
+    if (r.drift) await recordDrift(r.drift, 'char-level GPT');
+    return r;
   },
   trainStart({ preset, text }) { return JSON.parse(session.train_start(JSON.stringify(preset), text)); },
   async trainSteps({ k }) { return JSON.parse(await session.train_steps(k)); },

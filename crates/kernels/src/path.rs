@@ -60,6 +60,10 @@ pub enum Fault {
     /// position the start-up gates reach, wrong only in long generations — what the drift guard is
     /// for. No op gate can see it (it is not in [`Fault::ALL`]).
     RopePast500,
+    /// A char-level GPT's learned position embeddings scaled from position 200 on, by 1 + (p − 199)/4
+    /// at position p: the same kind of error for a model without RoPE (drift guard; not in
+    /// [`Fault::ALL`]).
+    PositionsPast200,
     /// Weight gradients (Aᵀ·B products) accumulated in f16 by the training path's kernels: what the
     /// training gate must reject (not in [`Fault::ALL`]: it lives in training only).
     WeightGradF16Accumulation,

@@ -33,9 +33,9 @@ pub struct GateArgs {
         value_delimiter = ','
     )]
     pub disable_path: Vec<String>,
-    /// While a GGUF model generates on fast paths, compute one step every N tokens on the f32 path
-    /// too (from the same cache) and go on on the f32 path if the two disagree past the gate's bound
-    /// (0: off).
+    /// While a model generates on fast paths (`run`, `chat`, `serve`, `generate`), compute one step every
+    /// N tokens on the f32 path too (from the same cache) and go on on the f32 path if the two disagree
+    /// past the gate's bound (0: off).
     #[arg(long, global = true, value_name = "N", default_value_t = tinygpt_models::llm::drift::DEFAULT_EVERY)]
     pub drift_check: usize,
 }

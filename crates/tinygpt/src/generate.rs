@@ -12,6 +12,7 @@ use tinygpt_kernels::PathSet;
 use tinygpt_kernels::gate::pills;
 use tinygpt_models::gating::GptGate;
 use tinygpt_models::gpt::{CharVocab, Dataset, GptRunner, OptimConfig, Trainer, checkpoint};
+use tinygpt_models::llm::GptDriftGuard;
 use tinygpt_models::sampler::{Sampler, SamplerConfig};
 
 #[derive(Args, Debug)]
@@ -60,12 +61,14 @@ fn model_dir(m: &Option<PathBuf>) -> PathBuf {
         .unwrap_or_else(|| paths::bundled(paths::DEFAULT_MODEL))
 }
 
-/// Loads a checkpoint (default: the bundled model), gates its fast paths and builds its runner.
+/// Loads a checkpoint (default: the bundled model), gates its fast paths and builds its runner, and
+/// the drift guard that watches it on fast paths (`--drift-check`; its shadow on `threads` threads).
 pub fn load_runner(
     be: &Backend,
     gate: &crate::gates::GateArgs,
     model: Option<&std::path::Path>,
-) -> Result<(GptRunner, CharVocab, PathSet)> {
+    threads: Option<usize>,
+) -> Result<(GptRunner, CharVocab, PathSet, Option<GptDriftGuard>)> {
     let dir = model.map_or_else(|| paths::bundled(paths::DEFAULT_MODEL), |p| p.to_path_buf());
     let ck = checkpoint::load_model(&dir)
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
@@ -78,7 +81,9 @@ pub fn load_runner(
     };
     let paths = crate::gates::prepare(be, gate, &gate_model)?;
     let runner = GptRunner::new(be, cfg, &ck.params, paths)?;
-    Ok((runner, ck.config.vocab, paths))
+    let guard = (be.as_gpu().is_some() && !paths.is_empty() && gate.drift_check > 0)
+        .then(|| GptDriftGuard::new(cfg, ck.params, gate.drift_check, threads, true));
+    Ok((runner, ck.config.vocab, paths, guard))
 }
 
 pub fn generate(be: &Backend, gate: &crate::gates::GateArgs, a: &GenerateArgs) -> Result<()> {
@@ -91,7 +96,7 @@ pub fn generate(be: &Backend, gate: &crate::gates::GateArgs, a: &GenerateArgs) -
     sc.validate().map_err(anyhow::Error::msg)?;
     let dir = model_dir(&a.model);
     let t0 = Instant::now();
-    let ck = checkpoint::load_model(&dir)
+    let mut ck = checkpoint::load_model(&dir)
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
     let vocab = ck.config.vocab.clone();
     let prompt = vocab.encode(&a.prompt).context(
@@ -117,18 +122,42 @@ pub fn generate(be: &Backend, gate: &crate::gates::GateArgs, a: &GenerateArgs) -
         be.describe(),
         pills(paths)
     );
+    // The drift guard watches the fast paths (its shadow: the f32 path on the CPU, on its thread).
+    let mut guard =
+        (be.as_gpu().is_some() && !paths.is_empty() && gate.drift_check > 0).then(|| {
+            GptDriftGuard::new(
+                cfg,
+                std::mem::take(&mut ck.params),
+                gate.drift_check,
+                None,
+                true,
+            )
+        });
+    let subject = dir.display().to_string();
     let mut out = std::io::stdout().lock();
     out.write_all(a.prompt.as_bytes())?;
     let mut sampler = Sampler::new(sc);
     let t = Instant::now();
-    runner.generate(be, &prompt, a.n, &mut sampler, |id| {
+    let mut emit = async |id: u32| -> tinygpt_kernels::Result<()> {
         let s = vocab.decode(&[id]);
         out.write_all(s.as_bytes())
             .map_err(|e| tinygpt_kernels::Error::Gpu(format!("writing output: {e}")))?;
         out.flush()
             .map_err(|e| tinygpt_kernels::Error::Gpu(format!("writing output: {e}")))?;
         Ok(())
-    })?;
+    };
+    pollster::block_on(runner.generate_guarded_async(
+        be,
+        &prompt,
+        a.n,
+        &mut sampler,
+        guard.as_mut(),
+        |e| {
+            eprintln!("\n{}", e.log_line("going on on the f32 path"));
+            crate::gates::record_drift(be, &subject, e);
+        },
+        &mut emit,
+    ))?;
     writeln!(out)?;
     let secs = t.elapsed().as_secs_f64();
     eprintln!(
@@ -136,6 +165,22 @@ pub fn generate(be: &Backend, gate: &crate::gates::GateArgs, a: &GenerateArgs) -
         a.n,
         a.n as f64 / secs.max(1e-9)
     );
+    if let Some(g) = &mut guard {
+        // Verdicts still on the shadow's thread count too.
+        if let Some(e) = g.settle(be, &mut runner)? {
+            eprintln!("{}", e.log_line("after the last token"));
+            crate::gates::record_drift(be, &subject, &e);
+        }
+        let s = g.stats();
+        eprintln!(
+            "[ops] drift guard: {} checks (every {} tokens), {} with the same top-1, worst KL {:.2e} ({:.2e} of its bound)",
+            s.checks,
+            g.every(),
+            s.same_top1,
+            s.worst_kl,
+            s.worst_ratio
+        );
+    }
     Ok(())
 }
 

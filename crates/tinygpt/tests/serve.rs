@@ -758,3 +758,55 @@ fn the_bundled_model_completes_text_as_tinygpt_generate_does_and_stops_gracefull
     let lines: Vec<String> = s.log.try_iter().collect();
     assert!(lines.iter().any(|l| l.contains("stopped")), "{lines:?}");
 }
+
+/// The bundled char-level model served on a GPU on its gated fast paths: the drift guard checks every
+/// N tokens of each request (counted in /metrics) without changing a token: each request's text is
+/// `tinygpt generate`'s on the same adapter with the same seed.
+#[test]
+fn the_bundled_model_on_a_gpu_is_watched_by_the_drift_guard() {
+    let generate = |seed: &str| {
+        let out = bin()
+            .args(["--backend", "gpu", "--drift-check", "0", "generate"])
+            .args(["--prompt", "ROMEO:", "-n", "70", "--seed", seed])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let text = String::from_utf8(out.stdout).unwrap();
+        text.trim_end_matches('\n')
+            .strip_prefix("ROMEO:")
+            .unwrap()
+            .to_string()
+    };
+    let want = [generate("5"), generate("6")];
+    let s = start_on("gpu", &["--parallel", "2", "--drift-check", "16"]);
+    assert!(!s.ready.contains("f32 path"), "{}", s.ready);
+    let rt = rt();
+    let got = rt.block_on(async {
+        let one = |seed: u64| {
+            post(
+                &s.base,
+                "/v1/completions",
+                json!({"prompt": "ROMEO:", "max_tokens": 70, "seed": seed, "temperature": 0.8,
+                       "top_k": 200, "top_p": 1.0}),
+                None,
+            )
+        };
+        tokio::join!(one(5), one(6))
+    });
+    for ((st, raw), want) in [got.0, got.1].iter().zip(&want) {
+        assert_eq!(*st, 200, "{raw}");
+        let v: Value = serde_json::from_str(raw).unwrap();
+        assert_eq!(v["choices"][0]["text"], *want);
+    }
+    let (status, m) = get_now(&format!("{}/metrics", s.base)).expect("metrics");
+    assert_eq!(status, 200);
+    let count = |name: &str| -> i64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {m}"))
+    };
+    // Two requests of 6 + 70 tokens: checks at 16, 32, 48 and 64 of each; the shadow's last
+    // verdicts may still be out.
+    assert!(count("tinygpt_drift_checks ") >= 4, "{m}");
+    assert_eq!(count("tinygpt_drift_events "), 0, "{m}");
+}

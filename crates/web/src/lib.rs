@@ -29,7 +29,7 @@ use tinygpt_models::gpt::checkpoint::{
 use tinygpt_models::gpt::{
     CharVocab, Dataset, GptConfig, GptRunner, Layout, OptimConfig, Trainer, learning_rate,
 };
-use tinygpt_models::llm::{DriftGuard, Llm, LlmConfig, LoadOptions};
+use tinygpt_models::llm::{DriftGuard, GptDriftGuard, Llm, LlmConfig, LoadOptions};
 use tinygpt_models::sampler::{Sampler, SamplerConfig};
 use tinygpt_models::tokenizer::Tokenizer;
 use wasm_bindgen::prelude::*;
@@ -71,6 +71,8 @@ struct Gpt {
     runner: GptRunner,
     vocab: CharVocab,
     config: CheckpointConfig,
+    /// Watches the fast paths while they generate (its shadow runs in line, on the wasm CPU backend).
+    guard: Option<GptDriftGuard>,
 }
 
 /// A training run in the page.
@@ -362,22 +364,37 @@ impl Session {
             let t0 = Instant::now();
             let mut made = 0usize;
             let vocab = gpt.vocab.clone();
+            let mut drift = None;
             let r = gpt
                 .runner
-                .generate_async(be, &ids, n, &mut sampler, async |t| {
-                    call(&on_text, vocab.decode(&[t]));
-                    made += 1;
-                    if made.is_multiple_of(8) {
-                        yield_now().await;
-                    }
-                    if stop.get() {
-                        return Err(tinygpt_kernels::Error::Shape {
-                            op: "generate",
-                            msg: "stopped".into(),
-                        });
-                    }
-                    Ok(())
-                })
+                .generate_guarded_async(
+                    be,
+                    &ids,
+                    n,
+                    &mut sampler,
+                    gpt.guard.as_mut(),
+                    |e| {
+                        let line = e.log_line("going on on the f32 path");
+                        console_warn(&line);
+                        drift = Some(json!({"position": e.position, "kl": e.kl, "bound": e.bound,
+                            "same_top1": e.same_top1, "checks": e.checks, "line": line,
+                            "paths": e.paths.iter().map(PathId::name).collect::<Vec<_>>()}));
+                    },
+                    async |t| {
+                        call(&on_text, vocab.decode(&[t]));
+                        made += 1;
+                        if made.is_multiple_of(8) {
+                            yield_now().await;
+                        }
+                        if stop.get() {
+                            return Err(tinygpt_kernels::Error::Shape {
+                                op: "generate",
+                                msg: "stopped".into(),
+                            });
+                        }
+                        Ok(())
+                    },
+                )
                 .await;
             if let Err(e) = r
                 && !stop.get()
@@ -386,8 +403,11 @@ impl Session {
             }
             let secs = t0.elapsed().as_secs_f64();
             Ok(JsValue::from_str(
-                &json!({"tokens": made, "seconds": secs, "tokens_per_s": made as f64 / secs.max(1e-9)})
-                    .to_string(),
+                &json!({"tokens": made, "seconds": secs, "tokens_per_s": made as f64 / secs.max(1e-9),
+                        "drift": drift,
+                        "drift_checks": gpt.guard.as_ref().map_or(0, |g| g.stats().checks),
+                        "paths": gpt.runner.paths().iter().map(PathId::name).collect::<Vec<_>>()})
+                .to_string(),
             ))
         })
     }
@@ -900,10 +920,20 @@ async fn gpt_from(
         _ => PathSet::F32,
     };
     let runner = GptRunner::new(be, cfg, &params, paths).map_err(js_err)?;
+    let guard = (!paths.is_empty()).then(|| {
+        GptDriftGuard::new(
+            cfg,
+            params,
+            tinygpt_models::llm::drift::DEFAULT_EVERY,
+            None,
+            false,
+        )
+    });
     Ok(Gpt {
         runner,
         vocab: config.vocab.clone(),
         config,
+        guard,
     })
 }
 

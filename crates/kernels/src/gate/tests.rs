@@ -129,7 +129,10 @@ fn victims(f: Fault) -> Vec<PathId> {
         Fault::SignExtensionDropped | Fault::BlockIndexAtK2048 => vec![PathId::QuantMatmul],
         Fault::F16Accumulation => vec![PathId::F16Storage, PathId::ShaderF16],
         // Faults of one model's run, which the drift guard and the training gate catch.
-        Fault::RopePast500 | Fault::WeightGradF16Accumulation | Fault::CausalMaskPast128 => vec![],
+        Fault::RopePast500
+        | Fault::PositionsPast200
+        | Fault::WeightGradF16Accumulation
+        | Fault::CausalMaskPast128 => vec![],
         Fault::OutOfBoundsWrite | Fault::NanOutput => vec![
             PathId::F16Storage,
             PathId::Subgroups,

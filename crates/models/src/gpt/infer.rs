@@ -8,10 +8,12 @@
 use super::block::{Attention, BlockActs, Dims, EPS, Params, ResidualDropout, block_forward};
 use super::config::GptConfig;
 use super::layout::Layout;
+use crate::llm::{DriftEvent, GptDriftGuard};
 use crate::sampler::Sampler;
 use tinygpt_kernels::ops::embedding::{EmbedShape, Positions, embedding};
 use tinygpt_kernels::ops::matmul::{Gemm, matmul, pack_f16, packed_len};
 use tinygpt_kernels::ops::norm::{NormKind, NormShape, norm_forward};
+use tinygpt_kernels::path::Fault;
 use tinygpt_kernels::{Backend, DType, Error, PathId, PathSet, Result, Tensor};
 
 /// A model loaded for inference on a backend, with its KV cache.
@@ -33,6 +35,8 @@ pub struct GptRunner {
     logits: Tensor,
     /// Cached positions.
     pos: usize,
+    /// The token at each cached position.
+    tokens: Vec<u32>,
 }
 
 /// Another sequence's KV cache and position, for a runner serving several sequences in turn
@@ -40,6 +44,7 @@ pub struct GptRunner {
 pub struct GptSequence {
     cache: Vec<Tensor>,
     pos: usize,
+    tokens: Vec<u32>,
 }
 
 impl GptSequence {
@@ -60,6 +65,31 @@ pub(crate) fn packed_copy(be: &Backend, params: &Tensor, paths: PathSet) -> Resu
     Ok(Some(p))
 }
 
+/// `params` on the backend for a runner on `paths`. A planted [`Fault::PositionsPast200`] (tests only)
+/// scales the position embeddings from position 200 on, more with every position.
+fn upload_params(
+    be: &Backend,
+    cfg: &GptConfig,
+    layout: &Layout,
+    params: &[f32],
+    paths: PathSet,
+) -> Result<Tensor> {
+    if paths.fault() != Some(Fault::PositionsPast200) {
+        return be.from_f32(params, layout.unit);
+    }
+    let mut p = params.to_vec();
+    let (start, c) = (layout.wpe(), cfg.n_embd);
+    for (pos, row) in p[start..start + cfg.block_size * c]
+        .chunks_mut(c)
+        .enumerate()
+        .skip(200)
+    {
+        let scale = 1.0 + (pos - 199) as f32 / 4.0;
+        row.iter_mut().for_each(|x| *x *= scale);
+    }
+    be.from_f32(&p, layout.unit)
+}
+
 impl GptRunner {
     /// Uploads `params` (host, [`Layout`] order) and plans buffers for a full block; every product runs
     /// on the kernels of `paths`.
@@ -69,7 +99,7 @@ impl GptRunner {
         let layout = Layout::new(cfg);
         let (t, c) = (cfg.block_size, cfg.n_embd);
         let z = |n: usize, unit: usize| be.zeros(n, unit);
-        let params_t = be.from_f32(params, layout.unit)?;
+        let params_t = upload_params(be, cfg, &layout, params, paths)?;
         Ok(GptRunner {
             packed: packed_copy(be, &params_t, paths)?,
             paths,
@@ -86,6 +116,7 @@ impl GptRunner {
             cfg: cfg.clone(),
             layout,
             pos: 0,
+            tokens: Vec::new(),
         })
     }
 
@@ -102,6 +133,96 @@ impl GptRunner {
     /// Forgets every cached position.
     pub fn reset(&mut self) {
         self.pos = 0;
+        self.tokens.clear();
+    }
+
+    /// The token at each cached position.
+    pub fn history(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Each layer's cache rows (QKV, `3 · n_embd` values a position) of positions `from .. from + n`.
+    pub async fn read_cache(&self, be: &Backend, from: usize, n: usize) -> Result<Vec<Vec<f32>>> {
+        let w = 3 * self.cfg.n_embd;
+        if from + n > self.pos {
+            return Err(Error::Shape {
+                op: "gpt cache",
+                msg: format!("rows {from}..{} of {} cached", from + n, self.pos),
+            });
+        }
+        let mut out = Vec::with_capacity(self.cache.len());
+        for c in &self.cache {
+            out.push(if n == 0 {
+                Vec::new()
+            } else {
+                be.read_f32(c.at(from * w), n * w).await?
+            });
+        }
+        Ok(out)
+    }
+
+    /// Writes each layer's cache rows `rows[l]` (of the tokens `tokens`) at positions `from ..`: the
+    /// cache then holds the positions up to the last one written (as if those tokens had been fed).
+    pub fn write_cache(
+        &mut self,
+        be: &Backend,
+        from: usize,
+        rows: &[Vec<f32>],
+        tokens: &[u32],
+    ) -> Result<()> {
+        let w = 3 * self.cfg.n_embd;
+        let n = tokens.len();
+        if from > self.pos
+            || from + n > self.cfg.block_size
+            || rows.len() != self.cache.len()
+            || rows.iter().any(|r| r.len() != n * w)
+        {
+            return Err(Error::Shape {
+                op: "gpt cache",
+                msg: format!(
+                    "{} layers of rows for {n} tokens at position {from} do not fit a cache of {} \
+                     positions, {} held",
+                    rows.len(),
+                    self.cfg.block_size,
+                    self.pos
+                ),
+            });
+        }
+        if n > 0 {
+            for (c, r) in self.cache.iter_mut().zip(rows) {
+                be.write_f32(c.at_mut(from * w), r)?;
+            }
+        }
+        self.tokens.truncate(from);
+        self.tokens.extend_from_slice(tokens);
+        self.pos = from + n;
+        Ok(())
+    }
+
+    /// Moves the runner to the kernels of `paths`, its weights uploaded again from `params` (the host
+    /// copy it was made from) and its cache recomputed from the tokens it holds, so its logits are then
+    /// those of `paths` after the same tokens.
+    pub fn switch_paths(&mut self, be: &Backend, params: &[f32], paths: PathSet) -> Result<()> {
+        let paths = paths.without(PathId::MixedTraining);
+        if params.len() != self.params.len() {
+            return Err(Error::Shape {
+                op: "gpt switch",
+                msg: format!(
+                    "{} parameters for a model of {}",
+                    params.len(),
+                    self.params.len()
+                ),
+            });
+        }
+        self.params = upload_params(be, &self.cfg, &self.layout, params, paths)?;
+        self.packed = packed_copy(be, &self.params, paths)?;
+        self.paths = paths;
+        let tokens = std::mem::take(&mut self.tokens);
+        self.pos = 0;
+        if !tokens.is_empty() {
+            self.feed(be, &tokens)?;
+        }
+        Ok(())
     }
 
     /// A new, empty sequence with a cache of its own.
@@ -112,6 +233,7 @@ impl GptRunner {
                 .map(|_| be.zeros(t * 3 * c, 3 * c))
                 .collect::<Result<_>>()?,
             pos: 0,
+            tokens: Vec::new(),
         })
     }
 
@@ -120,9 +242,11 @@ impl GptRunner {
     pub fn with_sequence<R>(&mut self, seq: &mut GptSequence, f: impl FnOnce(&mut Self) -> R) -> R {
         std::mem::swap(&mut self.cache, &mut seq.cache);
         std::mem::swap(&mut self.pos, &mut seq.pos);
+        std::mem::swap(&mut self.tokens, &mut seq.tokens);
         let r = f(self);
         std::mem::swap(&mut self.cache, &mut seq.cache);
         std::mem::swap(&mut self.pos, &mut seq.pos);
+        std::mem::swap(&mut self.tokens, &mut seq.tokens);
         r
     }
 
@@ -216,6 +340,8 @@ impl GptRunner {
             &head,
         )?;
         self.pos += r;
+        self.tokens.truncate(p);
+        self.tokens.extend_from_slice(tokens);
         Ok(())
     }
 
@@ -227,7 +353,7 @@ impl GptRunner {
     /// Clears the cache and runs `tokens` (at most block_size) from position 0; returns the logits after
     /// the last one.
     pub async fn prefill_async(&mut self, be: &Backend, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.pos = 0;
+        self.reset();
         self.feed(be, tokens)?;
         self.read_logits(be).await
     }
@@ -259,6 +385,24 @@ impl GptRunner {
         prompt: &[u32],
         n: usize,
         sampler: &mut Sampler,
+        emit: impl AsyncFnMut(u32) -> Result<()>,
+    ) -> Result<()> {
+        self.generate_guarded_async(be, prompt, n, sampler, None, |_| {}, emit)
+            .await
+    }
+
+    /// [`GptRunner::generate_async`] watched by a drift guard while the runner is on fast paths: when
+    /// a check passes its bound the runner moves to the f32 path, `on_drift` hears of it, and the
+    /// generation goes on from the f32 path's logits after the same tokens.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn generate_guarded_async(
+        &mut self,
+        be: &Backend,
+        prompt: &[u32],
+        n: usize,
+        sampler: &mut Sampler,
+        mut guard: Option<&mut GptDriftGuard>,
+        mut on_drift: impl FnMut(&DriftEvent),
         mut emit: impl AsyncFnMut(u32) -> Result<()>,
     ) -> Result<()> {
         let t = self.cfg.block_size;
@@ -275,6 +419,12 @@ impl GptRunner {
                 let keep = t / 2;
                 self.prefill_async(be, &ctx[ctx.len() - keep..]).await?
             };
+            if let Some(g) = guard.as_deref_mut()
+                && let Some(e) = g.after_step(be, self, &logits).await?
+            {
+                on_drift(&e);
+                logits = self.read_logits(be).await?;
+            }
         }
         Ok(())
     }

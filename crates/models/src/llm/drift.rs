@@ -13,6 +13,10 @@
 //! (natively; in the browser it runs in line), and its verdict is taken a few tokens later. The
 //! guarded model's weights stay where they are; the shadow's own live on the host (the file's
 //! quantized blocks, as the CPU backend runs them).
+//!
+//! [`DriftGuard`] watches a GGUF model ([`Llm`]); [`GptDriftGuard`] the char-level GPT
+//! ([`GptRunner`]), whose cache rows are its layers' QKV rows and whose f32 weights are uploaded
+//! again from the host copy the guard holds when it trips. Both share the shadow and its bookkeeping.
 
 use std::sync::Arc;
 
@@ -22,6 +26,7 @@ use tinygpt_kernels::{Backend, PathSet};
 
 use super::error::{LlmError, Result};
 use super::model::{Feed, Llm, LoadOptions, Sequence};
+use crate::gpt::{GptConfig, GptRunner};
 
 /// Checks every this many tokens by default (`--drift-check N`).
 pub const DEFAULT_EVERY: usize = 128;
@@ -85,34 +90,67 @@ struct Verdict {
     same_top1: bool,
 }
 
-/// The f32 path on a CPU backend, made at its first step (so a short run never pays for it).
+/// The model the shadow runs on the f32 path: a GGUF model (from its file) or a char-level GPT (from
+/// its f32 parameters).
+enum ShadowModel {
+    Llm { file: Arc<GgufFile>, context: usize },
+    Gpt { cfg: GptConfig, params: Arc<[f32]> },
+}
+
+/// The shadow's model made on the CPU backend.
+enum Made {
+    Llm(Backend, Box<Llm>),
+    Gpt(Backend, Box<GptRunner>),
+}
+
+/// The f32 path on a CPU backend of `threads` threads, made at its first step (so a short run never
+/// pays for it) unless made before.
 struct Shadow {
-    file: Arc<GgufFile>,
-    context: usize,
+    model: ShadowModel,
     threads: Option<usize>,
-    model: Option<(Backend, Llm)>,
+    made: Option<Made>,
 }
 
 impl Shadow {
+    /// Makes the shadow's model if it has not been made yet.
+    fn make(&mut self) -> Result<&mut Made> {
+        if self.made.is_none() {
+            let cpu = Backend::Cpu(CpuBackend::new(self.threads));
+            self.made = Some(match &self.model {
+                ShadowModel::Llm { file, context } => {
+                    let opts = LoadOptions {
+                        context: Some(*context),
+                        batch: 1,
+                        paths: PathSet::F32,
+                        ..LoadOptions::default()
+                    };
+                    let llm = Llm::from_gguf(&cpu, file, &opts, &mut |_| {})?;
+                    Made::Llm(cpu, Box::new(llm))
+                }
+                ShadowModel::Gpt { cfg, params } => {
+                    let runner = GptRunner::new(&cpu, cfg, params, PathSet::F32)?;
+                    Made::Gpt(cpu, Box::new(runner))
+                }
+            });
+        }
+        Ok(self.made.as_mut().expect("made above"))
+    }
+
     async fn step(&mut self, r: Request) -> Result<Verdict> {
-        let (cpu, llm) = match &mut self.model {
-            Some(m) => m,
-            None => {
-                let cpu = Backend::Cpu(CpuBackend::new(self.threads));
-                let opts = LoadOptions {
-                    context: Some(self.context),
-                    batch: 1,
-                    paths: PathSet::F32,
-                    ..LoadOptions::default()
-                };
-                let llm = Llm::from_gguf(&cpu, &self.file, &opts, &mut |_| {})?;
-                self.model.insert((cpu, llm))
+        let (position, reference) = match self.make()? {
+            Made::Llm(cpu, llm) => {
+                llm.write_kv(cpu, r.from, &r.kv, &r.tokens)?;
+                let position = llm.position();
+                llm.decode_step(cpu, &mut [], Feed::Ids(&[r.id]))?;
+                (position, llm.read_logits(cpu).await?)
+            }
+            Made::Gpt(cpu, runner) => {
+                runner.write_cache(cpu, r.from, &r.kv, &r.tokens)?;
+                let position = runner.position();
+                runner.feed(cpu, &[r.id])?;
+                (position, runner.read_logits(cpu).await?)
             }
         };
-        llm.write_kv(cpu, r.from, &r.kv, &r.tokens)?;
-        let position = llm.position();
-        llm.decode_step(cpu, &mut [], Feed::Ids(&[r.id]))?;
-        let reference = llm.read_logits(cpu).await?;
         Ok(Verdict {
             position,
             kl: kl_divergence(&reference, &r.fast),
@@ -135,15 +173,169 @@ enum Runner {
     },
 }
 
-/// Watches one model's generation; see the module documentation.
-pub struct DriftGuard {
+/// What both guards share: the shadow, the rows it holds, and the verdicts so far.
+struct Watch {
     every: usize,
-    file: Arc<GgufFile>,
     runner: Runner,
     /// The tokens whose cache rows the shadow holds (copied from the guarded model's cache).
     held: Vec<u32>,
     stats: DriftStats,
     tripped: Option<DriftEvent>,
+}
+
+impl Watch {
+    /// A shadow of `model` on `threads` threads (None: every core but one, left to the thread that
+    /// drives the device); with `background` (native only) on a thread of its own. With `warm` (a
+    /// thread only) the shadow makes its model at once instead of at its first step.
+    fn new(
+        model: ShadowModel,
+        every: usize,
+        threads: Option<usize>,
+        background: bool,
+        warm: bool,
+    ) -> Watch {
+        #[cfg(not(target_arch = "wasm32"))]
+        let threads = threads.or_else(|| {
+            std::thread::available_parallelism()
+                .ok()
+                .map(|n| n.get().saturating_sub(1).max(1))
+        });
+        let shadow = move || Shadow {
+            model,
+            threads,
+            made: None,
+        };
+        #[cfg(not(target_arch = "wasm32"))]
+        let runner = if background {
+            let (tx, requests) = std::sync::mpsc::channel::<Request>();
+            let (verdicts, rx) = std::sync::mpsc::channel();
+            // The shadow's model is made on its thread (a backend stays on the thread that made it).
+            std::thread::spawn(move || {
+                let mut shadow = shadow();
+                if warm {
+                    // A failure here is reported by the first check, which tries again.
+                    let _ = shadow.make();
+                }
+                for r in requests {
+                    if verdicts.send(pollster::block_on(shadow.step(r))).is_err() {
+                        break;
+                    }
+                }
+            });
+            Runner::Thread { tx, rx, pending: 0 }
+        } else {
+            Runner::Inline(Box::new(shadow()))
+        };
+        #[cfg(target_arch = "wasm32")]
+        let runner = {
+            let _ = (background, warm);
+            Runner::Inline(Box::new(shadow()))
+        };
+        Watch {
+            every,
+            runner,
+            held: Vec::new(),
+            stats: DriftStats::default(),
+            tripped: None,
+        }
+    }
+
+    /// Of `history` (one token per position, the last one the token the shadow feeds): the first
+    /// position whose cache row the shadow lacks (the rows it holds stay valid while the tokens before
+    /// them are the same), and the tokens from there up to the last one.
+    fn span(&mut self, history: &[u32]) -> (usize, Vec<u32>) {
+        let p = history.len() - 1;
+        let from = self
+            .held
+            .iter()
+            .zip(&history[..p])
+            .take_while(|(a, b)| a == b)
+            .count();
+        let tokens = history[from..p].to_vec();
+        self.held.truncate(from);
+        self.held.extend_from_slice(&tokens);
+        (from, tokens)
+    }
+
+    /// Hands `r` to the shadow: in line, its verdict comes back now; on its thread, later.
+    async fn submit(&mut self, r: Request) -> Result<Option<Verdict>> {
+        match &mut self.runner {
+            Runner::Inline(shadow) => Ok(Some(shadow.step(r).await?)),
+            #[cfg(not(target_arch = "wasm32"))]
+            Runner::Thread { tx, pending, .. } => {
+                tx.send(r).map_err(|_| stopped())?;
+                *pending += 1;
+                Ok(None)
+            }
+        }
+    }
+
+    /// The shadow thread's outstanding verdicts: all of them (waiting), or those that are ready.
+    // In the browser every verdict is taken in line.
+    #[cfg_attr(target_arch = "wasm32", allow(unused_variables))]
+    fn receive(&mut self, wait: bool) -> Result<Vec<Verdict>> {
+        #[cfg(target_arch = "wasm32")]
+        return Ok(Vec::new());
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            let mut out = Vec::new();
+            while let Runner::Thread { rx, pending, .. } = &mut self.runner
+                && *pending > 0
+            {
+                let v = if wait {
+                    rx.recv().map_err(|_| stopped())?
+                } else {
+                    match rx.try_recv() {
+                        Ok(v) => v,
+                        Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                        Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                            return Err(stopped());
+                        }
+                    }
+                };
+                *pending -= 1;
+                out.push(v?);
+            }
+            Ok(out)
+        }
+    }
+
+    /// Counts a verdict on `paths`; past the bound (the first time), returns the event.
+    fn count(&mut self, v: Verdict, paths: PathSet) -> Option<DriftEvent> {
+        let s = &mut self.stats;
+        s.checks += 1;
+        if v.same_top1 {
+            s.same_top1 += 1;
+        }
+        let ratio = if v.kl.is_nan() {
+            f64::INFINITY
+        } else {
+            v.kl / v.bound
+        };
+        if ratio >= s.worst_ratio {
+            s.worst_ratio = ratio;
+            s.worst_kl = v.kl;
+        }
+        if ratio <= 1.0 || self.tripped.is_some() {
+            return None;
+        }
+        let event = DriftEvent {
+            position: v.position,
+            kl: v.kl,
+            bound: v.bound,
+            same_top1: s.same_top1,
+            checks: s.checks,
+            paths,
+        };
+        self.tripped = Some(event.clone());
+        Some(event)
+    }
+}
+
+/// Watches one model's generation; see the module documentation.
+pub struct DriftGuard {
+    watch: Watch,
+    file: Arc<GgufFile>,
 }
 
 impl DriftGuard {
@@ -158,73 +350,59 @@ impl DriftGuard {
         threads: Option<usize>,
         background: bool,
     ) -> DriftGuard {
+        Self::with_warm(file, context, every, threads, background, false)
+    }
+
+    /// [`DriftGuard::new`] whose shadow (on its thread) loads its model at once rather than at its
+    /// first check: what a long-lived server wants, so that no request waits behind that load.
+    pub fn warm(
+        file: impl Into<Arc<GgufFile>>,
+        context: usize,
+        every: usize,
+        threads: Option<usize>,
+    ) -> DriftGuard {
+        Self::with_warm(file, context, every, threads, true, true)
+    }
+
+    fn with_warm(
+        file: impl Into<Arc<GgufFile>>,
+        context: usize,
+        every: usize,
+        threads: Option<usize>,
+        background: bool,
+        warm: bool,
+    ) -> DriftGuard {
         let file = file.into();
-        #[cfg(not(target_arch = "wasm32"))]
-        let threads = threads.or_else(|| {
-            std::thread::available_parallelism()
-                .ok()
-                .map(|n| n.get().saturating_sub(1).max(1))
-        });
-        let shadow = {
-            let file = file.clone();
-            move || Shadow {
-                file,
-                context,
-                threads,
-                model: None,
-            }
-        };
-        #[cfg(not(target_arch = "wasm32"))]
-        let runner = if background {
-            let (tx, requests) = std::sync::mpsc::channel::<Request>();
-            let (verdicts, rx) = std::sync::mpsc::channel();
-            // The shadow is made on its thread (a backend stays on the thread that made it).
-            std::thread::spawn(move || {
-                let mut shadow = shadow();
-                for r in requests {
-                    if verdicts.send(pollster::block_on(shadow.step(r))).is_err() {
-                        break;
-                    }
-                }
-            });
-            Runner::Thread { tx, rx, pending: 0 }
-        } else {
-            Runner::Inline(Box::new(shadow()))
-        };
-        #[cfg(target_arch = "wasm32")]
-        let runner = {
-            let _ = background;
-            Runner::Inline(Box::new(shadow()))
+        let model = ShadowModel::Llm {
+            file: file.clone(),
+            context,
         };
         DriftGuard {
-            every,
+            watch: Watch::new(model, every, threads, background, warm),
             file,
-            runner,
-            held: Vec::new(),
-            stats: DriftStats::default(),
-            tripped: None,
         }
     }
 
     /// Checks every this many tokens (0: never).
     pub fn every(&self) -> usize {
-        self.every
+        self.watch.every
     }
 
     /// Whether a check is due now that the token at `position` has been fed: at positions every−1,
     /// 2·every−1, ... (wherever the sequence was rolled back to), while the guard has not tripped.
     pub fn due(&self, position: usize) -> bool {
-        self.every > 0 && self.tripped.is_none() && (position + 1).is_multiple_of(self.every)
+        let w = &self.watch;
+        w.every > 0 && w.tripped.is_none() && (position + 1).is_multiple_of(w.every)
     }
 
     /// What the checks so far measured.
     pub fn stats(&self) -> DriftStats {
-        self.stats
+        self.watch.stats
     }
 
     /// The check that tripped the guard, if one did.
     pub fn tripped(&self) -> Option<&DriftEvent> {
-        self.tripped.as_ref()
+        self.watch.tripped.as_ref()
     }
 
     /// Starts checking `llm`'s last step, whose logits (on its fast paths) are `fast`, against the f32
@@ -305,16 +483,7 @@ impl DriftGuard {
                 )));
             }
         };
-        // Rows the shadow holds stay valid while the tokens before them are the same.
-        let from = self
-            .held
-            .iter()
-            .zip(&history[..p])
-            .take_while(|(a, b)| a == b)
-            .count();
-        let tokens = history[from..p].to_vec();
-        self.held.truncate(from);
-        self.held.extend_from_slice(&tokens);
+        let (from, tokens) = self.watch.span(history);
         let kv = match seq {
             Some(seq) => llm.read_kv_of(be, seq, from, p - from).await?,
             None => llm.read_kv(be, from, p - from).await?,
@@ -336,17 +505,9 @@ impl DriftGuard {
         r: Request,
         switch: bool,
     ) -> Result<Option<DriftEvent>> {
-        match &mut self.runner {
-            Runner::Inline(shadow) => {
-                let v = shadow.step(r).await?;
-                self.take(be, llm, v, switch)
-            }
-            #[cfg(not(target_arch = "wasm32"))]
-            Runner::Thread { tx, pending, .. } => {
-                tx.send(r).map_err(|_| stopped())?;
-                *pending += 1;
-                Ok(None)
-            }
+        match self.watch.submit(r).await? {
+            Some(v) => self.take(be, llm, v, switch),
+            None => Ok(None),
         }
     }
 
@@ -364,8 +525,6 @@ impl DriftGuard {
     /// Takes the shadow thread's outstanding verdicts: waiting for all of them, or those that are
     /// ready; with `switch`, a verdict past the bound moves the model to the f32 path. Returns the
     /// first event.
-    // In the browser every verdict is taken in line.
-    #[cfg_attr(target_arch = "wasm32", allow(unused_variables))]
     fn receive(
         &mut self,
         be: &Backend,
@@ -373,37 +532,15 @@ impl DriftGuard {
         wait: bool,
         switch: bool,
     ) -> Result<Option<DriftEvent>> {
-        #[cfg(target_arch = "wasm32")]
-        return Ok(None);
-        #[cfg(not(target_arch = "wasm32"))]
-        {
-            let mut event = None;
-            loop {
-                let Runner::Thread { rx, pending, .. } = &mut self.runner else {
-                    return Ok(event);
-                };
-                if *pending == 0 {
-                    return Ok(event);
-                }
-                let v = if wait {
-                    rx.recv().map_err(|_| stopped())?
-                } else {
-                    match rx.try_recv() {
-                        Ok(v) => v,
-                        Err(std::sync::mpsc::TryRecvError::Empty) => return Ok(event),
-                        Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                            return Err(stopped());
-                        }
-                    }
-                };
-                *pending -= 1;
-                if let Some(e) = self.take(be, llm, v?, switch)?
-                    && event.is_none()
-                {
-                    event = Some(e);
-                }
+        let mut event = None;
+        for v in self.watch.receive(wait)? {
+            if let Some(e) = self.take(be, llm, v, switch)?
+                && event.is_none()
+            {
+                event = Some(e);
             }
         }
+        Ok(event)
     }
 
     /// Counts a verdict; past the bound (the first time), returns the event, and with `switch` moves
@@ -415,41 +552,174 @@ impl DriftGuard {
         v: Verdict,
         switch: bool,
     ) -> Result<Option<DriftEvent>> {
-        let s = &mut self.stats;
-        s.checks += 1;
-        if v.same_top1 {
-            s.same_top1 += 1;
-        }
-        let ratio = if v.kl.is_nan() {
-            f64::INFINITY
-        } else {
-            v.kl / v.bound
-        };
-        if ratio >= s.worst_ratio {
-            s.worst_ratio = ratio;
-            s.worst_kl = v.kl;
-        }
-        if ratio <= 1.0 || self.tripped.is_some() {
+        let Some(event) = self.watch.count(v, llm.paths()) else {
             return Ok(None);
-        }
-        let event = DriftEvent {
-            position: v.position,
-            kl: v.kl,
-            bound: v.bound,
-            same_top1: s.same_top1,
-            checks: s.checks,
-            paths: llm.paths(),
         };
         if switch {
             llm.switch_paths(be, &self.file, PathSet::F32)?;
         }
-        self.tripped = Some(event.clone());
         Ok(Some(event))
     }
 
     /// The model file the guard was made for (what a caller switching the model itself loads).
     pub fn file(&self) -> &GgufFile {
         &self.file
+    }
+}
+
+/// The drift guard of a char-level GPT ([`GptRunner::generate_guarded_async`]): every `every` tokens
+/// generated, the step is computed again on the f32 path from the runner's cache rows (the QKV rows of
+/// the positions in its block) and compared as for a GGUF model. Past the bound the runner moves to
+/// the f32 path: its f32 weights are uploaded again from the parameters the guard holds and its cache
+/// recomputed from the tokens in its block.
+pub struct GptDriftGuard {
+    watch: Watch,
+    params: Arc<[f32]>,
+    /// Steps seen since the guard was made.
+    steps: usize,
+}
+
+impl GptDriftGuard {
+    /// A guard for a runner of `cfg` made from `params` (the host copy, [`crate::gpt::Layout`] order),
+    /// checking every `every` tokens (0: never); the shadow as in [`DriftGuard::new`].
+    pub fn new(
+        cfg: &GptConfig,
+        params: impl Into<Arc<[f32]>>,
+        every: usize,
+        threads: Option<usize>,
+        background: bool,
+    ) -> GptDriftGuard {
+        let params = params.into();
+        let model = ShadowModel::Gpt {
+            cfg: cfg.clone(),
+            params: params.clone(),
+        };
+        GptDriftGuard {
+            watch: Watch::new(model, every, threads, background, false),
+            params,
+            steps: 0,
+        }
+    }
+
+    /// Checks every this many tokens (0: never).
+    pub fn every(&self) -> usize {
+        self.watch.every
+    }
+
+    /// What the checks so far measured.
+    pub fn stats(&self) -> DriftStats {
+        self.watch.stats
+    }
+
+    /// The check that tripped the guard, if one did.
+    pub fn tripped(&self) -> Option<&DriftEvent> {
+        self.watch.tripped.as_ref()
+    }
+
+    /// After one generated token's step, whose logits are `fast`: every `every` steps (counted by
+    /// the guard), [`GptDriftGuard::watch`] with a check due.
+    pub async fn after_step(
+        &mut self,
+        be: &Backend,
+        runner: &mut GptRunner,
+        fast: &[f32],
+    ) -> tinygpt_kernels::Result<Option<DriftEvent>> {
+        if runner.paths().is_empty() || self.watch.every == 0 || self.watch.tripped.is_some() {
+            return Ok(None);
+        }
+        self.steps += 1;
+        let due = self.steps.is_multiple_of(self.watch.every);
+        self.watch(be, runner, fast, due).await
+    }
+
+    /// After a step of `runner` (whose logits are `fast`): takes the verdicts that are ready and, when
+    /// `due`, starts a check of this step against the f32 path from the runner's cache rows. When a
+    /// verdict passes the bound the runner moves to the f32 path (its logits are then the f32 path's
+    /// after the same tokens: read them again) and the event is returned. Nothing is checked on the
+    /// f32 path. A server's sequences share one guard (each run through the runner in turn).
+    pub async fn watch(
+        &mut self,
+        be: &Backend,
+        runner: &mut GptRunner,
+        fast: &[f32],
+        due: bool,
+    ) -> tinygpt_kernels::Result<Option<DriftEvent>> {
+        if runner.paths().is_empty() || self.watch.tripped.is_some() {
+            return Ok(None);
+        }
+        if let Some(e) = self.receive(be, runner, false)? {
+            return Ok(Some(e));
+        }
+        if !due || runner.position() == 0 {
+            return Ok(None);
+        }
+        let history = runner.history().to_vec();
+        let (from, tokens) = self.watch.span(&history);
+        let p = history.len() - 1;
+        let kv = runner.read_cache(be, from, p - from).await?;
+        let r = Request {
+            from,
+            kv,
+            tokens,
+            id: history[p],
+            fast: fast.to_vec(),
+        };
+        match self.watch.submit(r).await.map_err(kernel_error)? {
+            Some(v) => self.take(be, runner, v),
+            None => Ok(None),
+        }
+    }
+
+    /// Waits for the verdicts outstanding and takes them (the end of a run, for its report).
+    pub fn settle(
+        &mut self,
+        be: &Backend,
+        runner: &mut GptRunner,
+    ) -> tinygpt_kernels::Result<Option<DriftEvent>> {
+        self.receive(be, runner, true)
+    }
+
+    fn receive(
+        &mut self,
+        be: &Backend,
+        runner: &mut GptRunner,
+        wait: bool,
+    ) -> tinygpt_kernels::Result<Option<DriftEvent>> {
+        let mut event = None;
+        for v in self.watch.receive(wait).map_err(kernel_error)? {
+            if let Some(e) = self.take(be, runner, v)?
+                && event.is_none()
+            {
+                event = Some(e);
+            }
+        }
+        Ok(event)
+    }
+
+    fn take(
+        &mut self,
+        be: &Backend,
+        runner: &mut GptRunner,
+        v: Verdict,
+    ) -> tinygpt_kernels::Result<Option<DriftEvent>> {
+        let Some(event) = self.watch.count(v, runner.paths()) else {
+            return Ok(None);
+        };
+        if !runner.paths().is_empty() {
+            runner.switch_paths(be, &self.params, PathSet::F32)?;
+        }
+        Ok(Some(event))
+    }
+}
+
+/// A shadow's error as the GPT runner's (it runs the kernels' errors only).
+fn kernel_error(e: LlmError) -> tinygpt_kernels::Error {
+    match e {
+        LlmError::Kernel(e) => e,
+        e => tinygpt_kernels::Error::Shape {
+            op: "drift guard",
+            msg: e.to_string(),
+        },
     }
 }
 

@@ -22,7 +22,7 @@ mod model;
 mod weights;
 
 pub use config::{Arch, LayerAttention, LlmConfig};
-pub use drift::{DriftEvent, DriftGuard};
+pub use drift::{DriftEvent, DriftGuard, DriftStats, GptDriftGuard};
 pub use error::{LlmError, Result};
 pub use generate::{Finish, Generated, generate, generate_guarded, generate_watched};
 pub use model::{DEFAULT_CONTEXT, Feed, Llm, LoadOptions, MemoryReport, NllRead, Sequence};

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tinygpt_kernels::ops::sample::RowSampling;
 use tinygpt_kernels::{Backend, PathSet};
 use tinygpt_models::gpt::{CharVocab, GptRunner, GptSequence};
-use tinygpt_models::llm::{DriftGuard, Llm, Sequence};
+use tinygpt_models::llm::{DriftEvent, DriftGuard, GptDriftGuard, Llm, Sequence};
 use tinygpt_models::sampler::{Sampler, SamplerConfig};
 use tinygpt_models::tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
@@ -497,7 +497,25 @@ impl Decoder for LlmDecoder {
 
 /// The char-level GPT: sequences take turns on one runner (its weights shared, each sequence's cache its
 /// own). Past the block, the cache restarts from the last half block, as `tinygpt generate` does.
-pub struct GptDecoder(pub GptRunner);
+pub struct GptDecoder {
+    runner: GptRunner,
+    /// Watches the fast paths (`--drift-check`): every N tokens of each sequence.
+    guard: Option<GptDriftGuard>,
+    /// Checks the guard has counted that [`Decoder::watch`] has not reported, and its event.
+    reported: usize,
+    event: Option<DriftEvent>,
+}
+
+impl GptDecoder {
+    pub fn new(runner: GptRunner, guard: Option<GptDriftGuard>) -> Self {
+        GptDecoder {
+            runner,
+            guard,
+            reported: 0,
+            event: None,
+        }
+    }
+}
 
 /// A GPT sequence and the tokens it holds (for the restart past the block).
 pub struct GptSeq {
@@ -510,7 +528,7 @@ impl Decoder for GptDecoder {
 
     fn new_seq(&mut self, be: &Backend) -> anyhow::Result<GptSeq> {
         Ok(GptSeq {
-            seq: self.0.new_sequence(be)?,
+            seq: self.runner.new_sequence(be)?,
             history: Vec::new(),
         })
     }
@@ -521,11 +539,11 @@ impl Decoder for GptDecoder {
         seq: &mut GptSeq,
         prompt: &[u32],
     ) -> anyhow::Result<Vec<f32>> {
-        let t = self.0.cfg.block_size;
+        let t = self.runner.cfg.block_size;
         seq.history = prompt.to_vec();
         let tail = &prompt[prompt.len().saturating_sub(t)..];
         Ok(self
-            .0
+            .runner
             .with_sequence(&mut seq.seq, |r| r.prefill(be, tail))?)
     }
 
@@ -534,25 +552,82 @@ impl Decoder for GptDecoder {
         be: &Backend,
         steps: &mut [(&mut GptSeq, u32)],
     ) -> anyhow::Result<Vec<Vec<f32>>> {
-        let t = self.0.cfg.block_size;
+        let t = self.runner.cfg.block_size;
         let mut out = Vec::with_capacity(steps.len());
-        for (s, tok) in steps.iter_mut() {
+        for i in 0..steps.len() {
+            let (s, tok) = &mut steps[i];
             s.history.push(*tok);
             let h = &s.history;
-            let logits = self.0.with_sequence(&mut s.seq, |r| {
-                if r.position() < t {
-                    r.step(be, *tok)
+            let guard = self.guard.as_mut();
+            let (logits, event) = self.runner.with_sequence(&mut s.seq, |r| {
+                let logits = if r.position() < t {
+                    r.step(be, *tok)?
                 } else {
-                    r.prefill(be, &h[h.len() - t / 2..])
-                }
+                    r.prefill(be, &h[h.len() - t / 2..])?
+                };
+                // A check every N tokens of the sequence's own; verdicts ready are taken too. A trip
+                // moves the runner to the f32 path with this sequence's cache recomputed.
+                let event = match guard {
+                    Some(g) if !r.paths().is_empty() => {
+                        let due = g.every() > 0 && h.len().is_multiple_of(g.every());
+                        pollster::block_on(g.watch(be, r, &logits, due))?
+                    }
+                    _ => None,
+                };
+                anyhow::Ok((logits, event))
             })?;
             out.push(logits);
+            let Some(e) = event else { continue };
+            // This sequence's logits are the f32 path's now (read before the runner's logits buffer
+            // serves another sequence). Every other sequence's cache is recomputed on the f32 path
+            // from its tokens (those stepped already get this step's logits from it).
+            out[i] = pollster::block_on(self.runner.read_logits(be))?;
+            for (j, (other, _)) in steps.iter_mut().enumerate() {
+                if j == i {
+                    continue;
+                }
+                self.runner.with_sequence(&mut other.seq, |r| {
+                    let tokens = r.history().to_vec();
+                    r.reset();
+                    if !tokens.is_empty() {
+                        r.feed(be, &tokens)?;
+                        if j < i {
+                            out[j] = pollster::block_on(r.read_logits(be))?;
+                        }
+                    }
+                    anyhow::Ok(())
+                })?;
+            }
+            self.event = Some(e);
         }
         Ok(out)
     }
 
     fn has_room(&self, _: &GptSeq) -> bool {
         true
+    }
+
+    fn watch(
+        &mut self,
+        be: &Backend,
+        _rows: &mut [(&mut GptSeq, &[u32])],
+        shared: &Shared,
+    ) -> anyhow::Result<Option<Vec<String>>> {
+        let Some(g) = &self.guard else {
+            return Ok(None);
+        };
+        let checks = g.stats().checks;
+        shared
+            .drift_checks
+            .fetch_add((checks - self.reported) as u64, Ordering::Relaxed);
+        self.reported = checks;
+        let Some(e) = self.event.take() else {
+            return Ok(None);
+        };
+        shared.drift_events.fetch_add(1, Ordering::Relaxed);
+        eprintln!("{}", e.log_line("every request goes on on the f32 path"));
+        crate::gates::record_drift(be, "shakespeare-char", &e);
+        Ok(Some(Vec::new()))
     }
 }
 
@@ -824,7 +899,62 @@ fn retire<S>(active: &mut Vec<Active<'_, S>>, free: &mut Vec<S>) {
 
 #[cfg(test)]
 mod tests {
-    use super::StopMatcher;
+    use super::{Decoder, GptDecoder, StopMatcher};
+    use tinygpt_kernels::path::Fault;
+    use tinygpt_kernels::testing::{assert_nmse, gpu_backend};
+    use tinygpt_kernels::{PathId, PathSet};
+    use tinygpt_models::gpt::{GptConfig, GptRunner, Layout};
+    use tinygpt_models::llm::GptDriftGuard;
+    use tinygpt_models::sampler::argmax;
+
+    /// A server's char-level sequences share one guard: a planted fault from position 200 on trips
+    /// it at the first check past 200 of whichever sequence gets there, and every sequence moves to
+    /// the f32 path, its cache recomputed: the step's logits of each are then the f32 runner's after
+    /// its tokens.
+    #[test]
+    fn a_drift_trip_moves_every_gpt_sequence_to_the_f32_path() {
+        let Some(be) = gpu_backend(None) else { return };
+        let cfg = GptConfig {
+            vocab_size: 16,
+            block_size: 256,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 32,
+            dropout: 0.0,
+        };
+        let params = Layout::new(&cfg).init(&cfg, 5);
+        let faulty = PathSet::of(&[PathId::F16Storage]).with_fault(Some(Fault::PositionsPast200));
+        let runner = GptRunner::new(&be, &cfg, &params, faulty).unwrap();
+        let guard = GptDriftGuard::new(&cfg, params.clone(), 50, Some(1), false);
+        let mut d = GptDecoder::new(runner, Some(guard));
+        let mut seqs = Vec::new();
+        let mut next = Vec::new();
+        for p in [vec![1u32], vec![2; 30], vec![3; 75]] {
+            let mut s = d.new_seq(&be).unwrap();
+            next.push(argmax(&d.start(&be, &mut s, &p).unwrap()));
+            seqs.push(s);
+        }
+        let mut logits = Vec::new();
+        for _ in 0..200 {
+            let mut steps: Vec<_> = seqs.iter_mut().zip(next.iter().copied()).collect();
+            logits = d.step(&be, &mut steps).unwrap();
+            if d.event.is_some() {
+                break;
+            }
+            next = logits.iter().map(|l| argmax(l)).collect();
+        }
+        let e = d.event.take().expect("the guard tripped");
+        // The third sequence (75 prompt tokens) is checked at 200 tokens (position 199, healthy) and
+        // 250 (position 249).
+        assert_eq!(e.position, 249, "{e:?}");
+        assert_eq!(seqs[2].history.len(), 250);
+        assert_eq!(d.runner.paths(), PathSet::F32);
+        for (s, l) in seqs.iter().zip(&logits) {
+            let mut reference = GptRunner::new(&be, &cfg, &params, PathSet::F32).unwrap();
+            let want = reference.prefill(&be, &s.history).unwrap();
+            assert_nmse("after the trip", &want, l, 1e-10);
+        }
+    }
 
     #[test]
     fn stop_strings_hold_back_only_what_could_start_them() {

@@ -183,7 +183,17 @@ fn engine_thread(
                 engine::run(&be, &mut d, &codec, parallel, jobs, &shared)
             }
             None => {
-                let (runner, vocab, paths) = crate::generate::load_runner(&be, &gate, None)?;
+                // The shadow takes a quarter of the cores (as for a GGUF model).
+                let threads =
+                    std::thread::available_parallelism().map_or(1, |n| (n.get() / 4).max(1));
+                let (runner, vocab, paths, guard) =
+                    crate::generate::load_runner(&be, &gate, None, Some(threads))?;
+                if let Some(g) = &guard {
+                    eprintln!(
+                        "[ops] drift guard: every {} tokens of each request, one step again on the f32 path",
+                        g.every()
+                    );
+                }
                 let parallel = a.parallel.unwrap_or(4);
                 let info = ModelInfo {
                     id: "shakespeare-char".into(),
@@ -198,7 +208,7 @@ fn engine_thread(
                     created,
                 };
                 let codec = info.codec.clone();
-                let mut d = GptDecoder(runner);
+                let mut d = GptDecoder::new(runner, guard);
                 if let Some(r) = ready.take() {
                     let _ = r.send(Ok(info));
                 }

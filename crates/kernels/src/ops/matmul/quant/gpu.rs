@@ -304,6 +304,7 @@ fn plant(src: String, fault: Option<Fault>) -> String {
         | Some(
             Fault::F16Accumulation
             | Fault::RopePast500
+            | Fault::PositionsPast200
             | Fault::WeightGradF16Accumulation
             | Fault::CausalMaskPast128,
         ) => src,
