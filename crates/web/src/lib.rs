@@ -29,7 +29,7 @@ use tinygpt_models::gpt::checkpoint::{
 use tinygpt_models::gpt::{
     CharVocab, Dataset, GptConfig, GptRunner, Layout, OptimConfig, Trainer, learning_rate,
 };
-use tinygpt_models::llm::{DriftGuard, GptDriftGuard, Llm, LlmConfig, LoadOptions};
+use tinygpt_models::llm::{DriftEvent, DriftGuard, GptDriftGuard, Llm, LlmConfig, LoadOptions};
 use tinygpt_models::sampler::{Sampler, SamplerConfig};
 use tinygpt_models::tokenizer::Tokenizer;
 use wasm_bindgen::prelude::*;
@@ -64,6 +64,16 @@ async fn yield_now() {
 
 fn call(f: &Function, v: impl Into<JsValue>) {
     let _ = f.call1(&JsValue::NULL, &v.into());
+}
+
+/// A drift-guard event, warned on the browser console and reported to the page (which records it as
+/// the CLI does).
+fn drift_report(e: &DriftEvent) -> serde_json::Value {
+    let line = e.log_line("going on on the f32 path");
+    console_warn(&line);
+    json!({"position": e.position, "kl": e.kl, "bound": e.bound, "same_top1": e.same_top1,
+           "checks": e.checks, "line": line,
+           "paths": e.paths.iter().map(PathId::name).collect::<Vec<_>>()})
 }
 
 /// The char-level GPT the page samples from (the bundled model, a trained or an uploaded one).
@@ -373,13 +383,7 @@ impl Session {
                     n,
                     &mut sampler,
                     gpt.guard.as_mut(),
-                    |e| {
-                        let line = e.log_line("going on on the f32 path");
-                        console_warn(&line);
-                        drift = Some(json!({"position": e.position, "kl": e.kl, "bound": e.bound,
-                            "same_top1": e.same_top1, "checks": e.checks, "line": line,
-                            "paths": e.paths.iter().map(PathId::name).collect::<Vec<_>>()}));
-                    },
+                    |e| drift = Some(drift_report(e)),
                     async |t| {
                         call(&on_text, vocab.decode(&[t]));
                         made += 1;
@@ -838,13 +842,7 @@ impl Session {
                     Ok(!stop.get())
                 },
                 c.guard.as_mut(),
-                |e| {
-                    let line = e.log_line("going on on the f32 path");
-                    console_warn(&line);
-                    drift = Some(json!({"position": e.position, "kl": e.kl, "bound": e.bound,
-                        "same_top1": e.same_top1, "checks": e.checks, "line": line,
-                        "paths": e.paths.iter().map(PathId::name).collect::<Vec<_>>()}));
-                },
+                |e| drift = Some(drift_report(e)),
                 // Between two tokens: the paths background gating passed, once it has.
                 |llm| {
                     move_to_gated(&gating, store, be, llm, &file, load, &mut moved)

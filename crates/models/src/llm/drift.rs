@@ -257,10 +257,14 @@ impl Watch {
         (from, tokens)
     }
 
-    /// Hands `r` to the shadow: in line, its verdict comes back now; on its thread, later.
-    async fn submit(&mut self, r: Request) -> Result<Option<Verdict>> {
+    /// Hands `r`, a check of a model on `paths`, to the shadow: in line, its verdict is counted now
+    /// (and returned when it trips the guard); on its thread, later ([`Watch::receive`]).
+    async fn submit(&mut self, r: Request, paths: PathSet) -> Result<Option<DriftEvent>> {
         match &mut self.runner {
-            Runner::Inline(shadow) => Ok(Some(shadow.step(r).await?)),
+            Runner::Inline(shadow) => {
+                let v = shadow.step(r).await?;
+                Ok(self.count(v, paths))
+            }
             #[cfg(not(target_arch = "wasm32"))]
             Runner::Thread { tx, pending, .. } => {
                 tx.send(r).map_err(|_| stopped())?;
@@ -270,15 +274,16 @@ impl Watch {
         }
     }
 
-    /// The shadow thread's outstanding verdicts: all of them (waiting), or those that are ready.
+    /// Counts the shadow thread's outstanding verdicts on checks of a model on `paths`: all of them
+    /// (waiting), or those that are ready. Returns the event when one trips the guard.
     // In the browser every verdict is taken in line.
     #[cfg_attr(target_arch = "wasm32", allow(unused_variables))]
-    fn receive(&mut self, wait: bool) -> Result<Vec<Verdict>> {
+    fn receive(&mut self, wait: bool, paths: PathSet) -> Result<Option<DriftEvent>> {
         #[cfg(target_arch = "wasm32")]
-        return Ok(Vec::new());
+        return Ok(None);
         #[cfg(not(target_arch = "wasm32"))]
         {
-            let mut out = Vec::new();
+            let mut event = None;
             while let Runner::Thread { rx, pending, .. } = &mut self.runner
                 && *pending > 0
             {
@@ -294,9 +299,12 @@ impl Watch {
                     }
                 };
                 *pending -= 1;
-                out.push(v?);
+                // Only the first verdict past the bound trips the guard (and makes an event).
+                if let Some(e) = self.count(v?, paths) {
+                    event = Some(e);
+                }
             }
-            Ok(out)
+            Ok(event)
         }
     }
 
@@ -505,10 +513,8 @@ impl DriftGuard {
         r: Request,
         switch: bool,
     ) -> Result<Option<DriftEvent>> {
-        match self.watch.submit(r).await? {
-            Some(v) => self.take(be, llm, v, switch),
-            None => Ok(None),
-        }
+        let event = self.watch.submit(r, llm.paths()).await?;
+        self.switch_on(be, llm, event, switch)
     }
 
     /// Takes the verdict of the last check if it is ready (native background shadow; in line every
@@ -532,33 +538,22 @@ impl DriftGuard {
         wait: bool,
         switch: bool,
     ) -> Result<Option<DriftEvent>> {
-        let mut event = None;
-        for v in self.watch.receive(wait)? {
-            if let Some(e) = self.take(be, llm, v, switch)?
-                && event.is_none()
-            {
-                event = Some(e);
-            }
-        }
-        Ok(event)
+        let event = self.watch.receive(wait, llm.paths())?;
+        self.switch_on(be, llm, event, switch)
     }
 
-    /// Counts a verdict; past the bound (the first time), returns the event, and with `switch` moves
-    /// `llm` to the f32 path.
-    fn take(
-        &mut self,
+    /// Passes `event` on; with `switch`, when there is one, moves `llm` to the f32 path first.
+    fn switch_on(
+        &self,
         be: &Backend,
         llm: &mut Llm,
-        v: Verdict,
+        event: Option<DriftEvent>,
         switch: bool,
     ) -> Result<Option<DriftEvent>> {
-        let Some(event) = self.watch.count(v, llm.paths()) else {
-            return Ok(None);
-        };
-        if switch {
+        if event.is_some() && switch {
             llm.switch_paths(be, &self.file, PathSet::F32)?;
         }
-        Ok(Some(event))
+        Ok(event)
     }
 
     /// The model file the guard was made for (what a caller switching the model itself loads).
@@ -664,10 +659,12 @@ impl GptDriftGuard {
             id: history[p],
             fast: fast.to_vec(),
         };
-        match self.watch.submit(r).await.map_err(kernel_error)? {
-            Some(v) => self.take(be, runner, v),
-            None => Ok(None),
-        }
+        let event = self
+            .watch
+            .submit(r, runner.paths())
+            .await
+            .map_err(kernel_error)?;
+        self.switch_on(be, runner, event)
     }
 
     /// Waits for the verdicts outstanding and takes them (the end of a run, for its report).
@@ -685,30 +682,24 @@ impl GptDriftGuard {
         runner: &mut GptRunner,
         wait: bool,
     ) -> tinygpt_kernels::Result<Option<DriftEvent>> {
-        let mut event = None;
-        for v in self.watch.receive(wait).map_err(kernel_error)? {
-            if let Some(e) = self.take(be, runner, v)?
-                && event.is_none()
-            {
-                event = Some(e);
-            }
-        }
-        Ok(event)
+        let event = self
+            .watch
+            .receive(wait, runner.paths())
+            .map_err(kernel_error)?;
+        self.switch_on(be, runner, event)
     }
 
-    fn take(
-        &mut self,
+    /// Passes `event` on, when there is one moving `runner` to the f32 path first.
+    fn switch_on(
+        &self,
         be: &Backend,
         runner: &mut GptRunner,
-        v: Verdict,
+        event: Option<DriftEvent>,
     ) -> tinygpt_kernels::Result<Option<DriftEvent>> {
-        let Some(event) = self.watch.count(v, runner.paths()) else {
-            return Ok(None);
-        };
-        if !runner.paths().is_empty() {
+        if event.is_some() && !runner.paths().is_empty() {
             runner.switch_paths(be, &self.params, PathSet::F32)?;
         }
-        Ok(Some(event))
+        Ok(event)
     }
 }
 
