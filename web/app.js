@@ -93,8 +93,21 @@ let webnn;
 let pillsNow = [];
 
 async function boot() {
-  let backend = new URLSearchParams(location.search).get('backend') ?? 'auto';
+  const query = new URLSearchParams(location.search);
+  let backend = query.get('backend') ?? 'auto';
   if (!['auto', 'gpu', 'cpu'].includes(backend)) backend = 'auto';
+  // ?drift-check=N: the drift guard checks one generated token in N on the f32 path (0: off), as
+  // `tinygpt --drift-check N` does; 128 by default.
+  let driftCheck = null;
+  const driftParam = query.get('drift-check');
+  if (driftParam !== null) {
+    if (/^\d{1,9}$/.test(driftParam)) {
+      driftCheck = Number(driftParam);
+      consoleLine(`[ops] drift guard: ${driftCheck === 0 ? 'off (?drift-check=0)' : `every ${driftCheck} tokens on fast paths (?drift-check=${driftCheck})`}`);
+    } else {
+      consoleLine(`[ops] ?drift-check=${driftParam} is not a whole number of tokens (0: off): the default, 128, is used`);
+    }
+  }
   if (backend !== 'cpu' && !('gpu' in navigator)) {
     consoleLine('[ops] this browser has no WebGPU (navigator.gpu) — running on the CPU (wasm)');
     backend = 'cpu';
@@ -104,7 +117,7 @@ async function boot() {
   const t0 = performance.now();
   let r;
   try {
-    r = await call('init', { backend });
+    r = await call('init', { backend, driftCheck });
   } catch (e) {
     return status(`the engine failed to start: ${e.message}`, true);
   }
@@ -141,7 +154,8 @@ $('generate').onclick = async () => {
       seed: Number($('seed').value),
     });
     $('output').textContent = $('prompt').value + $('output').textContent;
-    $('gen-stats').textContent = `${r.tokens} characters in ${r.seconds.toFixed(2)} s (${r.tokens_per_s.toFixed(1)} tokens/s)`;
+    const checks = r.drift_checks > 0 ? ` · drift guard: ${r.drift_checks} check${r.drift_checks === 1 ? '' : 's'} on the f32 path so far` : '';
+    $('gen-stats').textContent = `${r.tokens} characters in ${r.seconds.toFixed(2)} s (${r.tokens_per_s.toFixed(1)} tokens/s)${checks}`;
     if (r.drift) {
       // The drift guard moved the model to the f32 path mid-generation.
       consoleLine(r.drift.line);

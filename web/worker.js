@@ -90,11 +90,12 @@ async function loadBundled() {
   return { ...info, seconds: (performance.now() - t0) / 1000 };
 }
 
-async function open(backend) {
+async function open(backend, driftCheck) {
   choice = backend;
   await init();
   const verdicts = (await idbGet('verdicts')) ?? '{}';
   session = await open_session(backend, verdicts);
+  if (driftCheck != null) session.set_drift_check(driftCheck);
   if (session.backend() !== 'CPU (wasm)') log(`[ops] adapter: ${session.adapter_info()}`);
   const t0 = performance.now();
   const pills = session.backend() === 'CPU (wasm)' ? [] : JSON.parse(await session.gate(false, log));
@@ -115,13 +116,13 @@ async function readFile(file) {
 }
 
 const commands = {
-  async init({ backend }) {
+  async init({ backend, driftCheck }) {
     try {
-      return await open(backend);
+      return await open(backend, driftCheck);
     } catch (e) {
       if (backend === 'cpu') throw e;
       log(`[ops] WebGPU failed (${e.message ?? e}) — running on the CPU (wasm)`);
-      const r = await open('cpu');
+      const r = await open('cpu', driftCheck);
       r.fallback = `WebGPU failed: ${e.message ?? e}`;
       return r;
     }

@@ -116,7 +116,9 @@ async function trainTiny(page, context, iters) {
 }
 
 test('WebGPU (SwiftShader): gates, pills, sampling, training, checkpoint', { timeout: 40 * MINUTE }, async () => {
-  const { page, consoleLines, context } = await openPage('?backend=gpu');
+  // The drift guard checks one token in 8 here (128 by default), so that a short sample meets it.
+  const { page, consoleLines, context } = await openPage('?backend=gpu&drift-check=8');
+  assert.ok(consoleLines.some((l) => l.includes('[ops] drift guard: every 8 tokens on fast paths (?drift-check=8)')), consoleLines.join('\n'));
   // Gates ran, with the precision spec's log line, and every pill shows its verdict.
   const f16 = consoleLines.find((l) => l.startsWith('[ops] f16-storage gate:'));
   assert.match(f16 ?? '', /^\[ops\] f16-storage gate: mean\|ref\|=[\d.]+, max_abs=\S+ \(limit \S+\), mean_rel=[\d.]+% \(limit [\d.]+%\), max_rel=[\d.]+% — PASS — f16 path active$/, consoleLines.join('\n'));
@@ -135,9 +137,13 @@ test('WebGPU (SwiftShader): gates, pills, sampling, training, checkpoint', { tim
   await page.waitForFunction(() => /\[ops\] telemetry: [1-9]\d* gating runs and \d+ drift-guard events/.test(document.getElementById('console').textContent), null, { timeout: MINUTE });
   const telemetry = await page.textContent('#console');
   assert.match(telemetry, /\[ops\] {3}.+ · f16-storage: [1-9]\d* runs, [1-9]\d* passes, 0 failures, worst max_abs \d+\.\d% of its limit, last \d{4}-/, telemetry);
-  // The same text as the native CPU backend for the same seed, prompt and settings.
+  // The same text as the native CPU backend for the same seed, prompt and settings, while the drift
+  // guard (the same library as natively, its f32 shadow in line in the worker) took 3 of the 30 steps
+  // again on the f32 path and found them within its bound.
   const want = native(['generate', '--prompt', 'ROMEO:', '-n', '30', '--seed', '7']).replace(/\n$/, '');
   assert.equal(await sample(page, { prompt: 'ROMEO:', n: 30, seed: 7 }), want);
+  assert.match(await page.textContent('#gen-stats'), /^30 characters in [\d.]+ s \([\d.]+ tokens\/s\) · drift guard: 3 checks on the f32 path so far$/);
+  assert.doesNotMatch(await page.textContent('#console'), /drift guard: position/);
   // A GGUF model is ready at once on the f32 path while its fast paths are gated in the background;
   // the first reply (greedy) equals `tinygpt chat`'s, and once the gates pass the chat moves to them.
   await page.setInputFiles('#gguf-file', QWEN2);

@@ -141,6 +141,8 @@ struct Inner {
     gpt: Option<Gpt>,
     training: Option<Training>,
     chat: Option<Chat>,
+    /// The drift guard checks one generated token in this many (0: off); models loaded later take it.
+    drift_every: usize,
 }
 
 /// One page's engine.
@@ -223,6 +225,7 @@ pub fn open_session(choice: String, verdicts: String) -> Promise {
                 gpt: None,
                 training: None,
                 chat: None,
+                drift_every: tinygpt_models::llm::drift::DEFAULT_EVERY,
             })),
             gating: Rc::new(RefCell::new(None)),
             loads: Rc::new(Cell::new(0)),
@@ -289,6 +292,13 @@ impl Session {
         absorb_gating(&self.gating, &mut i.store);
         let records = std::mem::take(&mut i.store.records);
         serde_json::to_string(&records).unwrap_or_default()
+    }
+
+    /// The drift guard of models loaded after this call checks one generated token in every `n` on the
+    /// f32 path too (0: off), as `tinygpt --drift-check N` does; the page takes it from
+    /// `?drift-check=N` (default 128).
+    pub fn set_drift_check(&self, n: usize) {
+        self.inner.borrow_mut().drift_every = n;
     }
 
     /// Asks a running generation or chat reply to stop at its next token.
@@ -655,7 +665,11 @@ impl Session {
             let tok = Tokenizer::from_gguf(file.metadata()).map_err(js_err)?;
             let mut i = inner.borrow_mut();
             let Inner {
-                be, store, device, ..
+                be,
+                store,
+                device,
+                drift_every,
+                ..
             } = &mut *i;
             let gate = device.as_ref().is_some_and(|d| !d.paths.is_empty());
             let opts = LoadOptions {
@@ -667,14 +681,8 @@ impl Session {
             // The guard keeps the file: its f32 shadow is made from it at the first check, and the
             // model's weights are converted again from it if the guard trips. It checks only while
             // the model is on fast paths.
-            let guard = gate.then(|| {
-                DriftGuard::new(
-                    file.clone(),
-                    llm.context(),
-                    tinygpt_models::llm::drift::DEFAULT_EVERY,
-                    Some(1),
-                    false,
-                )
+            let guard = (gate && *drift_every > 0).then(|| {
+                DriftGuard::new(file.clone(), llm.context(), *drift_every, Some(1), false)
             });
             let load = loads.get() + 1;
             loads.set(load);
@@ -895,7 +903,11 @@ async fn gpt_from(
     log: &Function,
 ) -> Result<Gpt, JsValue> {
     let Inner {
-        be, store, device, ..
+        be,
+        store,
+        device,
+        drift_every,
+        ..
     } = i;
     let cfg = &config.model;
     let paths = match device.as_ref() {
@@ -918,15 +930,8 @@ async fn gpt_from(
         _ => PathSet::F32,
     };
     let runner = GptRunner::new(be, cfg, &params, paths).map_err(js_err)?;
-    let guard = (!paths.is_empty()).then(|| {
-        GptDriftGuard::new(
-            cfg,
-            params,
-            tinygpt_models::llm::drift::DEFAULT_EVERY,
-            None,
-            false,
-        )
-    });
+    let guard = (!paths.is_empty() && *drift_every > 0)
+        .then(|| GptDriftGuard::new(cfg, params, *drift_every, None, false));
     Ok(Gpt {
         runner,
         vocab: config.vocab.clone(),
