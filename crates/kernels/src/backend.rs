@@ -384,6 +384,53 @@ impl Backend {
         }
     }
 
+    /// [`Backend::read_start`] of several views at once, `(view, len)` each: one submission and one
+    /// staging buffer for all of them on the GPU. [`Backend::read_finish_many_f32`] splits the words
+    /// back into one vector per view.
+    pub fn read_start_many(&self, srcs: &[(TRef<'_>, usize)]) -> Result<PendingRead> {
+        match self {
+            Backend::Cpu(_) => {
+                let mut out = Vec::with_capacity(srcs.iter().map(|&(_, n)| n).sum());
+                for (src, len) in srcs {
+                    out.extend_from_slice(src.cpu_u32("read", "src", *len)?);
+                }
+                Ok(PendingRead(Pending::Ready(out)))
+            }
+            Backend::Gpu(g) => {
+                let parts = srcs
+                    .iter()
+                    .map(|(src, len)| Ok((src.gpu("read", "src", *len)?, src.offset, *len)))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(PendingRead(Pending::Gpu(g.read_start_many(&parts)?)))
+            }
+        }
+    }
+
+    /// The elements of a [`Backend::read_start_many`] of views of `lens` elements, as one f32 vector
+    /// per view.
+    pub async fn read_finish_many_f32(
+        &self,
+        p: PendingRead,
+        lens: &[usize],
+    ) -> Result<Vec<Vec<f32>>> {
+        let words = self.read_finish(p).await?;
+        if words.len() != lens.iter().sum::<usize>() {
+            return Err(Error::Shape {
+                op: "read_finish_many",
+                msg: format!("{} words read for views of {lens:?}", words.len()),
+            });
+        }
+        let mut at = 0;
+        Ok(lens
+            .iter()
+            .map(|&n| {
+                let v = bytemuck::cast_slice::<u32, f32>(&words[at..at + n]).to_vec();
+                at += n;
+                v
+            })
+            .collect())
+    }
+
     /// The words of a [`Backend::read_start`].
     pub async fn read_finish(&self, p: PendingRead) -> Result<Vec<u32>> {
         match (p.0, self) {
@@ -421,6 +468,44 @@ impl Backend {
         match self {
             Backend::Cpu(_) => Ok(()),
             Backend::Gpu(g) => g.sync(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::testing::{cpu_backend, gpu_backend};
+
+    /// Several views read at once come back as each view read alone: views of two tensors, one
+    /// across a buffer boundary of a split tensor, an empty one, on the CPU and the GPU.
+    #[test]
+    fn several_views_read_at_once_equal_each_read_alone() {
+        let mut backends = vec![cpu_backend()];
+        // Chunks of 4 KiB: a tensor of 3000 floats spans three buffers.
+        backends.extend(gpu_backend(Some(4096)));
+        for be in &backends {
+            let a: Vec<f32> = (0..3000).map(|i| i as f32 * 0.5).collect();
+            let b: Vec<f32> = (0..700).map(|i| -(i as f32) - 0.25).collect();
+            let ta = be.from_f32(&a, 1).unwrap();
+            let tb = be.from_f32(&b, 1).unwrap();
+            let views = [
+                (ta.at(1000), 100),
+                (tb.at(0), 700),
+                (ta.at(5), 0),
+                (ta.at(2990), 10),
+            ];
+            let lens = views.iter().map(|&(_, n)| n).collect::<Vec<_>>();
+            let read = be.read_start_many(&views).unwrap();
+            let got = pollster::block_on(be.read_finish_many_f32(read, &lens)).unwrap();
+            assert_eq!(got.len(), views.len());
+            for ((view, n), got) in views.iter().zip(&got) {
+                let alone = pollster::block_on(be.read_f32(*view, *n)).unwrap();
+                assert_eq!(*got, alone, "{}", be.kind());
+            }
+            assert_eq!(got[0], a[1000..1100]);
+            assert_eq!(got[1], b);
+            assert!(got[2].is_empty());
+            assert_eq!(got[3], a[2990..]);
         }
     }
 }

@@ -477,6 +477,17 @@ impl GpuBackend {
         offset: usize,
         len: usize,
     ) -> Result<PendingRead> {
+        self.read_start_many(&[(t, offset, len)])
+    }
+
+    /// [`GpuBackend::read_start`] of several ranges `(t, offset, len)` at once, into one staging buffer
+    /// with one submission (a drift check reads a range of every layer's cache: one submission and one
+    /// mapping instead of one per layer); the words come back one range after the other.
+    pub(crate) fn read_start_many(
+        &self,
+        parts: &[(&GpuTensor, usize, usize)],
+    ) -> Result<PendingRead> {
+        let len: usize = parts.iter().map(|&(_, _, n)| n).sum();
         let size = (len.max(1) * 4) as u64;
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
@@ -490,19 +501,23 @@ impl GpuBackend {
             self.device
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor::default())
         });
-        let end = offset + len;
         let index = self.submit(&mut rec, enc, |enc| {
-            for c in &t.chunks {
-                let (s, e) = (offset.max(c.start), end.min(c.start + c.len));
-                if s < e {
-                    enc.copy_buffer_to_buffer(
-                        &c.buffer,
-                        ((s - c.start) * 4) as u64,
-                        &staging,
-                        ((s - offset) * 4) as u64,
-                        ((e - s) * 4) as u64,
-                    );
+            let mut at = 0;
+            for &(t, offset, len) in parts {
+                let end = offset + len;
+                for c in &t.chunks {
+                    let (s, e) = (offset.max(c.start), end.min(c.start + c.len));
+                    if s < e {
+                        enc.copy_buffer_to_buffer(
+                            &c.buffer,
+                            ((s - c.start) * 4) as u64,
+                            &staging,
+                            ((at + s - offset) * 4) as u64,
+                            ((e - s) * 4) as u64,
+                        );
+                    }
                 }
+                at += len;
             }
         });
         drop(rec);

@@ -150,15 +150,18 @@ impl GptRunner {
                 msg: format!("rows {from}..{} of {} cached", from + n, self.pos),
             });
         }
-        let mut out = Vec::with_capacity(self.cache.len());
-        for c in &self.cache {
-            out.push(if n == 0 {
-                Vec::new()
-            } else {
-                be.read_f32(c.at(from * w), n * w).await?
-            });
+        if n == 0 {
+            return Ok(vec![Vec::new(); self.cache.len()]);
         }
-        Ok(out)
+        // Every layer's rows in one read (one submission, one staging buffer).
+        let views = self
+            .cache
+            .iter()
+            .map(|c| (c.at(from * w), n * w))
+            .collect::<Vec<_>>();
+        let read = be.read_start_many(&views)?;
+        be.read_finish_many_f32(read, &vec![n * w; views.len()])
+            .await
     }
 
     /// Writes each layer's cache rows `rows[l]` (of the tokens `tokens`) at positions `from ..`: the

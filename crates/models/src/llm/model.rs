@@ -481,17 +481,15 @@ impl Llm {
         if n == 0 {
             return Ok(vec![Vec::new(); pool.kv.len()]);
         }
-        // Every layer's read is submitted before the first is waited for.
-        let reads = pool
+        // Every layer's rows in one read (one submission, one staging buffer).
+        let views = pool
             .kv
             .iter()
-            .map(|kv| be.read_start(kv.at(at), n * pool.width))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        let mut out = Vec::with_capacity(reads.len());
-        for r in reads {
-            out.push(be.read_finish_f32(r).await?);
-        }
-        Ok(out)
+            .map(|kv| (kv.at(at), n * pool.width))
+            .collect::<Vec<_>>();
+        let lens = vec![n * pool.width; views.len()];
+        let read = be.read_start_many(&views)?;
+        Ok(be.read_finish_many_f32(read, &lens).await?)
     }
 
     /// Makes the model's own sequence hold its first `from` tokens, then `tokens` with the keys and
