@@ -337,7 +337,11 @@ pub struct FileStore {
 
 impl FileStore {
     pub fn open() -> Self {
-        let dir = cache_dir();
+        Self::at(cache_dir())
+    }
+
+    /// The store of the cache directory `dir` (None: verdicts are kept for this run only).
+    fn at(dir: Option<PathBuf>) -> Self {
         let verdicts = dir
             .as_ref()
             .and_then(|d| std::fs::read(d.join("verdicts.json")).ok())
@@ -680,4 +684,78 @@ pub fn run(be: &Backend, args: &GateArgs, cmd: &GatesCmd) -> Result<()> {
         println!("report: {}", d.join("gate-report.json").display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh directory for one test.
+    fn fresh(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("tinygpt-gates-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn verdicts_on_disk(dir: &std::path::Path) -> BTreeMap<String, String> {
+        serde_json::from_slice(&std::fs::read(dir.join("verdicts.json")).unwrap()).unwrap()
+    }
+
+    /// Processes sharing one cache directory (each opened it before the others wrote) keep every
+    /// verdict any of them stored: each write merges into the file under the directory's lock.
+    #[test]
+    fn stores_sharing_a_cache_directory_never_lose_each_others_verdicts() {
+        let path = fresh("shared");
+        // Two stores opened on the empty directory: the second one's map never saw the first's write.
+        let mut a = FileStore::at(Some(path.clone()));
+        let mut b = FileStore::at(Some(path.clone()));
+        a.store("adapter-1/f16", Some("pass"));
+        b.store("adapter-1/subgroups", Some("fail"));
+        let on_disk = verdicts_on_disk(&path);
+        assert_eq!(
+            on_disk.get("adapter-1/f16").map(String::as_str),
+            Some("pass")
+        );
+        assert_eq!(
+            on_disk.get("adapter-1/subgroups").map(String::as_str),
+            Some("fail")
+        );
+        // Writers at the same time (threads standing in for processes): none loses another's.
+        std::thread::scope(|s| {
+            for t in 0..6 {
+                let path = path.clone();
+                s.spawn(move || {
+                    let mut st = FileStore::at(Some(path));
+                    for i in 0..15 {
+                        st.store(&format!("t{t}/k{i}"), Some("pass"));
+                    }
+                });
+            }
+        });
+        let on_disk = verdicts_on_disk(&path);
+        assert_eq!(on_disk.len(), 2 + 6 * 15, "{on_disk:?}");
+        // A removal merges too: it takes out its key and leaves the others'.
+        b.store("adapter-1/f16", None);
+        let on_disk = verdicts_on_disk(&path);
+        assert!(!on_disk.contains_key("adapter-1/f16"));
+        assert_eq!(on_disk.len(), 1 + 6 * 15);
+        std::fs::remove_dir_all(&path).unwrap();
+    }
+
+    /// A cache directory that cannot be written is reported (once) and the run goes on: nothing
+    /// claims a verdict was kept.
+    #[test]
+    fn an_unwritable_cache_directory_is_reported_not_fatal() {
+        let dir = fresh("unwritable");
+        let file = dir.join("not-a-directory");
+        std::fs::write(&file, b"x").unwrap();
+        let mut st = FileStore::at(Some(file.join("cache")));
+        st.store("adapter-1/f16", Some("pass"));
+        assert!(st.warned);
+        assert_eq!(st.load("adapter-1/f16"), None);
+        st.store("adapter-1/subgroups", Some("pass"));
+        assert!(!file.join("cache").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
