@@ -951,3 +951,39 @@ fn eval_on_the_cpu_defaults_to_a_short_run_and_says_so() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("at least 1 batch"), "{}", stderr(&o));
 }
+
+/// A model trained with `--block-size 1` generates, on the CPU backend and on a GPU: every token past
+/// the first restarts the (full) cache from the last token.
+#[test]
+fn a_model_of_block_one_generates_on_both_backends() {
+    let dir = tmp("block-one");
+    let data = text_file(&dir);
+    let out = dir.join("out");
+    let o = run(&with_io(tiny_with(&[("--block-size", "1")]), &data, &out));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let model = out.to_str().unwrap();
+    for backend in ["cpu", "gpu"] {
+        let o = run(&[
+            "--backend",
+            backend,
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "To",
+            "-n",
+            "40",
+            "--seed",
+            "3",
+        ]);
+        assert!(o.status.success(), "{backend}: {}", stderr(&o));
+        let text = String::from_utf8(o.stdout).unwrap();
+        assert_eq!(
+            text.strip_suffix('\n')
+                .and_then(|t| t.strip_prefix("To"))
+                .map(|t| t.chars().count()),
+            Some(40),
+            "{backend}: {text:?}"
+        );
+    }
+}

@@ -91,6 +91,12 @@ fn upload_params(
 }
 
 impl GptRunner {
+    /// Tokens a generation keeps when its cache is full: it restarts from the last half block (at
+    /// least the last token, so a model of block 1 generates too).
+    pub fn restart_len(&self) -> usize {
+        (self.cfg.block_size / 2).max(1)
+    }
+
     /// Uploads `params` (host, [`Layout`] order) and plans buffers for a full block; every product runs
     /// on the kernels of `paths`.
     pub fn new(be: &Backend, cfg: &GptConfig, params: &[f32], paths: PathSet) -> Result<Self> {
@@ -419,7 +425,7 @@ impl GptRunner {
             logits = if self.pos < t {
                 self.step_async(be, next).await?
             } else {
-                let keep = t / 2;
+                let keep = self.restart_len();
                 self.prefill_async(be, &ctx[ctx.len() - keep..]).await?
             };
             if let Some(g) = guard.as_deref_mut()

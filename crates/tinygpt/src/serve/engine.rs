@@ -563,7 +563,7 @@ impl Decoder for GptDecoder {
                 let logits = if r.position() < t {
                     r.step(be, *tok)?
                 } else {
-                    r.prefill(be, &h[h.len() - t / 2..])?
+                    r.prefill(be, &h[h.len() - r.restart_len()..])?
                 };
                 // A check every N tokens of the sequence's own; verdicts ready are taken too. A trip
                 // moves the runner to the f32 path with this sequence's cache recomputed.
