@@ -35,6 +35,20 @@ impl KernelWeights {
         }
     }
 
+    /// The first value that is not finite, and what it is ("value", "block scale" or "block
+    /// minimum"): a damaged file (quants are integers, so a layout's only floats are its values or
+    /// its blocks' scales and minimums).
+    pub fn first_non_finite(&self) -> Option<(&'static str, f32)> {
+        let bad = |what, v: &[f32]| v.iter().find(|x| !x.is_finite()).map(|&x| (what, x));
+        match self {
+            KernelWeights::F32(v) => bad("value", v),
+            KernelWeights::Q8(m) => bad("block scale", &m.scales),
+            KernelWeights::Q4(m) => {
+                bad("block scale", &m.scales).or_else(|| bad("block minimum", &m.mins))
+            }
+        }
+    }
+
     /// Short name of the layout: `f32`, `q8` or `q4`.
     pub fn layout_name(&self) -> &'static str {
         match self {

@@ -433,6 +433,66 @@ fn unsupported_models_are_refused_with_one_clear_error() {
     );
 }
 
+/// `bytes` (a GGUF file) with `patch` written over tensor `name`'s data from byte `at`.
+fn patched(bytes: Vec<u8>, name: &str, at: usize, patch: &[u8]) -> Vec<u8> {
+    let base = GgufFile::from_bytes(bytes).expect("file");
+    let mut w = GgufWriter::new();
+    for (k, v) in base.metadata().iter() {
+        w.add_metadata(k, v.clone()).expect("metadata");
+    }
+    for t in base.tensors() {
+        let mut data = base.tensor_data(t).expect("data").to_vec();
+        if t.name == name {
+            data[at..at + patch.len()].copy_from_slice(patch);
+        }
+        w.add_tensor_bytes(&t.name, &t.dims, t.ggml_type, data)
+            .expect("tensor");
+    }
+    w.to_bytes().expect("bytes")
+}
+
+/// A matrix whose values, block scales or block minimums are not finite (a damaged file) is refused
+/// at load, naming the tensor, rather than run into NaN logits.
+#[test]
+fn non_finite_weights_or_block_scales_are_refused_at_load() {
+    let opts = LoadOptions::default();
+    let (nan, inf) = (0x7e00u16.to_le_bytes(), 0x7c00u16.to_le_bytes());
+    let refused = |bytes: Vec<u8>, tensor: &str, what: &str| {
+        let e = load_err(bytes, &opts);
+        assert!(matches!(e, LlmError::Invalid(_)), "{e}");
+        let m = e.to_string();
+        assert!(m.contains(tensor) && m.contains(what), "{m}");
+    };
+    // Q8_0 blocks: an f16 scale, then 32 quants (34 bytes); block 3's scale made NaN.
+    let q8 = write(&LLAMA, &|_| GgmlType::Q8_0, &random);
+    refused(
+        patched(q8.clone(), "blk.0.attn_k.weight", 3 * 34, &nan),
+        "blk.0.attn_k.weight",
+        "non-finite block scale (NaN)",
+    );
+    refused(
+        patched(q8, "token_embd.weight", 0, &inf),
+        "token_embd.weight",
+        "non-finite block scale (inf)",
+    );
+    // Q4_1 blocks: an f16 scale, an f16 minimum, 16 bytes of quants (20 bytes); a minimum made inf.
+    let q4 = write(&LLAMA, &|_| GgmlType::Q4_1, &random);
+    refused(
+        patched(q4, "blk.1.ffn_down.weight", 20 + 2, &inf),
+        "blk.1.ffn_down.weight",
+        "non-finite block minimum (inf)",
+    );
+    // A dense matrix holding a NaN.
+    let dense = write(&LLAMA, &|_| GgmlType::F32, &|name: &str, n| {
+        let mut v = random(name, n);
+        if name == "blk.0.attn_v.weight" {
+            v[n / 2] = f32::NAN;
+        }
+        v
+    });
+    refused(dense, "blk.0.attn_v.weight", "non-finite value (NaN)");
+}
+
 #[test]
 fn inputs_past_the_context_or_the_vocabulary_are_refused() {
     let be = cpu_backend();

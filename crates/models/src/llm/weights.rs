@@ -751,11 +751,17 @@ impl Loader<'_> {
         Ok(())
     }
 
-    /// A matrix in its kernel layout, on the host (shape and type were checked by the plan).
+    /// A matrix in its kernel layout, on the host (shape and type were checked by the plan), checked
+    /// finite.
     fn host(&mut self, name: &str) -> Result<HostMatrix> {
         let info = self.file.tensor_info(name)?;
         let (rows, cols) = (info.rows() as usize, info.cols() as usize);
         let w = self.file.load_matrix(name)?;
+        if let Some((what, bad)) = w.first_non_finite() {
+            return Err(LlmError::Invalid(format!(
+                "tensor '{name}' holds a non-finite {what} ({bad}): the file is damaged"
+            )));
+        }
         self.advance(name)?;
         Ok(HostMatrix { w, rows, cols })
     }
