@@ -20,9 +20,10 @@ pub struct GenerateArgs {
     /// Checkpoint directory (default: the bundled Shakespeare model).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Text to continue (characters the model has never seen are refused).
-    #[arg(long, default_value = "\n")]
-    pub prompt: String,
+    /// Text to continue (characters the model has never seen are refused). Default: a newline, or
+    /// the model's first character when its text had no newline.
+    #[arg(long)]
+    pub prompt: Option<String>,
     /// Characters to generate.
     #[arg(short = 'n', long = "max-new-tokens", default_value_t = 500)]
     pub n: usize,
@@ -99,11 +100,27 @@ pub fn generate(be: &Backend, gate: &crate::gates::GateArgs, a: &GenerateArgs) -
     let mut ck = checkpoint::load_model(&dir)
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
     let vocab = ck.config.vocab.clone();
-    let prompt = vocab.encode(&a.prompt).context(
-        "the prompt cannot be encoded: the model knows only the characters of its training text",
+    let text = match &a.prompt {
+        Some(p) => p.clone(),
+        None if vocab.encode("\n").is_ok() => "\n".to_string(),
+        None => {
+            let first = vocab.decode(&[0]);
+            eprintln!(
+                "note: this model's training text had no newline to start from; starting from \
+                 {first:?} (--prompt chooses)"
+            );
+            first
+        }
+    };
+    let prompt = vocab.encode(&text).context(
+        "the prompt cannot be encoded: the model knows only the characters of its training text \
+         (give a --prompt made of those)",
     )?;
     if prompt.is_empty() {
-        bail!("the prompt is empty; give at least one character (the default is a newline)");
+        bail!(
+            "the prompt is empty; give at least one character (the default is a newline, or the \
+             model's first character)"
+        );
     }
     let cfg = &ck.config.model;
     let gate_model = GptGate {
@@ -135,7 +152,7 @@ pub fn generate(be: &Backend, gate: &crate::gates::GateArgs, a: &GenerateArgs) -
         });
     let subject = dir.display().to_string();
     let mut out = std::io::stdout().lock();
-    out.write_all(a.prompt.as_bytes())?;
+    out.write_all(text.as_bytes())?;
     let mut sampler = Sampler::new(sc);
     let t = Instant::now();
     let mut emit = async |id: u32| -> tinygpt_kernels::Result<()> {

@@ -987,3 +987,42 @@ fn a_model_of_block_one_generates_on_both_backends() {
         );
     }
 }
+
+/// A model whose training text had no newline generates with no --prompt (from its first character,
+/// saying so) on the CPU backend and on a GPU, the same text on both for the same seed.
+#[test]
+fn a_model_without_a_newline_generates_without_a_prompt() {
+    let dir = tmp("no-newline");
+    let data = dir.join("text.txt");
+    std::fs::write(&data, "to be or not to be that is the question ".repeat(60)).unwrap();
+    let out = dir.join("out");
+    let o = run(&with_io(TINY.to_vec(), &data, &out));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let model = out.to_str().unwrap();
+    let mut texts = Vec::new();
+    for backend in ["cpu", "gpu"] {
+        let o = run(&[
+            "--backend",
+            backend,
+            "generate",
+            "--model",
+            model,
+            "-n",
+            "30",
+            "--seed",
+            "5",
+            "--temperature",
+            "0",
+        ]);
+        assert!(o.status.success(), "{backend}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains("had no newline to start from; starting from \" \""),
+            "{backend}: {}",
+            stderr(&o)
+        );
+        let text = String::from_utf8(o.stdout).unwrap();
+        assert_eq!(text.chars().count(), 1 + 30 + 1, "{backend}: {text:?}");
+        texts.push(text);
+    }
+    assert_eq!(texts[0], texts[1]);
+}
