@@ -17,6 +17,10 @@ use crate::llm_common::{
     ModelArgs, SamplingArgs, finish_gating, generate, load_interactive, print_flush,
 };
 
+/// What `chat` understands besides messages.
+const CHAT_HELP: &str = "/reset starts the conversation over, /exit (or end of input) quits, /help \
+                         shows this; a message that starts with a slash is sent with two (//like this)";
+
 #[derive(Args, Debug)]
 pub struct ChatArgs {
     #[command(flatten)]
@@ -62,7 +66,9 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &ChatArgs) -> Result<()> {
     }
     // The tokens whose keys and values the cache holds, in order.
     let mut cached: Vec<u32> = Vec::new();
-    eprintln!("type a message; /reset starts over, /exit (or end of input) quits.");
+    eprintln!(
+        "type a message; /reset starts over, /exit (or end of input) quits, /help lists these."
+    );
     let mut input = std::io::stdin().lock();
     let mut raw = Vec::new();
     loop {
@@ -93,8 +99,21 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &ChatArgs) -> Result<()> {
                 eprintln!("(conversation cleared)");
                 continue;
             }
+            "/help" | "/?" => {
+                eprintln!("{CHAT_HELP}");
+                continue;
+            }
+            // A word after one slash is taken for a command; two slashes send one.
+            l if l.starts_with('/') && !l.starts_with("//") && !l.contains(char::is_whitespace) => {
+                eprintln!("unknown command {l}; {CHAT_HELP}");
+                continue;
+            }
             _ => {}
         }
+        let line = line
+            .strip_prefix('/')
+            .filter(|l| l.starts_with('/'))
+            .unwrap_or(line);
         messages.push(("user".into(), line.to_string()));
         let msgs: Vec<(&str, &str)> = messages
             .iter()

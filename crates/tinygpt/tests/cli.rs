@@ -529,6 +529,39 @@ fn a_chat_survives_a_line_of_invalid_utf8() {
     );
 }
 
+/// `chat` answers /help and an unknown /command itself (nothing goes to the model), and sends a
+/// message written with two slashes with one.
+#[test]
+fn chat_commands_are_answered_and_unknown_ones_are_not_sent() {
+    let model = smollm2();
+    let args = [
+        "--backend",
+        "cpu",
+        "chat",
+        model.to_str().unwrap(),
+        "-n",
+        "4",
+        "--temperature",
+        "0",
+    ];
+    let o = run_within(&args, b"/help\n/frobnicate\n", 300);
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    assert!(e.contains("/reset starts the conversation over"), "{e}");
+    assert!(e.contains("unknown command /frobnicate"), "{e}");
+    assert!(
+        String::from_utf8_lossy(&o.stdout).trim().is_empty(),
+        "nothing was sent to the model: {e}"
+    );
+    let o = run_within(&args, b"//help\n", 300);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        !String::from_utf8_lossy(&o.stdout).trim().is_empty(),
+        "the message was answered: {}",
+        stderr(&o)
+    );
+}
+
 /// The slice of the bundled text the llama.cpp reference scored.
 fn perplexity_text(dir: &Path) -> PathBuf {
     let text = std::fs::read_to_string(
