@@ -127,6 +127,9 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &PerplexityArgs) -> Result<()> {
             a.ctx
         );
     }
+    if a.chunks == Some(0) {
+        bail!("--chunks 0: score at least 1 chunk (leave it out to score every whole chunk)");
+    }
     let text = std::fs::read(&a.file)
         .with_context(|| format!("cannot read the text {}", a.file.display()))?;
     let text = String::from_utf8(text).map_err(|e| {
@@ -156,7 +159,7 @@ pub fn run(be: &Backend, gate: &GateArgs, a: &PerplexityArgs) -> Result<()> {
             2 * n_ctx
         );
     }
-    let n_chunks = a.chunks.map_or(whole, |k| k.clamp(1, whole));
+    let n_chunks = a.chunks.map_or(whole, |k| k.min(whole));
     eprintln!(
         "tokenized {} characters into {} tokens in {:.2}s; {n_chunks} chunks of {n_ctx}, the second half of each scored",
         text.chars().count(),

@@ -382,6 +382,18 @@ fn flags_that_cannot_mean_anything_are_refused_before_any_work() {
         assert!(!o.status.success());
         assert!(stderr(&o).contains("--threads"), "{}", stderr(&o));
     }
+    // Zero chunks of perplexity mean nothing (they were taken for one): refused before loading.
+    let o = run(&[
+        "--backend",
+        "cpu",
+        "perplexity",
+        "no-such-model.gguf",
+        data.to_str().unwrap(),
+        "--chunks",
+        "0",
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--chunks 0"), "{}", stderr(&o));
     let _ = std::fs::remove_dir_all(&d);
 }
 
