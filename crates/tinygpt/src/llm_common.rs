@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use tinygpt_formats::GgufFile;
@@ -259,9 +259,38 @@ pub fn load_for_serving(
             .clamp(1, tinygpt_models::llm::DEFAULT_CONTEXT)
     });
     // f32 keys and values of every layer, per position.
-    let seq_bytes = (cfg.n_layer * ctx * 2 * cfg.kv_dim() * 4) as u64;
+    let seq_bytes = (cfg.n_layer as u64)
+        .checked_mul(ctx as u64)
+        .and_then(|b| b.checked_mul(2 * 4 * cfg.kv_dim() as u64))
+        .with_context(|| format!("--ctx {ctx}: the caches' size cannot even be counted"))?;
     let n = parallel(seq_bytes).max(1);
+    // Every slot's cache is allocated up front: on the CPU backend, or a software adapter whose
+    // memory is the host's, it must fit the memory free now (a refusal here, not an out-of-memory
+    // abort later). A GPU's own memory is not known here; its allocation fails with an error.
+    let need = seq_bytes.saturating_mul(n as u64);
+    let host = be.as_gpu().is_none_or(|g| g.info().device_type == "Cpu");
+    if host
+        && let Some(have) = available_memory()
+        && need > have
+    {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        bail!(
+            "{n} slots of {ctx} positions need {:.1} GiB of KV cache ({:.1} MiB each) and this \
+             machine has {:.1} GiB free: lower --parallel or --ctx",
+            gib(need),
+            seq_bytes as f64 / (1u64 << 20) as f64,
+            gib(have)
+        );
+    }
     Ok((load_with(be, gate, args, n, true, true)?, n))
+}
+
+/// Free memory (Linux's MemAvailable), where the system says.
+pub fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 /// Total memory of the machine, where /proc says.

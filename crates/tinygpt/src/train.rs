@@ -137,7 +137,7 @@ fn check_memory(be: &Backend, cfg: &GptConfig, batch: usize) -> Result<()> {
         );
     };
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    if let (Backend::Cpu(_), Some(have)) = (be, available_memory())
+    if let (Backend::Cpu(_), Some(have)) = (be, crate::llm_common::available_memory())
         && need > have
     {
         {
@@ -149,14 +149,6 @@ fn check_memory(be: &Backend, cfg: &GptConfig, batch: usize) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Free memory (Linux's MemAvailable), where the system says.
-fn available_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
 }
 
 /// Whether `dir` already holds a checkpoint (the model, or a run's resumable state).

@@ -810,3 +810,31 @@ fn the_bundled_model_on_a_gpu_is_watched_by_the_drift_guard() {
     assert!(count("tinygpt_drift_checks ") >= 4, "{m}");
     assert_eq!(count("tinygpt_drift_events "), 0, "{m}");
 }
+
+/// More slots than the machine can hold caches for are refused with what they need, on the CPU
+/// backend and on a software adapter (whose memory is the host's), before any cache is allocated
+/// (they were an out-of-memory abort).
+#[test]
+fn slots_whose_caches_cannot_fit_are_refused_before_allocating() {
+    for backend in ["cpu", "gpu"] {
+        let o = bin()
+            .args(["--backend", backend, "serve", "--port", "0"])
+            .args([smollm2().to_str().unwrap(), "--parallel", "100000"])
+            .stdout(Stdio::null())
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{backend}: {e}");
+        assert!(!e.contains("panicked"), "{backend}: {e}");
+        // The check needs the host's memory to be the caches': the CPU backend and software
+        // adapters (CI's lavapipe); a GPU of its own memory fails its allocation instead.
+        if backend == "cpu" || e.contains("slots of") {
+            assert!(
+                e.contains("100000 slots of")
+                    && e.contains("GiB of KV cache")
+                    && e.contains("lower --parallel or --ctx"),
+                "{backend}: {e}"
+            );
+        }
+    }
+}
