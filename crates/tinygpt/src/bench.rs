@@ -616,6 +616,11 @@ fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet, drift_check: usize)
         sequences: if par > 1 { par } else { 0 },
         batch: LoadOptions::default().batch.max(par),
     };
+    if par > 1 {
+        let cfg = tinygpt_models::llm::LlmConfig::from_gguf(&file)?;
+        let ctx = opts.context.unwrap_or(cfg.train_context);
+        crate::llm_common::check_cache_memory(be, &cfg, ctx, par, "--parallel, --prompt or -n")?;
+    }
     let mut llm = Llm::from_gguf(be, &file, &opts, &mut |_| {})?;
     let cfg = llm.config().clone();
     println!(

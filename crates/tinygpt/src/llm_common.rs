@@ -258,16 +258,35 @@ pub fn load_for_serving(
         cfg.train_context
             .clamp(1, tinygpt_models::llm::DEFAULT_CONTEXT)
     });
-    // f32 keys and values of every layer, per position.
-    let seq_bytes = (cfg.n_layer as u64)
+    let seq_bytes = cache_bytes(&cfg, ctx, 1)?;
+    let n = parallel(seq_bytes).max(1);
+    check_cache_memory(be, &cfg, ctx, n, "--parallel or --ctx")?;
+    Ok((load_with(be, gate, args, n, true, true)?, n))
+}
+
+/// Bytes of the f32 keys and values of every layer for `slots` sequences of `ctx` positions.
+pub fn cache_bytes(cfg: &LlmConfig, ctx: usize, slots: usize) -> Result<u64> {
+    (cfg.n_layer as u64)
         .checked_mul(ctx as u64)
         .and_then(|b| b.checked_mul(2 * 4 * cfg.kv_dim() as u64))
-        .with_context(|| format!("--ctx {ctx}: the caches' size cannot even be counted"))?;
-    let n = parallel(seq_bytes).max(1);
-    // Every slot's cache is allocated up front: on the CPU backend, or a software adapter whose
-    // memory is the host's, it must fit the memory free now (a refusal here, not an out-of-memory
-    // abort later). A GPU's own memory is not known here; its allocation fails with an error.
-    let need = seq_bytes.saturating_mul(n as u64);
+        .and_then(|b| b.checked_mul(slots as u64))
+        .with_context(|| {
+            format!("{slots} caches of {ctx} positions: their size cannot even be counted")
+        })
+}
+
+/// Every sequence's cache is allocated up front: on the CPU backend, or a software adapter whose
+/// memory is the host's, `slots` caches of `ctx` positions must fit the memory free now (a refusal
+/// here, not an out-of-memory abort later). A GPU's own memory is not known here; its allocation
+/// fails with an error. `hint` names the flags that lower the need.
+pub fn check_cache_memory(
+    be: &Backend,
+    cfg: &LlmConfig,
+    ctx: usize,
+    slots: usize,
+    hint: &str,
+) -> Result<()> {
+    let need = cache_bytes(cfg, ctx, slots)?;
     let host = be.as_gpu().is_none_or(|g| g.info().device_type == "Cpu");
     if host
         && let Some(have) = available_memory()
@@ -275,14 +294,14 @@ pub fn load_for_serving(
     {
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         bail!(
-            "{n} slots of {ctx} positions need {:.1} GiB of KV cache ({:.1} MiB each) and this \
-             machine has {:.1} GiB free: lower --parallel or --ctx",
+            "{slots} slots of {ctx} positions need {:.1} GiB of KV cache ({:.1} MiB each) and this \
+             machine has {:.1} GiB free: lower {hint}",
             gib(need),
-            seq_bytes as f64 / (1u64 << 20) as f64,
+            need as f64 / slots.max(1) as f64 / (1u64 << 20) as f64,
             gib(have)
         );
     }
-    Ok((load_with(be, gate, args, n, true, true)?, n))
+    Ok(())
 }
 
 /// Free memory (Linux's MemAvailable), where the system says.
