@@ -415,57 +415,15 @@ impl GpuBackend {
         Ok(())
     }
 
-    /// Reads elements `offset..offset + len` of `t` back to the host.
+    /// Reads elements `offset..offset + len` of `t` back to the host (everything recorded before it
+    /// goes with the copy, in one submission).
     pub(crate) async fn read(&self, t: &GpuTensor, offset: usize, len: usize) -> Result<Vec<u32>> {
-        self.flush()?;
         if len == 0 {
+            self.flush()?;
             return Ok(Vec::new());
         }
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("readback"),
-            size: (len * 4) as u64,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        let mut enc = self
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor::default());
-        let end = offset + len;
-        for c in &t.chunks {
-            let (s, e) = (offset.max(c.start), end.min(c.start + c.len));
-            if s < e {
-                enc.copy_buffer_to_buffer(
-                    &c.buffer,
-                    ((s - c.start) * 4) as u64,
-                    &staging,
-                    ((s - offset) * 4) as u64,
-                    ((e - s) * 4) as u64,
-                );
-            }
-        }
-        self.queue.submit([enc.finish()]);
-        let (tx, rx) = futures_channel::oneshot::channel();
-        staging.map_async(wgpu::MapMode::Read, .., move |r| {
-            let _ = tx.send(r);
-        });
-        self.wait()?;
-        let mapped = rx
-            .await
-            .map_err(|_| Error::Gpu("readback was cancelled".into()))?;
-        self.check()?;
-        mapped.map_err(|e| Error::Gpu(format!("readback failed: {e}")))?;
-        let out = {
-            let view = staging
-                .get_mapped_range(..)
-                .map_err(|e| Error::Gpu(format!("readback failed: {e}")))?;
-            bytemuck::cast_slice::<u8, u32>(&view).to_vec()
-        };
-        staging.unmap();
-        let mut c = self.counters.get();
-        c.readbacks += 1;
-        c.submits += 1;
-        self.counters.set(c);
-        Ok(out)
+        let p = self.read_start(t, offset, len)?;
+        self.read_finish(p).await
     }
 
     /// Starts reading elements `offset..offset + len` of `t` back: the copy goes into the submission of
