@@ -17,16 +17,8 @@ PORT=${PORT:-18090} BACKEND=${BACKEND:-gpu}
 HERE="$(cd "$(dirname "$0")" && pwd)"
 URL="http://127.0.0.1:$PORT"
 
-wait_ready() {
-  for _ in $(seq 1 600); do
-    if python3 -c "import httpx,sys; sys.exit(0 if httpx.get('$URL/health', timeout=2).status_code == 200 else 1)" 2>/dev/null; then
-      return 0
-    fi
-    sleep 0.2
-  done
-  echo "server on $PORT did not become ready" >&2
-  return 1
-}
+# shellcheck source=common.sh
+source "$HERE/common.sh"
 
 one() { # N: a server with --drift-check N, S streams then one
   local n=$1 log
@@ -34,7 +26,7 @@ one() { # N: a server with --drift-check N, S streams then one
   "$TG" --backend "$BACKEND" --drift-check "$n" serve "$MODEL" --port "$PORT" --parallel "$STREAMS" \
     --ctx "$CTX" >"$log" 2>&1 &
   local pid=$!
-  wait_ready
+  wait_ready "$URL"
   sleep "$PAUSE"
   grep -m1 '^ready' "$log" || true
   for s in "$STREAMS" 1; do

@@ -13,28 +13,20 @@ TOKENS=${TOKENS:-128}
 HERE="$(cd "$(dirname "$0")" && pwd)"
 PORT=${PORT:-18080}
 
-wait_ready() {
-  for _ in $(seq 1 600); do
-    if python3 -c "import httpx,sys; sys.exit(0 if httpx.get('http://127.0.0.1:$PORT/health', timeout=2).status_code == 200 else 1)" 2>/dev/null; then
-      return 0
-    fi
-    sleep 0.5
-  done
-  echo "server on $PORT did not become ready" >&2
-  return 1
-}
+# shellcheck source=common.sh
+source "$HERE/common.sh"
 
 for n in $LEVELS; do
   if [ "$MODE" = gpu ]; then be=gpu; ngl=99; else be=cpu; ngl=0; fi
   "$TG" --backend "$be" serve "$MODEL" --port "$PORT" --parallel "$n" --ctx 256 >/tmp/tinygpt-serve.log 2>&1 &
   pid=$!
-  wait_ready
+  wait_ready "http://127.0.0.1:$PORT"
   python3 "$HERE/serve_load.py" "http://127.0.0.1:$PORT" --streams "$n" --tokens "$TOKENS" --label "tinygpt-$be"
   kill $pid; wait $pid 2>/dev/null || true
 
   "$LS" -m "$MODEL" -ngl "$ngl" -np "$n" -c $((n * 256)) --port "$PORT" >/tmp/llama-server.log 2>&1 &
   pid=$!
-  wait_ready
+  wait_ready "http://127.0.0.1:$PORT"
   python3 "$HERE/serve_load.py" "http://127.0.0.1:$PORT" --streams "$n" --tokens "$TOKENS" --label "llama-server"
   kill $pid; wait $pid 2>/dev/null || true
 done
