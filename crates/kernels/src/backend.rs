@@ -32,6 +32,50 @@ enum Pending {
     Gpu(crate::gpu::PendingRead),
 }
 
+/// A read started by [`Backend::read_start`] or [`Backend::read_start_many`] and detached from the
+/// backend ([`Backend::read_detach`]): any thread can finish it, while the one that started it goes on
+/// recording (the copy is queued behind the work before it, so it sees exactly that work's results).
+pub struct DetachedRead(Detached);
+
+enum Detached {
+    Ready(Vec<u32>),
+    Gpu(crate::gpu::DetachedRead),
+}
+
+impl DetachedRead {
+    /// The words read (waiting for the device's copy where it has not finished).
+    pub async fn finish(self) -> Result<Vec<u32>> {
+        match self.0 {
+            Detached::Ready(v) => Ok(v),
+            Detached::Gpu(r) => r.finish().await,
+        }
+    }
+
+    /// The words of views of `lens` elements (a [`Backend::read_start_many`]) as one f32 vector each.
+    pub async fn finish_many_f32(self, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
+        split_words(self.finish().await?, lens)
+    }
+}
+
+/// Words read for several views, split back into one f32 vector per view of `lens` elements.
+fn split_words(words: Vec<u32>, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
+    if words.len() != lens.iter().sum::<usize>() {
+        return Err(Error::Shape {
+            op: "read_finish_many",
+            msg: format!("{} words read for views of {lens:?}", words.len()),
+        });
+    }
+    let mut at = 0;
+    Ok(lens
+        .iter()
+        .map(|&n| {
+            let v = bytemuck::cast_slice::<u32, f32>(&words[at..at + n]).to_vec();
+            at += n;
+            v
+        })
+        .collect())
+}
+
 pub(crate) enum Store {
     Cpu(Vec<f32>),
     Gpu(GpuTensor),
@@ -413,22 +457,20 @@ impl Backend {
         p: PendingRead,
         lens: &[usize],
     ) -> Result<Vec<Vec<f32>>> {
-        let words = self.read_finish(p).await?;
-        if words.len() != lens.iter().sum::<usize>() {
-            return Err(Error::Shape {
-                op: "read_finish_many",
-                msg: format!("{} words read for views of {lens:?}", words.len()),
-            });
+        split_words(self.read_finish(p).await?, lens)
+    }
+
+    /// Detaches a started read from this backend, for another thread to finish.
+    pub fn read_detach(&self, p: PendingRead) -> Result<DetachedRead> {
+        match (p.0, self) {
+            (Pending::Ready(v), _) => Ok(DetachedRead(Detached::Ready(v))),
+            (Pending::Gpu(r), Backend::Gpu(g)) => Ok(DetachedRead(Detached::Gpu(g.detach(r)))),
+            (Pending::Gpu(_), Backend::Cpu(_)) => Err(Error::BackendMismatch {
+                op: "read_detach",
+                expected: "cpu",
+                found: "gpu",
+            }),
         }
-        let mut at = 0;
-        Ok(lens
-            .iter()
-            .map(|&n| {
-                let v = bytemuck::cast_slice::<u32, f32>(&words[at..at + n]).to_vec();
-                at += n;
-                v
-            })
-            .collect())
     }
 
     /// The words of a [`Backend::read_start`].

@@ -22,7 +22,7 @@ pub mod rng;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
-pub use backend::{Backend, DType, PendingRead, TMut, TRef, Tensor};
+pub use backend::{Backend, DType, DetachedRead, PendingRead, TMut, TRef, Tensor};
 pub use device::{BackendChoice, DeviceOptions};
 pub use error::{Error, Result};
 pub use path::{PathId, PathSet};

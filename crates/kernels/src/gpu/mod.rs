@@ -63,6 +63,95 @@ pub struct PendingRead {
     rx: futures_channel::oneshot::Receiver<std::result::Result<(), wgpu::BufferAsyncError>>,
     index: wgpu::SubmissionIndex,
     len: usize,
+    /// Where the staging buffer goes back once read.
+    pool: StagingPool,
+}
+
+/// Staging buffers of finished reads, kept for the next ones: a mappable buffer costs the driver an
+/// allocation of host memory (measured ~2.4 ms for the ~12 MB a drift check reads, on an H100 host),
+/// which a decode step's reads would otherwise pay every time. Shared with the threads that finish
+/// detached reads.
+#[derive(Clone, Default)]
+struct StagingPool(Arc<Mutex<Vec<wgpu::Buffer>>>);
+
+/// Most staging buffers kept, and the most bytes they may hold together.
+const STAGING_KEEP: usize = 8;
+const STAGING_KEEP_BYTES: u64 = 64 << 20;
+
+impl StagingPool {
+    /// The smallest kept buffer of at least `size` bytes, or a new one (rounded up to a power of two,
+    /// so reads of slowly growing sizes find it again).
+    fn take(&self, device: &wgpu::Device, size: u64) -> wgpu::Buffer {
+        if let Ok(mut kept) = self.0.lock()
+            && let Some(i) = (0..kept.len())
+                .filter(|&i| kept[i].size() >= size)
+                .min_by_key(|&i| kept[i].size())
+        {
+            return kept.swap_remove(i);
+        }
+        device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size: size.next_power_of_two().max(4096),
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        })
+    }
+
+    /// Keeps an unmapped buffer for later reads, within the pool's bounds (the smallest go first).
+    fn give(&self, b: wgpu::Buffer) {
+        if let Ok(mut kept) = self.0.lock() {
+            kept.push(b);
+            kept.sort_by_key(|b| std::cmp::Reverse(b.size()));
+            while kept.len() > STAGING_KEEP
+                || kept.iter().map(wgpu::Buffer::size).sum::<u64>() > STAGING_KEEP_BYTES
+            {
+                kept.pop();
+            }
+        }
+    }
+}
+
+/// A [`PendingRead`] with the device it waits on: [`DetachedRead::finish`] needs nothing else, so a
+/// thread other than the one recording the device's work can wait for it and copy it out.
+pub struct DetachedRead {
+    read: PendingRead,
+    device: wgpu::Device,
+}
+
+impl DetachedRead {
+    pub(crate) async fn finish(self) -> Result<Vec<u32>> {
+        finish_read(&self.device, self.read).await
+    }
+}
+
+/// Waits for a read's copy (natively by polling `device`; in the browser the page drives it), maps its
+/// staging buffer and copies the words out.
+async fn finish_read(device: &wgpu::Device, p: PendingRead) -> Result<Vec<u32>> {
+    #[cfg(not(target_arch = "wasm32"))]
+    device
+        .poll(wgpu::PollType::Wait {
+            submission_index: Some(p.index),
+            timeout: None,
+        })
+        .map_err(|e| Error::Gpu(format!("waiting for the device failed: {e}")))?;
+    #[cfg(target_arch = "wasm32")]
+    let _ = (device, p.index);
+    let mapped =
+        p.rx.await
+            .map_err(|_| Error::Gpu("readback was cancelled".into()))?;
+    mapped.map_err(|e| Error::Gpu(format!("readback failed: {e}")))?;
+    let out = {
+        let view = p
+            .staging
+            .get_mapped_range(..(p.len.max(1) * 4) as u64)
+            .map_err(|e| Error::Gpu(format!("readback failed: {e}")))?;
+        let mut words = bytemuck::cast_slice::<u8, u32>(&view).to_vec();
+        words.truncate(p.len);
+        words
+    };
+    p.staging.unmap();
+    p.pool.give(p.staging);
+    Ok(out)
 }
 
 struct Recorder {
@@ -92,6 +181,8 @@ pub struct GpuBackend {
     next_pipeline_id: Cell<u64>,
     scratch: RefCell<HashMap<&'static str, GpuTensor>>,
     profiler: RefCell<Option<Profiler>>,
+    /// Staging buffers for reads, reused.
+    staging: StagingPool,
     /// How the device was opened (by [`crate::device::open_gpu`]): a second device on the same adapter
     /// opens with these.
     opened_with: Option<crate::device::DeviceOptions>,
@@ -241,6 +332,7 @@ impl GpuBackend {
             next_pipeline_id: Cell::new(0),
             scratch: RefCell::default(),
             profiler: RefCell::default(),
+            staging: StagingPool::default(),
             opened_with: None,
         })
     }
@@ -447,12 +539,7 @@ impl GpuBackend {
     ) -> Result<PendingRead> {
         let len: usize = parts.iter().map(|&(_, _, n)| n).sum();
         let size = (len.max(1) * 4) as u64;
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("readback"),
-            size,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+        let staging = self.staging.take(&self.device, size);
         let mut rec = self.rec.borrow_mut();
         drop(rec.pass.take());
         let enc = rec.encoder.take().unwrap_or_else(|| {
@@ -481,7 +568,7 @@ impl GpuBackend {
         drop(rec);
         self.collect_profile()?;
         let (tx, rx) = futures_channel::oneshot::channel();
-        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+        staging.map_async(wgpu::MapMode::Read, ..size, move |r| {
             let _ = tx.send(r);
         });
         let mut c = self.counters.get();
@@ -493,35 +580,23 @@ impl GpuBackend {
             rx,
             index,
             len,
+            pool: self.staging.clone(),
         })
     }
 
     /// The words of a [`GpuBackend::read_start`], once its submission has finished.
     pub(crate) async fn read_finish(&self, p: PendingRead) -> Result<Vec<u32>> {
-        #[cfg(not(target_arch = "wasm32"))]
-        self.device
-            .poll(wgpu::PollType::Wait {
-                submission_index: Some(p.index),
-                timeout: None,
-            })
-            .map_err(|e| Error::Gpu(format!("waiting for the device failed: {e}")))?;
-        #[cfg(target_arch = "wasm32")]
-        let _ = p.index;
-        let mapped =
-            p.rx.await
-                .map_err(|_| Error::Gpu("readback was cancelled".into()))?;
+        let out = finish_read(&self.device, p).await;
         self.check()?;
-        mapped.map_err(|e| Error::Gpu(format!("readback failed: {e}")))?;
-        let mut out = {
-            let view = p
-                .staging
-                .get_mapped_range(..)
-                .map_err(|e| Error::Gpu(format!("readback failed: {e}")))?;
-            bytemuck::cast_slice::<u8, u32>(&view).to_vec()
-        };
-        p.staging.unmap();
-        out.truncate(p.len);
-        Ok(out)
+        out
+    }
+
+    /// A started read that another thread can finish (it holds what it needs of the device).
+    pub(crate) fn detach(&self, p: PendingRead) -> DetachedRead {
+        DetachedRead {
+            read: p,
+            device: self.device.clone(),
+        }
     }
 
     /// Blocks until the device has finished all submitted work (native); on the web the browser drives

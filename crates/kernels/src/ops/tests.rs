@@ -85,3 +85,31 @@ fn copy_rows_refuses_rows_wider_than_their_stride() {
     let e = fill::copy_rows(&be, a.at(0), 3, b.at_mut(0), 6, 2, 4).unwrap_err();
     assert!(e.to_string().contains("do not fit"), "{e}");
 }
+
+/// A read detached from its backend is finished on another thread, with the values the work before it
+/// left — not those of work recorded after it (the drift guard's shadow finishes its checks' reads
+/// while the device goes on) — on the CPU and on a GPU whose tensors split across buffers.
+#[test]
+fn a_detached_read_sees_the_work_before_it_from_another_thread() {
+    let n = 3000;
+    let mut backends = vec![Backend::Cpu(crate::cpu::CpuBackend::new(Some(1)))];
+    backends.extend(crate::testing::gpu_backend(Some(4096)));
+    for be in &backends {
+        let data: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let mut t = be.from_f32(&data, 1).unwrap();
+        let read = be
+            .read_start_many(&[(t.at(1000), 1500), (t.at(10), 3)])
+            .unwrap();
+        let detached = be.read_detach(read).unwrap();
+        fill::fill(be, (&mut t).into(), n, 1.0).unwrap();
+        be.flush().unwrap();
+        let views = std::thread::spawn(move || {
+            pollster::block_on(detached.finish_many_f32(&[1500, 3])).unwrap()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(views[0], data[1000..2500]);
+        assert_eq!(views[1], data[10..13]);
+        assert_eq!(be.to_vec(&t).unwrap(), vec![1.0; n]);
+    }
+}
