@@ -1004,10 +1004,9 @@ fn the_drift_guard_watches_a_servers_sequences() {
         for i in 0..3 {
             if event.is_none() && guard.due(seqs[i].position() - 1) {
                 checks_before_trip += 1;
-                event = pollster::block_on(
-                    guard.check_sequence(&be, &mut llm, &seqs[i], &hist[i], &rows[i]),
-                )
-                .unwrap();
+                event =
+                    pollster::block_on(guard.check_sequence(&be, &mut llm, &seqs[i], &hist[i], i))
+                        .unwrap();
             }
         }
         if event.is_some() {

@@ -114,7 +114,7 @@ pub fn run(be: &Backend, gate: &crate::gates::GateArgs, cmd: &BenchCmd) -> Resul
     match cmd {
         BenchCmd::Ops(a) => ops_bench(be, a),
         BenchCmd::Train(a) => train_bench(be, gate, a, paths),
-        BenchCmd::Llm(a) => llm_bench(be, a, paths, gate.drift_check),
+        BenchCmd::Llm(a) => llm_bench(be, a, paths, gate),
     }
 }
 
@@ -585,7 +585,13 @@ fn train_bench(
     Ok(())
 }
 
-fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet, drift_check: usize) -> Result<()> {
+fn llm_bench(
+    be: &Backend,
+    a: &LlmBenchArgs,
+    paths: PathSet,
+    gate: &crate::gates::GateArgs,
+) -> Result<()> {
+    let drift_check = gate.drift_check;
     use tinygpt_formats::GgufFile;
     use tinygpt_models::llm::{DriftGuard, Llm, LoadOptions};
     let t0 = Instant::now();
@@ -708,7 +714,7 @@ fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet, drift_check: usize)
             GgufFile::from_bytes(file.bytes().to_vec())?,
             llm.context(),
             drift_check,
-            None,
+            gate.shadow_threads(),
             true,
         );
         let mut guarded = Vec::new();
@@ -726,12 +732,14 @@ fn llm_bench(be: &Backend, a: &LlmBenchArgs, paths: PathSet, drift_check: usize)
         let s = guard.stats();
         let (plain, with) = (median(&mut tg), median(&mut guarded));
         println!(
-            "decode with the drift guard every {drift_check}: {with:.1} tok/s ({:+.1}% against {plain:.1}) · {} checks, {} same top-1, worst KL {:.2e} ({:.2e} of its bound)",
+            "decode with the drift guard every {drift_check}: {with:.1} tok/s ({:+.1}% against {plain:.1}) · {} checks, {} same top-1, worst KL {:.2e} ({:.2e} of its bound) · a check: {:.2} ms reading cache rows, {:.1} ms of shadow step",
             100.0 * (with / plain - 1.0),
             s.checks,
             s.same_top1,
             s.worst_kl,
-            s.worst_ratio
+            s.worst_ratio,
+            1e3 * s.read_secs / s.checks.max(1) as f64,
+            1e3 * s.shadow_secs / s.checks.max(1) as f64
         );
     }
     if par > 1 {

@@ -38,6 +38,16 @@ pub struct GateArgs {
     /// past the gate's bound (0: off).
     #[arg(long, global = true, value_name = "N", default_value_t = tinygpt_models::llm::drift::DEFAULT_EVERY)]
     pub drift_check: usize,
+    /// Threads the drift guard's f32 shadow computes on (on the CPU, beside the decoding). Default: 1.
+    #[arg(long, global = true, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    pub drift_threads: Option<u16>,
+}
+
+impl GateArgs {
+    /// The shadow's threads when `--drift-threads` names them (None: the guard's default).
+    pub fn shadow_threads(&self) -> Option<usize> {
+        self.drift_threads.map(usize::from)
+    }
 }
 
 /// `tinygpt gates`.

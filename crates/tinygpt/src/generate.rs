@@ -63,12 +63,11 @@ fn model_dir(m: &Option<PathBuf>) -> PathBuf {
 }
 
 /// Loads a checkpoint (default: the bundled model), gates its fast paths and builds its runner, and
-/// the drift guard that watches it on fast paths (`--drift-check`; its shadow on `threads` threads).
+/// the drift guard that watches it on fast paths (`--drift-check`; its shadow on `--drift-threads`).
 pub fn load_runner(
     be: &Backend,
     gate: &crate::gates::GateArgs,
     model: Option<&std::path::Path>,
-    threads: Option<usize>,
 ) -> Result<(GptRunner, CharVocab, PathSet, Option<GptDriftGuard>)> {
     let dir = model.map_or_else(|| paths::bundled(paths::DEFAULT_MODEL), |p| p.to_path_buf());
     let ck = checkpoint::load_model(&dir)
@@ -82,8 +81,15 @@ pub fn load_runner(
     };
     let paths = crate::gates::prepare(be, gate, &gate_model)?;
     let runner = GptRunner::new(be, cfg, &ck.params, paths)?;
-    let guard = (be.as_gpu().is_some() && !paths.is_empty() && gate.drift_check > 0)
-        .then(|| GptDriftGuard::new(cfg, ck.params, gate.drift_check, threads, true));
+    let guard = (be.as_gpu().is_some() && !paths.is_empty() && gate.drift_check > 0).then(|| {
+        GptDriftGuard::new(
+            cfg,
+            ck.params,
+            gate.drift_check,
+            gate.shadow_threads(),
+            true,
+        )
+    });
     Ok((runner, ck.config.vocab, paths, guard))
 }
 
@@ -146,7 +152,7 @@ pub fn generate(be: &Backend, gate: &crate::gates::GateArgs, a: &GenerateArgs) -
                 cfg,
                 std::mem::take(&mut ck.params),
                 gate.drift_check,
-                None,
+                gate.shadow_threads(),
                 true,
             )
         });

@@ -217,15 +217,18 @@ fn load_with(
         && gate.drift_check > 0
     {
         let file = GgufFile::open(path).context("cannot open the model")?;
-        // A server's shadow takes a quarter of the cores: its threads must not take the CPU from
-        // the thread driving the device and the HTTP side (a lone generation gives it all but one).
         // A server's shadow loads its f32 model at start-up, on its thread: no request's check
         // waits behind that load.
         Some(if serving {
-            let threads = std::thread::available_parallelism().map_or(1, |n| (n.get() / 4).max(1));
-            DriftGuard::warm(file, llm.context(), gate.drift_check, Some(threads))
+            DriftGuard::warm(file, llm.context(), gate.drift_check, gate.shadow_threads())
         } else {
-            DriftGuard::new(file, llm.context(), gate.drift_check, None, true)
+            DriftGuard::new(
+                file,
+                llm.context(),
+                gate.drift_check,
+                gate.shadow_threads(),
+                true,
+            )
         })
     } else {
         None

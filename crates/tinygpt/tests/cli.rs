@@ -382,6 +382,18 @@ fn flags_that_cannot_mean_anything_are_refused_before_any_work() {
         assert!(!o.status.success());
         assert!(stderr(&o).contains("--threads"), "{}", stderr(&o));
     }
+    // A drift-guard shadow of no threads cannot check anything.
+    let o = run(&[
+        "--backend",
+        "cpu",
+        "--drift-threads",
+        "0",
+        "generate",
+        "-n",
+        "4",
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--drift-threads"), "{}", stderr(&o));
     // Zero chunks of perplexity mean nothing (they were taken for one): refused before loading.
     let o = run(&[
         "--backend",

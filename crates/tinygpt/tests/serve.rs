@@ -460,6 +460,20 @@ fn a_server_on_an_ungated_adapter_serves_at_once_and_moves_to_its_fast_paths_bet
     };
     assert!(count("tinygpt_drift_checks ") >= 1, "{m}");
     assert_eq!(count("tinygpt_drift_events "), 0, "{m}");
+    // What the guard cost: the engine's checks (their cache reads inside them) and the shadow's steps.
+    let secs = |part: &str| -> f64 {
+        m.lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!("tinygpt_drift_guard_seconds{{part=\"{part}\"}}"))?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or_else(|| panic!("no drift_guard_seconds for {part} in {m}"))
+    };
+    let (engine, reads, shadow) = (secs("engine"), secs("cache_reads"), secs("shadow"));
+    assert!(engine > 0.0 && reads > 0.0 && shadow > 0.0, "{m}");
+    assert!(reads <= engine, "{m}");
     drop(s);
     let _ = std::fs::remove_dir_all(&cache);
 }

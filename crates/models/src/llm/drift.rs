@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use tinygpt_formats::GgufFile;
 use tinygpt_kernels::cpu::CpuBackend;
-use tinygpt_kernels::{Backend, PathSet};
+use tinygpt_kernels::{Backend, DetachedRead, PathSet};
 
 use super::error::{LlmError, Result};
 use super::model::{Feed, Llm, LoadOptions, Sequence};
@@ -30,6 +30,17 @@ use crate::gpt::{GptConfig, GptRunner};
 
 /// Checks every this many tokens by default (`--drift-check N`).
 pub const DEFAULT_EVERY: usize = 128;
+
+/// Threads the shadow computes on unless told otherwise (`--drift-threads N`). One: measured in
+/// `tinygpt serve` on an H100 host (16 CPUs, the SmolLM2-135M shape, 16 streams), a shadow step took
+/// about as long on one thread as on four (25–38 ms: most of it writes the rows it is handed), while
+/// every thread it takes is one the thread driving the device may have to share.
+pub const DEFAULT_SHADOW_THREADS: usize = 1;
+
+/// Checks a server's guard keeps queued for its shadow at most: while that many wait, the next check
+/// waits for a later step (so the guard never costs more than its shadow keeps up with, and the reads
+/// it holds stay bounded).
+pub const MAX_QUEUED_CHECKS: usize = 2;
 
 /// One check that found the fast paths' distribution past the bound.
 #[derive(Clone, Debug, PartialEq)]
@@ -62,6 +73,13 @@ impl DriftEvent {
     }
 }
 
+/// Which step a check compares: the model's own sequence with its logits read (`Own`), or a server's
+/// sequence whose logits are a row of the last pass, read with its cache rows (`Row`).
+enum Checked<'a> {
+    Own(&'a [f32]),
+    Row(&'a Sequence, usize),
+}
+
 /// What the guard has seen.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct DriftStats {
@@ -70,16 +88,65 @@ pub struct DriftStats {
     pub worst_kl: f64,
     /// The worst KL divergence as a fraction of its bound (above 1 trips the guard).
     pub worst_ratio: f64,
+    /// Seconds the guarded side spent reading the cache rows its checks handed to the shadow.
+    pub read_secs: f64,
+    /// Seconds the shadow spent on its f32 steps (on its own thread, natively: beside the decoding).
+    pub shadow_secs: f64,
 }
 
 /// A step for the shadow to take: the cache rows it lacks (positions `from` .. `from + tokens.len()`,
 /// per layer), then `id` at the next position, compared with the fast paths' logits.
 struct Request {
     from: usize,
-    kv: Vec<Vec<f32>>,
+    reads: Reads,
     tokens: Vec<u32>,
     id: u32,
-    fast: Vec<f32>,
+}
+
+/// The device state a check compares from: the cache rows (one vector per layer) and the fast paths'
+/// logits of the checked step.
+enum Reads {
+    /// Read by the guarded side.
+    Ready { kv: Vec<Vec<f32>>, fast: Vec<f32> },
+    /// Started by the guarded side and finished by the shadow (so the thread driving the device
+    /// neither waits for the copy nor copies it out): the logits row first, then one view per layer;
+    /// `softcap` (if above 0) is the model's final logit softcap, applied to the row as it is read.
+    Detached {
+        read: DetachedRead,
+        lens: Vec<usize>,
+        softcap: f32,
+        /// The logits when the guarded side had them already (the read then holds the rows only).
+        fast: Option<Vec<f32>>,
+    },
+}
+
+impl Reads {
+    /// (cache rows per layer, fast logits), waiting for a detached read's copy.
+    async fn finish(self) -> tinygpt_kernels::Result<(Vec<Vec<f32>>, Vec<f32>)> {
+        match self {
+            Reads::Ready { kv, fast } => Ok((kv, fast)),
+            Reads::Detached {
+                read,
+                lens,
+                softcap,
+                fast,
+            } => {
+                let mut views = read.finish_many_f32(&lens).await?;
+                let fast = match fast {
+                    Some(f) => f,
+                    None => {
+                        let mut f = views.remove(0);
+                        if softcap > 0.0 {
+                            f.iter_mut()
+                                .for_each(|x| *x = softcap * (*x / softcap).tanh());
+                        }
+                        f
+                    }
+                };
+                Ok((views, fast))
+            }
+        }
+    }
 }
 
 /// The shadow's comparison of one step.
@@ -88,6 +155,8 @@ struct Verdict {
     kl: f64,
     bound: f64,
     same_top1: bool,
+    /// Seconds the shadow's step took (writing the rows it was handed, the step, the comparison).
+    secs: f64,
 }
 
 /// The model the shadow runs on the f32 path: a GGUF model (from its file) or a char-level GPT (from
@@ -137,15 +206,17 @@ impl Shadow {
     }
 
     async fn step(&mut self, r: Request) -> Result<Verdict> {
+        let t0 = web_time::Instant::now();
+        let (kv, fast) = r.reads.finish().await?;
         let (position, reference) = match self.make()? {
             Made::Llm(cpu, llm) => {
-                llm.write_kv(cpu, r.from, &r.kv, &r.tokens)?;
+                llm.write_kv(cpu, r.from, &kv, &r.tokens)?;
                 let position = llm.position();
                 llm.decode_step(cpu, &mut [], Feed::Ids(&[r.id]))?;
                 (position, llm.read_logits(cpu).await?)
             }
             Made::Gpt(cpu, runner) => {
-                runner.write_cache(cpu, r.from, &r.kv, &r.tokens)?;
+                runner.write_cache(cpu, r.from, &kv, &r.tokens)?;
                 let position = runner.position();
                 runner.feed(cpu, &[r.id])?;
                 (position, runner.read_logits(cpu).await?)
@@ -153,9 +224,10 @@ impl Shadow {
         };
         Ok(Verdict {
             position,
-            kl: kl_divergence(&reference, &r.fast),
+            kl: kl_divergence(&reference, &fast),
             bound: kl_bound(&reference),
-            same_top1: crate::sampler::argmax(&reference) == crate::sampler::argmax(&r.fast),
+            same_top1: crate::sampler::argmax(&reference) == crate::sampler::argmax(&fast),
+            secs: t0.elapsed().as_secs_f64(),
         })
     }
 }
@@ -184,8 +256,7 @@ struct Watch {
 }
 
 impl Watch {
-    /// A shadow of `model` on `threads` threads (None: every core but one, left to the thread that
-    /// drives the device); with `background` (native only) on a thread of its own. With `warm` (a
+    /// A shadow of `model` on `threads` threads (None: [`DEFAULT_SHADOW_THREADS`]); with `background` (native only) on a thread of its own. With `warm` (a
     /// thread only) the shadow makes its model at once instead of at its first step.
     fn new(
         model: ShadowModel,
@@ -194,12 +265,7 @@ impl Watch {
         background: bool,
         warm: bool,
     ) -> Watch {
-        #[cfg(not(target_arch = "wasm32"))]
-        let threads = threads.or_else(|| {
-            std::thread::available_parallelism()
-                .ok()
-                .map(|n| n.get().saturating_sub(1).max(1))
-        });
+        let threads = threads.or(Some(DEFAULT_SHADOW_THREADS));
         let shadow = move || Shadow {
             model,
             threads,
@@ -308,10 +374,20 @@ impl Watch {
         }
     }
 
+    /// Checks handed to the shadow's thread whose verdicts have not been taken.
+    fn queued(&self) -> usize {
+        match &self.runner {
+            Runner::Inline(_) => 0,
+            #[cfg(not(target_arch = "wasm32"))]
+            Runner::Thread { pending, .. } => *pending,
+        }
+    }
+
     /// Counts a verdict on `paths`; past the bound (the first time), returns the event.
     fn count(&mut self, v: Verdict, paths: PathSet) -> Option<DriftEvent> {
         let s = &mut self.stats;
         s.checks += 1;
+        s.shadow_secs += v.secs;
         if v.same_top1 {
             s.same_top1 += 1;
         }
@@ -348,8 +424,8 @@ pub struct DriftGuard {
 
 impl DriftGuard {
     /// A guard for a model of `file` holding `context` positions, checking every `every` tokens (0:
-    /// never). The shadow runs on a CPU backend of `threads` threads (None: every core but one, left to
-    /// the thread that drives the device); with `background` (native only) on a thread of its own, its
+    /// never). The shadow runs on a CPU backend of `threads` threads (None:
+    /// [`DEFAULT_SHADOW_THREADS`]); with `background` (native only) on a thread of its own, its
     /// verdict taken when it is ready.
     pub fn new(
         file: impl Into<Arc<GgufFile>>,
@@ -408,6 +484,12 @@ impl DriftGuard {
         self.watch.stats
     }
 
+    /// Whether [`MAX_QUEUED_CHECKS`] checks wait for the shadow (on its thread): a server then keeps
+    /// its next check for a later step.
+    pub fn busy(&self) -> bool {
+        self.watch.queued() >= MAX_QUEUED_CHECKS
+    }
+
     /// The check that tripped the guard, if one did.
     pub fn tripped(&self) -> Option<&DriftEvent> {
         self.watch.tripped.as_ref()
@@ -431,23 +513,25 @@ impl DriftGuard {
             return Ok(Some(e));
         }
         let history = llm.history().to_vec();
-        let r = self.request(be, llm, None, &history, fast).await?;
+        let r = self.request(be, llm, &history, Checked::Own(fast)).await?;
         self.submit(be, llm, r, true).await
     }
 
     /// [`DriftGuard::check`] for one of the sequences a server decodes side by side: `seq` holds the
-    /// tokens `history` (one per position) and `fast` is its row of the last pass's logits. A verdict
+    /// tokens `history` (one per position) and its logits are row `row` of the last pass. A verdict
     /// past the bound is returned but the model is *not* switched: the caller moves it and all its
     /// sequences ([`Llm::switch_paths_with`]). Checks of different sequences share the shadow, which
     /// keeps the cache rows of the tokens they have in common. On the shadow's thread the checks
-    /// queue: this never waits for an earlier verdict (verdicts that are ready are taken).
+    /// queue: this never waits for an earlier verdict (verdicts that are ready are taken), nor for
+    /// the device: the logits row and the cache rows are copied behind the pass in one submission,
+    /// and the shadow waits for that copy and takes the words out.
     pub async fn check_sequence(
         &mut self,
         be: &Backend,
         llm: &mut Llm,
         seq: &Sequence,
         history: &[u32],
-        fast: &[f32],
+        row: usize,
     ) -> Result<Option<DriftEvent>> {
         if history.len() != seq.position() {
             return Err(LlmError::Options(format!(
@@ -462,7 +546,9 @@ impl DriftGuard {
         if let Some(e) = self.receive(be, llm, false, false)? {
             return Ok(Some(e));
         }
-        let r = self.request(be, llm, Some(seq), history, fast).await?;
+        let r = self
+            .request(be, llm, history, Checked::Row(seq, row))
+            .await?;
         self.submit(be, llm, r, false).await
     }
 
@@ -472,15 +558,14 @@ impl DriftGuard {
         self.receive(be, llm, false, false)
     }
 
-    /// The shadow's next step: the cache rows it lacks of `seq` (the model's own sequence: None),
-    /// which holds `history`, and its last token.
+    /// The shadow's next step: the cache rows it lacks of the checked sequence, which holds
+    /// `history`, its last token, and the fast paths' logits.
     async fn request(
         &mut self,
         be: &Backend,
         llm: &Llm,
-        seq: Option<&Sequence>,
         history: &[u32],
-        fast: &[f32],
+        checked: Checked<'_>,
     ) -> Result<Request> {
         let p = history.len() - 1;
         let id = match history.get(p) {
@@ -492,16 +577,24 @@ impl DriftGuard {
             }
         };
         let (from, tokens) = self.watch.span(history);
-        let kv = match seq {
-            Some(seq) => llm.read_kv_of(be, seq, from, p - from).await?,
-            None => llm.read_kv(be, from, p - from).await?,
+        let t0 = web_time::Instant::now();
+        let (seq, row, fast) = match checked {
+            Checked::Own(fast) => (None, None, Some(fast.to_vec())),
+            Checked::Row(seq, row) => (Some(seq), Some(row), None),
         };
+        let (read, lens) = llm.start_check_read(be, seq, row, from, p - from)?;
+        let reads = Reads::Detached {
+            read: be.read_detach(read)?,
+            lens,
+            softcap: llm.config().final_softcap,
+            fast,
+        };
+        self.watch.stats.read_secs += t0.elapsed().as_secs_f64();
         Ok(Request {
             from,
-            kv,
+            reads,
             tokens,
             id,
-            fast: fast.to_vec(),
         })
     }
 
@@ -651,13 +744,17 @@ impl GptDriftGuard {
         let history = runner.history().to_vec();
         let (from, tokens) = self.watch.span(&history);
         let p = history.len() - 1;
+        let t0 = web_time::Instant::now();
         let kv = runner.read_cache(be, from, p - from).await?;
+        self.watch.stats.read_secs += t0.elapsed().as_secs_f64();
         let r = Request {
             from,
-            kv,
+            reads: Reads::Ready {
+                kv,
+                fast: fast.to_vec(),
+            },
             tokens,
             id: history[p],
-            fast: fast.to_vec(),
         };
         let event = self
             .watch

@@ -492,6 +492,54 @@ impl Llm {
         Ok(be.read_finish_many_f32(read, &lens).await?)
     }
 
+    /// Starts reading what a drift check of `seq` (None: the model's own sequence) needs, in one
+    /// submission: row `row` of the last pass's logits if asked (as the device holds them: a final
+    /// softcap is not applied) and the sequence's cache rows `from .. from + n` of every layer.
+    /// Returns the read, for any thread to finish ([`Backend::read_detach`]), and the lengths of its
+    /// views: the logits row's (if asked), then each layer's.
+    pub fn start_check_read(
+        &self,
+        be: &Backend,
+        seq: Option<&Sequence>,
+        row: Option<usize>,
+        from: usize,
+        n: usize,
+    ) -> Result<(tinygpt_kernels::PendingRead, Vec<usize>)> {
+        let c = &self.core;
+        let v = c.cfg.vocab;
+        let seq = seq.unwrap_or(&self.seq);
+        if let Some(row) = row
+            && row >= c.parallel
+        {
+            return Err(LlmError::Options(format!(
+                "row {row} of a pass of at most {} sequences",
+                c.parallel
+            )));
+        }
+        if from + n > seq.pos {
+            return Err(LlmError::Options(format!(
+                "positions {from}..{} asked, {} held",
+                from + n,
+                seq.pos
+            )));
+        }
+        let pool = &c.pool;
+        let at = (pool.base(seq.slot) + from) * pool.width;
+        let mut views: Vec<_> = row
+            .map(|row| (c.s.logits.at(row * v), v))
+            .into_iter()
+            .collect();
+        if n > 0 {
+            views.extend(pool.kv.iter().map(|kv| (kv.at(at), n * pool.width)));
+        }
+        let mut lens: Vec<usize> = views.iter().map(|&(_, len)| len).collect();
+        let read = be.read_start_many(&views)?;
+        if n == 0 {
+            lens.extend(std::iter::repeat_n(0, pool.kv.len()));
+        }
+        Ok((read, lens))
+    }
+
     /// Makes the model's own sequence hold its first `from` tokens, then `tokens` with the keys and
     /// values `kv` (from [`Llm::read_kv`] of a model of the same file), without computing them.
     pub fn write_kv(

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tinygpt_kernels::ops::sample::RowSampling;
 use tinygpt_kernels::{Backend, PathSet};
 use tinygpt_models::gpt::{CharVocab, GptRunner, GptSequence};
-use tinygpt_models::llm::{DriftEvent, DriftGuard, GptDriftGuard, Llm, Sequence};
+use tinygpt_models::llm::{DriftEvent, DriftGuard, DriftStats, GptDriftGuard, Llm, Sequence};
 use tinygpt_models::sampler::{Sampler, SamplerConfig};
 use tinygpt_models::tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
@@ -82,6 +82,17 @@ pub struct Shared {
     /// Drift-guard checks taken, and those past the bound.
     pub drift_checks: AtomicU64,
     pub drift_events: AtomicU64,
+    /// What the drift guard has cost so far (seconds): the engine's time in its checks between steps,
+    /// the part of it spent reading cache rows, and the shadow's own f32 steps beside the decoding.
+    pub drift_secs: std::sync::Mutex<DriftSecs>,
+}
+
+/// Where the drift guard's time goes (see [`Shared::drift_secs`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DriftSecs {
+    pub engine: f64,
+    pub cache_reads: f64,
+    pub shadow: f64,
 }
 
 impl Shared {
@@ -100,6 +111,24 @@ impl Shared {
         };
         self.decode_tps.store(v.to_bits(), Ordering::Relaxed);
         self.decode_tokens.fetch_add(rows as u64, Ordering::Relaxed);
+    }
+
+    /// Takes the guard's own accounts (cache reads, shadow steps) after a check.
+    fn set_drift_stats(&self, s: &DriftStats) {
+        if let Ok(mut d) = self.drift_secs.lock() {
+            d.cache_reads = s.read_secs;
+            d.shadow = s.shadow_secs;
+        }
+    }
+
+    fn add_drift_engine_secs(&self, secs: f64) {
+        if let Ok(mut d) = self.drift_secs.lock() {
+            d.engine += secs;
+        }
+    }
+
+    pub fn drift_secs(&self) -> DriftSecs {
+        self.drift_secs.lock().map(|d| *d).unwrap_or_default()
     }
 }
 
@@ -457,8 +486,9 @@ impl Decoder for LlmDecoder {
         // Verdicts the shadow has finished; then this step's check. Sequences reach their checks
         // together (a batch of requests sent at once), so they are owed and checked one a step, at
         // the position they have then (any step's distribution is as good a sample), against their
-        // row of this step's logits (only that row is read back). The shadow takes the checks in
-        // order on its thread: a check never waits for the one before.
+        // row of this step's logits (only that row is read back, with the sequence's cache rows, in
+        // one copy the shadow waits for). The shadow takes the checks in order on its thread: a
+        // check never waits for the one before.
         let mut event = guard.poll_sequences(be, &mut self.llm)?;
         for (seq, _) in rows.iter() {
             let p = seq.position();
@@ -466,23 +496,24 @@ impl Decoder for LlmDecoder {
                 self.owed.push_back(seq.slot());
             }
         }
+        // While the shadow has checks queued, the next one waits for a later step.
         while event.is_none()
+            && !guard.busy()
             && let Some(slot) = self.owed.pop_front()
         {
             // A request that finished before its turn is not checked.
             let Some(i) = rows.iter().position(|(s, _)| s.slot() == slot) else {
                 continue;
             };
-            let fast = pollster::block_on(self.llm.read_logits_row(be, i))?;
             let (seq, tokens) = &rows[i];
-            event =
-                pollster::block_on(guard.check_sequence(be, &mut self.llm, seq, tokens, &fast))?;
+            event = pollster::block_on(guard.check_sequence(be, &mut self.llm, seq, tokens, i))?;
             break;
         }
-        let checks = guard.stats().checks - before;
+        let stats = guard.stats();
         shared
             .drift_checks
-            .fetch_add(checks as u64, Ordering::Relaxed);
+            .fetch_add((stats.checks - before) as u64, Ordering::Relaxed);
+        shared.set_drift_stats(&stats);
         let Some(e) = event else {
             return Ok(None);
         };
@@ -616,11 +647,12 @@ impl Decoder for GptDecoder {
         let Some(g) = &self.guard else {
             return Ok(None);
         };
-        let checks = g.stats().checks;
+        let stats = g.stats();
         shared
             .drift_checks
-            .fetch_add((checks - self.reported) as u64, Ordering::Relaxed);
-        self.reported = checks;
+            .fetch_add((stats.checks - self.reported) as u64, Ordering::Relaxed);
+        self.reported = stats.checks;
+        shared.set_drift_stats(&stats);
         let Some(e) = self.event.take() else {
             return Ok(None);
         };
@@ -847,7 +879,10 @@ pub fn run<D: Decoder>(
                     .iter_mut()
                     .map(|a| (&mut a.seq, a.fed.as_slice()))
                     .collect();
-                match d.watch(be, &mut rows, shared) {
+                let tw = Instant::now();
+                let watched = d.watch(be, &mut rows, shared);
+                shared.add_drift_engine_secs(tw.elapsed().as_secs_f64());
+                match watched {
                     Ok(Some(pills)) => {
                         if let Ok(mut p) = shared.paths.lock() {
                             *p = pills;

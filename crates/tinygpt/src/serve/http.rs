@@ -43,6 +43,11 @@ struct PathLabels {
     path: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PartLabels {
+    part: &'static str,
+}
+
 /// Prometheus metrics (served as text at /metrics).
 struct Metrics {
     registry: Registry,
@@ -55,6 +60,7 @@ struct Metrics {
     fast_paths: Family<PathLabels, Gauge>,
     drift_checks: Gauge,
     drift_events: Gauge,
+    drift_seconds: Family<PartLabels, Gauge<f64, AtomicU64>>,
 }
 
 impl Metrics {
@@ -69,6 +75,7 @@ impl Metrics {
         let fast_paths = Family::<PathLabels, Gauge>::default();
         let drift_checks = Gauge::default();
         let drift_events = Gauge::default();
+        let drift_seconds = Family::<PartLabels, Gauge<f64, AtomicU64>>::default();
         registry.register(
             "requests",
             "HTTP requests by route and status",
@@ -106,6 +113,13 @@ impl Metrics {
             "Drift-guard checks past the bound (the fast paths then turn off)",
             drift_events.clone(),
         );
+        registry.register(
+            "drift_guard_seconds",
+            "Time the drift guard has taken: the engine's checks between decode steps (part=engine, \
+             of which part=cache_reads read the checked sequences' cache rows) and the shadow's f32 \
+             steps on its own thread (part=shadow)",
+            drift_seconds.clone(),
+        );
         Metrics {
             registry,
             requests,
@@ -117,6 +131,7 @@ impl Metrics {
             fast_paths,
             drift_checks,
             drift_events,
+            drift_seconds,
         }
     }
 }
@@ -365,6 +380,14 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         .set(st.shared.drift_checks.load(Ordering::Relaxed) as i64);
     m.drift_events
         .set(st.shared.drift_events.load(Ordering::Relaxed) as i64);
+    let d = st.shared.drift_secs();
+    for (part, v) in [
+        ("engine", d.engine),
+        ("cache_reads", d.cache_reads),
+        ("shadow", d.shadow),
+    ] {
+        m.drift_seconds.get_or_create(&PartLabels { part }).set(v);
+    }
     // The model moves to its fast paths when background gating passes them, and off them when the
     // drift guard trips.
     if let Ok(paths) = st.shared.paths.lock() {

@@ -183,11 +183,7 @@ fn engine_thread(
                 engine::run(&be, &mut d, &codec, parallel, jobs, &shared)
             }
             None => {
-                // The shadow takes a quarter of the cores (as for a GGUF model).
-                let threads =
-                    std::thread::available_parallelism().map_or(1, |n| (n.get() / 4).max(1));
-                let (runner, vocab, paths, guard) =
-                    crate::generate::load_runner(&be, &gate, None, Some(threads))?;
+                let (runner, vocab, paths, guard) = crate::generate::load_runner(&be, &gate, None)?;
                 if let Some(g) = &guard {
                     eprintln!(
                         "[ops] drift guard: every {} tokens of each request, one step again on the f32 path",
