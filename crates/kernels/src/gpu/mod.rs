@@ -128,12 +128,15 @@ impl DetachedRead {
 /// staging buffer and copies the words out.
 async fn finish_read(device: &wgpu::Device, p: PendingRead) -> Result<Vec<u32>> {
     #[cfg(not(target_arch = "wasm32"))]
-    device
-        .poll(wgpu::PollType::Wait {
-            submission_index: Some(p.index),
-            timeout: None,
-        })
-        .map_err(|e| Error::Gpu(format!("waiting for the device failed: {e}")))?;
+    if let Err(e) = device.poll(wgpu::PollType::Wait {
+        submission_index: Some(p.index),
+        timeout: None,
+    }) {
+        // A lost device fails the wait without running its callbacks: a plain poll runs them, so
+        // `GpuBackend::check` can name the loss rather than this symptom.
+        let _ = device.poll(wgpu::PollType::Poll);
+        return Err(Error::Gpu(format!("waiting for the device failed: {e}")));
+    }
     #[cfg(target_arch = "wasm32")]
     let _ = (device, p.index);
     let mapped =
