@@ -290,8 +290,7 @@ pub fn check_cache_memory(
     hint: &str,
 ) -> Result<()> {
     let need = cache_bytes(cfg, ctx, slots)?;
-    let host = be.as_gpu().is_none_or(|g| g.info().device_type == "Cpu");
-    if host
+    if memory_is_the_hosts(be)
         && let Some(have) = available_memory()
         && need > have
     {
@@ -305,6 +304,13 @@ pub fn check_cache_memory(
         );
     }
     Ok(())
+}
+
+/// Whether `be` allocates in the host's memory: the CPU backend, or a software adapter (lavapipe,
+/// SwiftShader). There, what does not fit the free memory is refused before allocating (else the
+/// process dies of it); a GPU's own memory is not known here, and its allocations fail with an error.
+pub fn memory_is_the_hosts(be: &Backend) -> bool {
+    be.as_gpu().is_none_or(|g| g.info().device_type == "Cpu")
 }
 
 /// Free memory (Linux's MemAvailable), where the system says.

@@ -137,16 +137,15 @@ fn check_memory(be: &Backend, cfg: &GptConfig, batch: usize) -> Result<()> {
         );
     };
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    if let (Backend::Cpu(_), Some(have)) = (be, crate::llm_common::available_memory())
+    if crate::llm_common::memory_is_the_hosts(be)
+        && let Some(have) = crate::llm_common::available_memory()
         && need > have
     {
-        {
-            bail!(
-                "training this model with --batch-size {batch} needs about {:.1} GiB and this machine has {:.1} GiB free: lower --batch-size, --block-size or the model's size",
-                gib(need),
-                gib(have)
-            );
-        }
+        bail!(
+            "training this model with --batch-size {batch} needs about {:.1} GiB and this machine has {:.1} GiB free: lower --batch-size, --block-size or the model's size",
+            gib(need),
+            gib(have)
+        );
     }
     Ok(())
 }

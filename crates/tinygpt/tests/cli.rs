@@ -332,6 +332,30 @@ fn a_checkpoint_is_never_replaced_by_surprise() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A software adapter's memory is the host's: training that cannot fit it is refused before anything
+/// is allocated, as on the CPU backend (on a hardware GPU its own allocations fail instead).
+#[test]
+fn training_too_large_for_a_software_adapter_is_refused_before_allocating() {
+    let Some(be) = tinygpt_kernels::testing::gpu_backend(None) else {
+        return;
+    };
+    if be.as_gpu().is_none_or(|g| g.info().device_type != "Cpu") {
+        eprintln!("a hardware GPU: its memory is its own, nothing to check here");
+        return;
+    }
+    let d = tmp("too-large-gpu");
+    let data = text_file(&d);
+    let out = d.join("out");
+    let mut a = tiny_with(&[("--n-embd", "12000"), ("--batch-size", "65536")]);
+    a[1] = "gpu";
+    let o = run(&with_io(a, &data, &out));
+    let e = stderr(&o);
+    assert!(!o.status.success(), "{e}");
+    assert!(e.contains("needs about") && e.contains("GiB"), "{e}");
+    assert!(!out.exists());
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 #[test]
 fn flags_that_cannot_mean_anything_are_refused_before_any_work() {
     let d = tmp("flags");
