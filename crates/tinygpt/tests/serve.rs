@@ -445,19 +445,28 @@ fn a_server_on_an_ungated_adapter_serves_at_once_and_moves_to_its_fast_paths_bet
     let (status, raw) = complete();
     assert_eq!(status, 200, "{raw}");
     assert_eq!(text(&raw), f32_text);
-    let (status, m) = get_now(&format!("{}/metrics", s.base)).expect("metrics");
-    assert_eq!(status, 200);
-    assert!(
-        m.contains("tinygpt_fast_path_active{path=\"q8 matmul\"} 1"),
-        "{m}"
-    );
     // Checks every 4 positions of the second request (the first ran on the f32 path, which the guard
-    // does not watch); the shadow's verdict on the last one may still be out.
-    let count = |name: &str| -> i64 {
+    // does not watch): a check counts once the shadow's verdict is taken, which the server does
+    // between steps and, once the request is done, while it waits for the next.
+    let count_in = |m: &str, name: &str| -> i64 {
         m.lines()
             .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
             .unwrap_or_else(|| panic!("no {name} in {m}"))
     };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let m = loop {
+        let (status, m) = get_now(&format!("{}/metrics", s.base)).expect("metrics");
+        assert_eq!(status, 200);
+        if count_in(&m, "tinygpt_drift_checks ") >= 1 || Instant::now() > deadline {
+            break m;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        m.contains("tinygpt_fast_path_active{path=\"q8 matmul\"} 1"),
+        "{m}"
+    );
+    let count = |name: &str| count_in(&m, name);
     assert!(count("tinygpt_drift_checks ") >= 1, "{m}");
     assert_eq!(count("tinygpt_drift_events "), 0, "{m}");
     // What the guard cost: the engine's checks (their cache reads inside them) and the shadow's steps.

@@ -12,9 +12,9 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
 use tinygpt_kernels::ops::sample::RowSampling;
-use tinygpt_kernels::{Backend, PathSet};
+use tinygpt_kernels::{Backend, PathSet, PendingRead};
 use tinygpt_models::gpt::{CharVocab, GptRunner, GptSequence};
-use tinygpt_models::llm::{DriftEvent, DriftGuard, DriftStats, GptDriftGuard, Llm, Sequence};
+use tinygpt_models::llm::{DriftEvent, DriftGuard, DriftStats, Feed, GptDriftGuard, Llm, Sequence};
 use tinygpt_models::sampler::{Sampler, SamplerConfig};
 use tinygpt_models::tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
@@ -304,6 +304,44 @@ pub trait Decoder {
     }
     /// Whether `seq` can take another token.
     fn has_room(&self, seq: &Self::Seq) -> bool;
+    /// Whether the model can record a step fed by the previous step's picks before the host has
+    /// read them ([`Decoder::begin_ahead`]): a GPU that picks on the device.
+    fn can_look_ahead(&self, _be: &Backend) -> bool {
+        false
+    }
+    /// Positions `seq` has left (checked before a step is recorded ahead).
+    fn room(&self, _seq: &Self::Seq) -> usize {
+        0
+    }
+    /// Whether [`Decoder::watch`] would read the last step's logits after it (a drift check owed or
+    /// due): a step recorded ahead would replace them first.
+    fn watch_due(&self, _seqs: &[&Self::Seq]) -> bool {
+        true
+    }
+    /// Records a step whose rows all get their next token picked on the device with `rows`, without
+    /// waiting for it: [`Decoder::finish_picked`] brings the ids.
+    fn begin_picked(
+        &mut self,
+        _be: &Backend,
+        _steps: &mut [(&mut Self::Seq, u32)],
+        _rows: &[RowSampling],
+    ) -> anyhow::Result<PendingRead> {
+        anyhow::bail!("this model picks its tokens on the host")
+    }
+    /// Records the step after the last one begun, every sequence (the same, in the same order) fed
+    /// the token the device picked for it there, without the host knowing it yet.
+    fn begin_ahead(
+        &mut self,
+        _be: &Backend,
+        _seqs: &mut [&mut Self::Seq],
+        _rows: &[RowSampling],
+    ) -> anyhow::Result<PendingRead> {
+        anyhow::bail!("this model picks its tokens on the host")
+    }
+    /// The ids of a step begun by [`Decoder::begin_picked`] or [`Decoder::begin_ahead`].
+    fn finish_picked(&mut self, _be: &Backend, _p: PendingRead) -> anyhow::Result<Vec<u32>> {
+        anyhow::bail!("this model picks its tokens on the host")
+    }
     /// Whether the model has other kernels to move to (its background gates finished). The engine
     /// then admits no new request, lets the running ones finish on the kernels they started on (a
     /// request's text never depends on when gating ended), and calls [`Decoder::move_paths`].
@@ -318,11 +356,14 @@ pub trait Decoder {
     /// After a step: the drift guard's checks of the sequences that reached one (each with the
     /// tokens it holds). When a check passes its bound, the model and every sequence move to the f32
     /// path; returns the pills then active (none).
+    /// With `ahead` (a step is recorded after this one), nothing is read or moved: finished verdicts
+    /// are only taken, and a trip is acted on at the next call without one.
     fn watch(
         &mut self,
         _be: &Backend,
         _rows: &mut [(&mut Self::Seq, &[u32])],
         _shared: &Shared,
+        _ahead: bool,
     ) -> anyhow::Result<Option<Vec<String>>> {
         Ok(None)
     }
@@ -340,6 +381,8 @@ pub struct LlmDecoder {
     guard: Option<(DriftGuard, String)>,
     /// Slots of the sequences owed a drift check (one is checked a step).
     owed: std::collections::VecDeque<usize>,
+    /// A verdict past the bound taken while a step was recorded ahead: acted on at the next watch.
+    trip: Option<DriftEvent>,
 }
 
 impl LlmDecoder {
@@ -354,6 +397,7 @@ impl LlmDecoder {
             verdict: None,
             guard,
             owed: Default::default(),
+            trip: None,
         }
     }
 }
@@ -447,6 +491,58 @@ impl Decoder for LlmDecoder {
         seq.position() < seq.context()
     }
 
+    fn can_look_ahead(&self, be: &Backend) -> bool {
+        self.picks_on_device(be)
+    }
+
+    fn room(&self, seq: &Sequence) -> usize {
+        seq.context().saturating_sub(seq.position())
+    }
+
+    fn watch_due(&self, seqs: &[&Sequence]) -> bool {
+        let Some((guard, _)) = &self.guard else {
+            return false;
+        };
+        if self.trip.is_some() {
+            return true;
+        }
+        if self.llm.paths().is_empty() || guard.tripped().is_some() {
+            return false;
+        }
+        !self.owed.is_empty()
+            || seqs
+                .iter()
+                .any(|s| s.position() > 0 && guard.due(s.position() - 1))
+    }
+
+    fn begin_picked(
+        &mut self,
+        be: &Backend,
+        steps: &mut [(&mut Sequence, u32)],
+        rows: &[RowSampling],
+    ) -> anyhow::Result<PendingRead> {
+        self.llm.set_sampling(be, rows)?;
+        self.llm.decode_batch(be, steps)?;
+        self.llm.pick_set(be)?;
+        Ok(self.llm.read_picks(be)?)
+    }
+
+    fn begin_ahead(
+        &mut self,
+        be: &Backend,
+        seqs: &mut [&mut Sequence],
+        rows: &[RowSampling],
+    ) -> anyhow::Result<PendingRead> {
+        self.llm.set_sampling(be, rows)?;
+        self.llm.decode_step(be, seqs, Feed::Picked)?;
+        self.llm.pick_set(be)?;
+        Ok(self.llm.read_picks(be)?)
+    }
+
+    fn finish_picked(&mut self, be: &Backend, p: PendingRead) -> anyhow::Result<Vec<u32>> {
+        Ok(pollster::block_on(self.llm.finish_picks(be, p))?)
+    }
+
     fn paths_waiting(&mut self) -> bool {
         if self.verdict.is_none()
             && let Some(g) = &mut self.gating
@@ -474,22 +570,38 @@ impl Decoder for LlmDecoder {
         be: &Backend,
         rows: &mut [(&mut Sequence, &[u32])],
         shared: &Shared,
+        ahead: bool,
     ) -> anyhow::Result<Option<Vec<String>>> {
         let Some((guard, name)) = &mut self.guard else {
             return Ok(None);
         };
         // On the f32 path (still gating, or after a trip) there is nothing to watch.
-        if self.llm.paths().is_empty() || guard.tripped().is_some() {
+        if self.llm.paths().is_empty() || (guard.tripped().is_some() && self.trip.is_none()) {
             return Ok(None);
         }
         let before = guard.stats().checks;
+        if ahead {
+            // The step recorded ahead runs on these paths: a trip waits for it to be taken.
+            if self.trip.is_none() {
+                self.trip = guard.poll_sequences(be, &mut self.llm)?;
+            }
+            let stats = guard.stats();
+            shared
+                .drift_checks
+                .fetch_add((stats.checks - before) as u64, Ordering::Relaxed);
+            shared.set_drift_stats(&stats);
+            return Ok(None);
+        }
         // Verdicts the shadow has finished; then this step's check. Sequences reach their checks
         // together (a batch of requests sent at once), so they are owed and checked one a step, at
         // the position they have then (any step's distribution is as good a sample), against their
         // row of this step's logits (only that row is read back, with the sequence's cache rows, in
         // one copy the shadow waits for). The shadow takes the checks in order on its thread: a
         // check never waits for the one before.
-        let mut event = guard.poll_sequences(be, &mut self.llm)?;
+        let mut event = match self.trip.take() {
+            Some(e) => Some(e),
+            None => guard.poll_sequences(be, &mut self.llm)?,
+        };
         for (seq, _) in rows.iter() {
             let p = seq.position();
             if p > 0 && guard.due(p - 1) && !self.owed.contains(&seq.slot()) {
@@ -643,6 +755,7 @@ impl Decoder for GptDecoder {
         be: &Backend,
         _rows: &mut [(&mut GptSeq, &[u32])],
         shared: &Shared,
+        _ahead: bool,
     ) -> anyhow::Result<Option<Vec<String>>> {
         let Some(g) = &self.guard else {
             return Ok(None);
@@ -739,6 +852,9 @@ pub fn run<D: Decoder>(
         .map(|_| d.new_seq(be))
         .collect::<anyhow::Result<_>>()?;
     let mut active: Vec<Active<'_, D::Seq>> = Vec::with_capacity(parallel);
+    // The next step, recorded before the host read this one's picks (fed by them on the device): its
+    // rows are `active`'s, in the same order, so nothing joins or leaves until it is taken.
+    let mut ahead: Option<PendingRead> = None;
     loop {
         if shared.stopping.load(Ordering::Relaxed) {
             for a in &mut active {
@@ -767,7 +883,10 @@ pub fn run<D: Decoder>(
             moving = false;
         }
         // Admit waiting requests into free slots; wait for one when nothing runs.
-        while !moving && let Some(seq) = free.pop() {
+        while !moving
+            && ahead.is_none()
+            && let Some(seq) = free.pop()
+        {
             let job = if active.is_empty() {
                 match jobs.recv_timeout(Duration::from_millis(50)) {
                     Ok(j) => j,
@@ -834,27 +953,82 @@ pub fn run<D: Decoder>(
                 a.fail(504, "the request exceeded the server's time limit".into());
             }
         }
-        retire(&mut active, &mut free);
+        if ahead.is_none() {
+            retire(&mut active, &mut free);
+        }
         shared.active.store(active.len(), Ordering::Relaxed);
         if active.is_empty() {
+            // Verdicts the shadow finishes after the last request are taken (and acted on) now.
+            match d.watch(be, &mut [], shared, false) {
+                Ok(Some(pills)) => {
+                    if let Ok(mut p) = shared.paths.lock() {
+                        *p = pills;
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => eprintln!("[ops] drift guard: {e:#}"),
+            }
             continue;
         }
         let t0 = Instant::now();
+        let begun = ahead.take();
         // Where the model can, each request whose settings the device sampler takes gets its token
         // picked there (only the id comes back); the others are sampled from their logits here. Which
         // one a request gets depends on its own settings only, never on the requests beside it.
-        let device: Vec<Option<RowSampling>> = if d.picks_on_device(be) {
+        let device: Vec<Option<RowSampling>> = if begun.is_some() {
+            Vec::new()
+        } else if d.picks_on_device(be) {
             active.iter_mut().map(|a| a.sampler.device_row()).collect()
         } else {
             vec![None; active.len()]
         };
-        let mut steps: Vec<(&mut D::Seq, u32)> =
-            active.iter_mut().map(|a| (&mut a.seq, a.next)).collect();
-        let result = if device.iter().any(Option::is_some) {
-            d.step_picked(be, &mut steps, &device)
+        let all_picked =
+            begun.is_some() || (d.can_look_ahead(be) && device.iter().all(Option::is_some));
+        let result = if all_picked {
+            // Every row is picked on the device: this step is recorded (or was, ahead), and where
+            // nothing can change the batch before the next step, that one is recorded too before
+            // the host waits for this one's ids — the device never waits for the host between them.
+            let begun = match begun {
+                Some(p) => Ok(p),
+                None => {
+                    let rows: Vec<RowSampling> = device.iter().flatten().copied().collect();
+                    let mut steps: Vec<(&mut D::Seq, u32)> =
+                        active.iter_mut().map(|a| (&mut a.seq, a.next)).collect();
+                    d.begin_picked(be, &mut steps, &rows)
+                }
+            };
+            begun.and_then(|p| {
+                let seqs: Vec<&D::Seq> = active.iter().map(|a| &a.seq).collect();
+                let go = shared.queued.load(Ordering::Relaxed) == 0
+                    && !shared.stopping.load(Ordering::Relaxed)
+                    && !d.watch_due(&seqs)
+                    && active.iter().all(|a| {
+                        !a.done
+                            && a.sampler.fits_device()
+                            && a.generated + 1 < a.job.max_tokens
+                            && d.room(&a.seq) >= 2
+                    });
+                if go {
+                    let rows: Vec<RowSampling> = active
+                        .iter_mut()
+                        .filter_map(|a| a.sampler.device_row())
+                        .collect();
+                    let mut seqs: Vec<&mut D::Seq> =
+                        active.iter_mut().map(|a| &mut a.seq).collect();
+                    ahead = Some(d.begin_ahead(be, &mut seqs, &rows)?);
+                }
+                let ids = d.finish_picked(be, p)?;
+                Ok(ids.into_iter().map(Next::Id).collect::<Vec<_>>())
+            })
         } else {
-            d.step(be, &mut steps)
-                .map(|rows| rows.into_iter().map(Next::Logits).collect::<Vec<_>>())
+            let mut steps: Vec<(&mut D::Seq, u32)> =
+                active.iter_mut().map(|a| (&mut a.seq, a.next)).collect();
+            if device.iter().any(Option::is_some) {
+                d.step_picked(be, &mut steps, &device)
+            } else {
+                d.step(be, &mut steps)
+                    .map(|rows| rows.into_iter().map(Next::Logits).collect::<Vec<_>>())
+            }
         };
         match result {
             Ok(next) => {
@@ -880,7 +1054,7 @@ pub fn run<D: Decoder>(
                     .map(|a| (&mut a.seq, a.fed.as_slice()))
                     .collect();
                 let tw = Instant::now();
-                let watched = d.watch(be, &mut rows, shared);
+                let watched = d.watch(be, &mut rows, shared, ahead.is_some());
                 shared.add_drift_engine_secs(tw.elapsed().as_secs_f64());
                 match watched {
                     Ok(Some(pills)) => {
@@ -904,12 +1078,15 @@ pub fn run<D: Decoder>(
                 }
             }
             Err(e) => {
+                ahead = None;
                 for a in &mut active {
                     a.fail(500, format!("{e:#}"));
                 }
             }
         }
-        retire(&mut active, &mut free);
+        if ahead.is_none() {
+            retire(&mut active, &mut free);
+        }
         shared.active.store(active.len(), Ordering::Relaxed);
     }
 }
