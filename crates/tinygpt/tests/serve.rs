@@ -373,6 +373,54 @@ fn requests_decoded_together_on_the_gpu_match_tinygpt_run() {
     assert_eq!(got, want);
 }
 
+/// On the GPU the server records a step before it has read the last one's picks whenever the batch
+/// cannot change in between. Requests that end early (a stop string, a short limit) beside a long one,
+/// and a request that joins while the long one runs, leave every text as it is when its request runs
+/// alone on the same server.
+#[test]
+fn requests_ending_and_joining_beside_a_long_one_keep_their_texts_on_the_gpu() {
+    if tinygpt_kernels::testing::skip_gpu() {
+        return;
+    }
+    let s = start_on("gpu", &[smollm2().to_str().unwrap(), "--parallel", "3"]);
+    let rt = rt();
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0.8,
+                      "top_k": 40, "seed": 5});
+    let short = json!({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0});
+    let stopped = json!({"prompt": "Here is a list of fruits:", "max_tokens": 30,
+                         "temperature": 0, "stop": [","]});
+    let text = |(status, raw): (u16, String)| -> String {
+        assert_eq!(status, 200, "{raw}");
+        let v: Value = serde_json::from_str(&raw).unwrap();
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let alone: Vec<String> = [&long, &short, &stopped]
+        .iter()
+        .map(|b| text(rt.block_on(post(&s.base, "/v1/completions", (*b).clone(), None))))
+        .collect();
+    let together: Vec<String> = rt.block_on(async {
+        let long_req = post(&s.base, "/v1/completions", long.clone(), None);
+        let others = async {
+            let first = futures_util::future::join_all([
+                post(&s.base, "/v1/completions", short.clone(), None),
+                post(&s.base, "/v1/completions", stopped.clone(), None),
+            ])
+            .await;
+            // A request joining while the long one still runs.
+            let late = post(&s.base, "/v1/completions", short.clone(), None).await;
+            (first, late)
+        };
+        let (l, (first, late)) = futures_util::future::join(long_req, others).await;
+        let mut out = vec![text(l)];
+        out.extend(first.into_iter().map(text));
+        out.push(text(late));
+        out
+    });
+    assert_eq!(&together[..3], &alone[..], "texts beside others");
+    assert_eq!(together[3], alone[1], "a request joining a running batch");
+    assert!(!alone[2].contains(','), "{:?}", alone[2]);
+}
+
 /// On an adapter without stored gate verdicts the server is ready at once on the f32 path, gates the
 /// fast paths in the background, and moves to them between two requests (never inside one): the texts
 /// before and after equal the f32 path's, and /metrics then lists the fast path. On the fast path the
