@@ -25,7 +25,7 @@ use tinygpt_kernels::cpu::CpuBackend;
 use tinygpt_kernels::{Backend, DetachedRead, PathSet};
 
 use super::error::{LlmError, Result};
-use super::model::{Feed, Llm, LoadOptions, Sequence};
+use super::model::{Feed, Llm, LoadOptions, Sequence, soft_cap};
 use crate::gpt::{GptConfig, GptRunner};
 
 /// Checks every this many tokens by default (`--drift-check N`).
@@ -88,7 +88,9 @@ pub struct DriftStats {
     pub worst_kl: f64,
     /// The worst KL divergence as a fraction of its bound (above 1 trips the guard).
     pub worst_ratio: f64,
-    /// Seconds the guarded side spent reading the cache rows its checks handed to the shadow.
+    /// Seconds the guarded side spent on the reads of the cache rows its checks handed to the shadow
+    /// (the whole read where it reads them itself, only starting the copy where the shadow finishes
+    /// it).
     pub read_secs: f64,
     /// Seconds the shadow spent on its f32 steps (on its own thread, natively: beside the decoding).
     pub shadow_secs: f64,
@@ -136,10 +138,7 @@ impl Reads {
                     Some(f) => f,
                     None => {
                         let mut f = views.remove(0);
-                        if softcap > 0.0 {
-                            f.iter_mut()
-                                .for_each(|x| *x = softcap * (*x / softcap).tanh());
-                        }
+                        soft_cap(&mut f, softcap);
                         f
                     }
                 };
@@ -256,8 +255,9 @@ struct Watch {
 }
 
 impl Watch {
-    /// A shadow of `model` on `threads` threads (None: [`DEFAULT_SHADOW_THREADS`]); with `background` (native only) on a thread of its own. With `warm` (a
-    /// thread only) the shadow makes its model at once instead of at its first step.
+    /// A shadow of `model` on `threads` threads (None: [`DEFAULT_SHADOW_THREADS`]); with `background`
+    /// (native only) on a thread of its own. With `warm` (a thread only) the shadow makes its model at
+    /// once instead of at its first step.
     fn new(
         model: ShadowModel,
         every: usize,
@@ -513,7 +513,7 @@ impl DriftGuard {
             return Ok(Some(e));
         }
         let history = llm.history().to_vec();
-        let r = self.request(be, llm, &history, Checked::Own(fast)).await?;
+        let r = self.request(be, llm, &history, Checked::Own(fast))?;
         self.submit(be, llm, r, true).await
     }
 
@@ -546,9 +546,7 @@ impl DriftGuard {
         if let Some(e) = self.receive(be, llm, false, false)? {
             return Ok(Some(e));
         }
-        let r = self
-            .request(be, llm, history, Checked::Row(seq, row))
-            .await?;
+        let r = self.request(be, llm, history, Checked::Row(seq, row))?;
         self.submit(be, llm, r, false).await
     }
 
@@ -560,7 +558,7 @@ impl DriftGuard {
 
     /// The shadow's next step: the cache rows it lacks of the checked sequence, which holds
     /// `history`, its last token, and the fast paths' logits.
-    async fn request(
+    fn request(
         &mut self,
         be: &Backend,
         llm: &Llm,

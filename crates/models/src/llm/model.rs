@@ -455,48 +455,13 @@ impl Llm {
         &self.history
     }
 
-    /// The keys and values of positions `from .. from + n` of the model's own sequence, per layer (`n`
-    /// rows of `[k | v]` each): what [`Llm::write_kv`] puts into another model of the same file.
-    pub async fn read_kv(&self, be: &Backend, from: usize, n: usize) -> Result<Vec<Vec<f32>>> {
-        self.read_kv_of(be, &self.seq, from, n).await
-    }
-
-    /// [`Llm::read_kv`] of another sequence of the model (a server's, from [`Llm::new_sequence`]).
-    pub async fn read_kv_of(
-        &self,
-        be: &Backend,
-        seq: &Sequence,
-        from: usize,
-        n: usize,
-    ) -> Result<Vec<Vec<f32>>> {
-        if from + n > seq.pos {
-            return Err(LlmError::Options(format!(
-                "positions {from}..{} asked, {} held",
-                from + n,
-                seq.pos
-            )));
-        }
-        let pool = &self.core.pool;
-        let at = (pool.base(seq.slot) + from) * pool.width;
-        if n == 0 {
-            return Ok(vec![Vec::new(); pool.kv.len()]);
-        }
-        // Every layer's rows in one read (one submission, one staging buffer).
-        let views = pool
-            .kv
-            .iter()
-            .map(|kv| (kv.at(at), n * pool.width))
-            .collect::<Vec<_>>();
-        let lens = vec![n * pool.width; views.len()];
-        let read = be.read_start_many(&views)?;
-        Ok(be.read_finish_many_f32(read, &lens).await?)
-    }
-
     /// Starts reading what a drift check of `seq` (None: the model's own sequence) needs, in one
     /// submission: row `row` of the last pass's logits if asked (as the device holds them: a final
-    /// softcap is not applied) and the sequence's cache rows `from .. from + n` of every layer.
-    /// Returns the read, for any thread to finish ([`Backend::read_detach`]), and the lengths of its
-    /// views: the logits row's (if asked), then each layer's.
+    /// softcap is not applied, see [`soft_cap`]) and the sequence's keys and values of positions
+    /// `from .. from + n` of every layer (`n` rows of `[k | v]` each: what [`Llm::write_kv`] puts
+    /// into another model of the same file). Returns the read, for any thread to finish
+    /// ([`Backend::read_detach`]), and the lengths of its views: the logits row's (if asked), then
+    /// each layer's.
     pub fn start_check_read(
         &self,
         be: &Backend,
@@ -529,19 +494,18 @@ impl Llm {
             .map(|row| (c.s.logits.at(row * v), v))
             .into_iter()
             .collect();
+        let mut lens: Vec<usize> = views.iter().map(|&(_, len)| len).collect();
+        lens.extend(std::iter::repeat_n(n * pool.width, pool.kv.len()));
+        // No rows: no views of the cache (its lengths are the zeros above).
         if n > 0 {
             views.extend(pool.kv.iter().map(|kv| (kv.at(at), n * pool.width)));
         }
-        let mut lens: Vec<usize> = views.iter().map(|&(_, len)| len).collect();
-        let read = be.read_start_many(&views)?;
-        if n == 0 {
-            lens.extend(std::iter::repeat_n(0, pool.kv.len()));
-        }
-        Ok((read, lens))
+        Ok((be.read_start_many(&views)?, lens))
     }
 
     /// Makes the model's own sequence hold its first `from` tokens, then `tokens` with the keys and
-    /// values `kv` (from [`Llm::read_kv`] of a model of the same file), without computing them.
+    /// values `kv` (read by [`Llm::start_check_read`] from a model of the same file), without
+    /// computing them.
     pub fn write_kv(
         &mut self,
         be: &Backend,
@@ -860,10 +824,7 @@ impl Llm {
             out.extend_from_slice(&rows);
         }
         self.history.extend_from_slice(tokens);
-        let cap = c.cfg.final_softcap;
-        if cap > 0.0 {
-            out.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
-        }
+        soft_cap(&mut out, c.cfg.final_softcap);
         Ok(out)
     }
 
@@ -987,25 +948,6 @@ impl Llm {
         self.core.read_logits(be, n).await
     }
 
-    /// The logits of row `i` of the last decode pass alone (one row read back, not the rows
-    /// before it).
-    pub async fn read_logits_row(&self, be: &Backend, i: usize) -> Result<Vec<f32>> {
-        let c = &self.core;
-        let v = c.cfg.vocab;
-        if i >= c.parallel {
-            return Err(LlmError::Options(format!(
-                "row {i} of a pass of at most {} sequences",
-                c.parallel
-            )));
-        }
-        let mut row = be.read_f32(c.s.logits.at(i * v), v).await?;
-        let cap = c.cfg.final_softcap;
-        if cap > 0.0 {
-            row.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
-        }
-        Ok(row)
-    }
-
     /// Feeds the prompt (or any tokens after what is cached) and returns the last position's logits.
     #[cfg(not(target_arch = "wasm32"))]
     pub fn prefill(&mut self, be: &Backend, tokens: &[u32]) -> Result<Vec<f32>> {
@@ -1045,14 +987,11 @@ impl Core {
             )));
         }
         let all = be.read_f32(self.s.logits.at(0), n * v).await?;
-        let cap = self.cfg.final_softcap;
         Ok(all
             .chunks(v)
             .map(|row| {
                 let mut row = row.to_vec();
-                if cap > 0.0 {
-                    row.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
-                }
+                soft_cap(&mut row, self.cfg.final_softcap);
                 row
             })
             .collect())
@@ -1831,6 +1770,14 @@ fn rope_tables(
 pub struct NllRead {
     losses: Option<(Tensor, PendingRead)>,
     want: usize,
+}
+
+/// A final logit softcap, cap · tanh(x / cap), applied in place (`cap` 0: none), as every read of the
+/// logits applies it.
+pub(crate) fn soft_cap(logits: &mut [f32], cap: f32) {
+    if cap > 0.0 {
+        logits.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
+    }
 }
 
 /// −log softmax(row)[target], with the sums in f64 (0 for a target outside the row).
