@@ -113,11 +113,21 @@ impl Shared {
         self.decode_tokens.fetch_add(rows as u64, Ordering::Relaxed);
     }
 
-    /// Takes the guard's own accounts (cache reads, shadow steps) after a check.
-    fn set_drift_stats(&self, s: &DriftStats) {
+    /// Takes the guard's accounts after a step: the checks counted since it had `before` of them,
+    /// and its time (cache reads, shadow steps).
+    fn drift_counted(&self, s: &DriftStats, before: usize) {
+        self.drift_checks
+            .fetch_add((s.checks - before) as u64, Ordering::Relaxed);
         if let Ok(mut d) = self.drift_secs.lock() {
             d.cache_reads = s.read_secs;
             d.shadow = s.shadow_secs;
+        }
+    }
+
+    /// The pills of the fast paths the model runs on now.
+    pub fn set_paths(&self, pills: Vec<String>) {
+        if let Ok(mut p) = self.paths.lock() {
+            *p = pills;
         }
     }
 
@@ -302,16 +312,17 @@ pub trait Decoder {
     ) -> anyhow::Result<u32> {
         anyhow::bail!("this model picks its tokens on the host")
     }
+    /// Positions `seq` has left for tokens (checked before a token is fed, and before a step is
+    /// recorded ahead).
+    fn room(&self, seq: &Self::Seq) -> usize;
     /// Whether `seq` can take another token.
-    fn has_room(&self, seq: &Self::Seq) -> bool;
+    fn has_room(&self, seq: &Self::Seq) -> bool {
+        self.room(seq) > 0
+    }
     /// Whether the model can record a step fed by the previous step's picks before the host has
     /// read them ([`Decoder::begin_ahead`]): a GPU that picks on the device.
     fn can_look_ahead(&self, _be: &Backend) -> bool {
         false
-    }
-    /// Positions `seq` has left (checked before a step is recorded ahead).
-    fn room(&self, _seq: &Self::Seq) -> usize {
-        0
     }
     /// Whether [`Decoder::watch`] would read the last step's logits after it (a drift check owed or
     /// due): a step recorded ahead would replace them first.
@@ -487,10 +498,6 @@ impl Decoder for LlmDecoder {
             .collect())
     }
 
-    fn has_room(&self, seq: &Sequence) -> bool {
-        seq.position() < seq.context()
-    }
-
     fn can_look_ahead(&self, be: &Backend) -> bool {
         self.picks_on_device(be)
     }
@@ -585,11 +592,7 @@ impl Decoder for LlmDecoder {
             if self.trip.is_none() {
                 self.trip = guard.poll_sequences(be, &mut self.llm)?;
             }
-            let stats = guard.stats();
-            shared
-                .drift_checks
-                .fetch_add((stats.checks - before) as u64, Ordering::Relaxed);
-            shared.set_drift_stats(&stats);
+            shared.drift_counted(&guard.stats(), before);
             return Ok(None);
         }
         // Verdicts the shadow has finished; then this step's check. Sequences reach their checks
@@ -621,11 +624,7 @@ impl Decoder for LlmDecoder {
             event = pollster::block_on(guard.check_sequence(be, &mut self.llm, seq, tokens, i))?;
             break;
         }
-        let stats = guard.stats();
-        shared
-            .drift_checks
-            .fetch_add((stats.checks - before) as u64, Ordering::Relaxed);
-        shared.set_drift_stats(&stats);
+        shared.drift_counted(&guard.stats(), before);
         let Some(e) = event else {
             return Ok(None);
         };
@@ -746,8 +745,9 @@ impl Decoder for GptDecoder {
         Ok(out)
     }
 
-    fn has_room(&self, _: &GptSeq) -> bool {
-        true
+    /// Past the block the cache restarts from its last half: there is always room.
+    fn room(&self, _: &GptSeq) -> usize {
+        usize::MAX
     }
 
     fn watch(
@@ -761,11 +761,8 @@ impl Decoder for GptDecoder {
             return Ok(None);
         };
         let stats = g.stats();
-        shared
-            .drift_checks
-            .fetch_add((stats.checks - self.reported) as u64, Ordering::Relaxed);
+        shared.drift_counted(&stats, self.reported);
         self.reported = stats.checks;
-        shared.set_drift_stats(&stats);
         let Some(e) = self.event.take() else {
             return Ok(None);
         };
@@ -873,11 +870,7 @@ pub fn run<D: Decoder>(
         let mut moving = d.paths_waiting();
         if moving && active.is_empty() {
             match d.move_paths(be) {
-                Ok(pills) => {
-                    if let Ok(mut p) = shared.paths.lock() {
-                        *p = pills;
-                    }
-                }
+                Ok(pills) => shared.set_paths(pills),
                 Err(e) => eprintln!("[ops] moving to the gated fast paths failed ({e:#})"),
             }
             moving = false;
@@ -960,11 +953,7 @@ pub fn run<D: Decoder>(
         if active.is_empty() {
             // Verdicts the shadow finishes after the last request are taken (and acted on) now.
             match d.watch(be, &mut [], shared, false) {
-                Ok(Some(pills)) => {
-                    if let Ok(mut p) = shared.paths.lock() {
-                        *p = pills;
-                    }
-                }
+                Ok(Some(pills)) => shared.set_paths(pills),
                 Ok(None) => {}
                 Err(e) => eprintln!("[ops] drift guard: {e:#}"),
             }
@@ -1057,11 +1046,7 @@ pub fn run<D: Decoder>(
                 let watched = d.watch(be, &mut rows, shared, ahead.is_some());
                 shared.add_drift_engine_secs(tw.elapsed().as_secs_f64());
                 match watched {
-                    Ok(Some(pills)) => {
-                        if let Ok(mut p) = shared.paths.lock() {
-                            *p = pills;
-                        }
-                    }
+                    Ok(Some(pills)) => shared.set_paths(pills),
                     Ok(None) => {}
                     Err(e) => {
                         // The sequences' state is not known after a failed check or switch.

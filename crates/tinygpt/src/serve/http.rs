@@ -164,9 +164,7 @@ impl AppState {
 
     /// The model is loaded: requests are taken from now on.
     pub fn set_ready(&self, info: ModelInfo, jobs: std::sync::mpsc::Sender<Job>, queue: usize) {
-        if let Ok(mut p) = self.shared.paths.lock() {
-            p.clone_from(&info.pills);
-        }
+        self.shared.set_paths(info.pills.clone());
         let _ = self.info.set(info);
         self.queue_limit.store(queue, Ordering::Relaxed);
         if let Ok(mut j) = self.jobs.lock() {
