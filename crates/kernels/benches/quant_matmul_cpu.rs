@@ -22,6 +22,9 @@ use rayon::prelude::*;
 use tinygpt_kernels::ops::matmul::quant::cpu::{
     CpuIsa, QmmOptions, q4_matmul_nt_with, q8_matmul_nt_with,
 };
+use tinygpt_kernels::ops::matmul::quant::cpu_int::{
+    IntMatrix, IntOptions, int_dot_available, int_matmul,
+};
 use tinygpt_kernels::quant::{Q4Matrix, Q8Matrix};
 
 fn main() {
@@ -398,6 +401,7 @@ fn per_call() {
 /// Batched decode steps: m sequences' rows through every matrix, head included, each row computed as it
 /// is alone (bit-identical to a call of its own), as `tinygpt serve` and `bench llm --parallel` run them.
 fn batched(name: &str, model: &Model, pool: &rayon::ThreadPool) {
+    batched_int(name, model, pool);
     println!("\n== batched decode: all {name} matrices (head included), m rows as alone ==");
     let opts = QmmOptions {
         alone: true,
@@ -406,6 +410,53 @@ fn batched(name: &str, model: &Model, pool: &rayon::ThreadPool) {
     let macs: usize = model.iter().map(|m| m.w.rows() * m.w.cols()).sum();
     for m in [1usize, 4, 8, 16] {
         let t = median_pass(model, m, opts, pool);
+        println!(
+            "m = {m:2}: {:7.2} ms a step, {:6.1} tokens/s, {:6.1} GFLOP/s",
+            t * 1e3,
+            m as f64 / t,
+            2.0 * (macs * m) as f64 / t / 1e9
+        );
+    }
+}
+
+/// The same steps on the integer-dot kernels (the `int-dot` fast path), where this CPU has them.
+fn batched_int(name: &str, model: &Model, pool: &rayon::ThreadPool) {
+    if !int_dot_available() {
+        println!("\n(no AVX-512 VNNI here: the integer-dot kernels are not timed)");
+        return;
+    }
+    println!(
+        "\n== batched decode on the integer-dot kernels: all {name} matrices (head included) =="
+    );
+    let packed: Vec<IntMatrix> = model
+        .iter()
+        .map(|m| match &m.w {
+            W::Q8(w) => IntMatrix::from_q8(w),
+            W::Q4(w) => IntMatrix::from_q4(w),
+        })
+        .collect::<Option<_>>()
+        .expect("every matrix packs");
+    let macs: usize = model.iter().map(|m| m.w.rows() * m.w.cols()).sum();
+    let kmax = packed.iter().map(|w| w.cols()).max().unwrap();
+    let nmax = packed.iter().map(|w| w.rows()).max().unwrap();
+    for m in [1usize, 4, 8, 16, 64] {
+        let x: Vec<f32> = (0..m * kmax)
+            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        let mut y = vec![0f32; m * nmax];
+        let mut v: Vec<f64> = (0..7)
+            .map(|_| {
+                pool.install(|| {
+                    let t = Instant::now();
+                    for w in &packed {
+                        let (n, k) = (w.rows(), w.cols());
+                        int_matmul(&x[..m * k], w, &mut y[..m * n], m, IntOptions::default());
+                    }
+                    secs(t.elapsed())
+                })
+            })
+            .collect();
+        let t = median(&mut v);
         println!(
             "m = {m:2}: {:7.2} ms a step, {:6.1} tokens/s, {:6.1} GFLOP/s",
             t * 1e3,

@@ -22,17 +22,21 @@ pub enum PathId {
     /// Training's products with f16 operands and f32 accumulation, on the tensor cores (loss-scaled
     /// gradients, f32 master weights). Only a trainer holds it; it passes a training gate first.
     MixedTraining,
+    /// The CPU backend's quantized products with 15-bit integer activations and integer dot products
+    /// (AVX-512 VNNI), on weights repacked at load.
+    IntDot,
 }
 
 impl PathId {
     /// Every path, in the order they are gated and shown.
-    pub const ALL: [PathId; 6] = [
+    pub const ALL: [PathId; 7] = [
         PathId::F16Storage,
         PathId::ShaderF16,
         PathId::Subgroups,
         PathId::CoopMatrix,
         PathId::QuantMatmul,
         PathId::MixedTraining,
+        PathId::IntDot,
     ];
 
     fn bit(self) -> u32 {
@@ -67,6 +71,9 @@ pub enum Fault {
     /// Weight gradients (Aᵀ·B products) accumulated in f16 by the training path's kernels: what the
     /// training gate must reject (not in [`Fault::ALL`]: it lives in training only).
     WeightGradF16Accumulation,
+    /// Activations rounded to 8 bits instead of 15 in the integer-dot kernels (CPU `int-dot` path):
+    /// llama.cpp's precision, which the gate must reject.
+    EightBitActivations,
     /// The causal mask of training's attention lets query positions from 128 on see one position
     /// ahead: right for short sequences, wrong past 128 (training gate; not in [`Fault::ALL`]).
     CausalMaskPast128,
@@ -186,6 +193,6 @@ mod tests {
         );
         assert_eq!(s.without(PathId::F16Storage).len(), 1);
         assert!(PathSet::F32.is_empty() && PathSet::F32.fault().is_none());
-        assert_eq!(PathId::ALL.into_iter().collect::<PathSet>().len(), 6);
+        assert_eq!(PathId::ALL.into_iter().collect::<PathSet>().len(), 7);
     }
 }

@@ -4,7 +4,7 @@
 
 use tinygpt_formats::GgufFile;
 use tinygpt_kernels::gate::{GateCase, GateModel, fingerprint};
-use tinygpt_kernels::{Backend, PathSet};
+use tinygpt_kernels::{Backend, PathId, PathSet};
 
 use crate::gpt::{CharVocab, GptConfig, GptRunner};
 use crate::llm::{Llm, LlmConfig, LlmError, LoadOptions};
@@ -18,11 +18,16 @@ pub const TOKEN_GATE_TOKENS: usize = 100;
 /// the first token for minutes.
 pub const TOKEN_GATE_TOKENS_SOFTWARE: usize = 16;
 
+/// Greedy tokens the token gate compares on the CPU backend (its own paths, e.g. `int-dot`): each
+/// path's run costs what a short generation does.
+pub const TOKEN_GATE_TOKENS_CPU: usize = 32;
+
 /// How many greedy tokens the token gate compares on `be`.
 pub fn token_budget(be: &Backend) -> usize {
     match be.as_gpu() {
         Some(g) if g.info().device_type == "Cpu" => TOKEN_GATE_TOKENS_SOFTWARE,
-        _ => TOKEN_GATE_TOKENS,
+        Some(_) => TOKEN_GATE_TOKENS,
+        None => TOKEN_GATE_TOKENS_CPU,
     }
 }
 
@@ -40,6 +45,11 @@ impl GateModel for GptGate<'_> {
 
     fn gate_cases(&self) -> Vec<GateCase> {
         self.cfg.gate_cases()
+    }
+
+    /// The char GPT's weights are f32: the CPU's quantized products never run for it.
+    fn uses(&self, path: PathId) -> bool {
+        path != PathId::IntDot
     }
 
     fn model_key(&self) -> String {

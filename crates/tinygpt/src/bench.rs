@@ -97,7 +97,12 @@ pub struct TrainBenchArgs {
 pub fn run(be: &Backend, gate: &crate::gates::GateArgs, cmd: &BenchCmd) -> Result<()> {
     println!("backend: {}", be.describe());
     let t = Instant::now();
-    let gated = crate::gates::prepare_ops(be, gate, Vec::new())?;
+    // `bench llm` runs the quantized products, which the CPU backend has a fast path for; training
+    // and the op benchmarks only gate a GPU's paths.
+    let gated = match cmd {
+        BenchCmd::Llm(_) => crate::gates::gate_ops(be, gate, Vec::new())?,
+        _ => crate::gates::prepare_ops(be, gate, Vec::new())?,
+    };
     if let Some(g) = &gated {
         println!(
             "gates: {:.1} ms ({}) · {}",

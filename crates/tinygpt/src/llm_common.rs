@@ -207,6 +207,7 @@ fn load_with(
         match (be.as_gpu(), &gating) {
             (Some(_), Some(_)) => " · gating… (f32 path until then)".to_string(),
             (Some(_), None) => format!(" · {}", pills(llm.paths())),
+            (None, _) if !llm.paths().is_empty() => format!(" · {}", pills(llm.paths())),
             (None, _) => String::new(),
         },
     );

@@ -35,7 +35,7 @@ pub struct PerplexityArgs {
     #[arg(long)]
     pub chunks: Option<usize>,
     /// Compare every active fast path against the canonical f32 path over the file: KL divergence,
-    /// perplexity ratio and same-top-1 rate (a GPU backend; the CPU backend has only the f32 path).
+    /// perplexity ratio and same-top-1 rate (a GPU's paths, or the CPU backend's `int-dot`).
     #[arg(long)]
     pub kl_divergence: bool,
 }
@@ -264,7 +264,8 @@ fn kl_divergence(
     if active.is_empty() {
         bail!(
             "no fast path is active on {} (only the f32 path runs), so there is nothing to compare: \
-             --kl-divergence measures the GPU's gated fast paths (try --backend gpu)",
+             --kl-divergence measures the gated fast paths (a GPU's, or the CPU's int-dot where the CPU \
+             has AVX-512 VNNI)",
             be.describe()
         );
     }

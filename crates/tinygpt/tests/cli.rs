@@ -917,30 +917,38 @@ fn kl_divergence_compares_the_gated_fast_paths_with_the_f32_path() {
             "--kl-divergence".into(),
         ]
     };
-    let o = bin().args(args("gpu")).output().expect("the binary runs");
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = String::from_utf8_lossy(&o.stdout).into_owned();
-    let rows: Vec<&str> = out.lines().skip(1).collect();
-    assert!(!rows.is_empty(), "{out}");
-    for row in &rows {
-        // fast paths .. PPL(f32) PPL(fast) ratio mean ± err max same%
-        let f: Vec<&str> = row.split_whitespace().collect();
-        let n = f.len();
-        let (ppl_base, ppl_fast): (f64, f64) =
-            (f[n - 8].parse().unwrap(), f[n - 7].parse().unwrap());
-        let ratio: f64 = f[n - 6].parse().unwrap();
-        let kl: f64 = f[n - 5].parse().unwrap();
-        let same: f64 = f[n - 1].trim_end_matches('%').parse().unwrap();
-        assert!(ppl_base > 1.0 && ppl_fast > 1.0, "{row}");
-        assert!((ratio - ppl_fast / ppl_base).abs() < 1e-3, "{row}");
-        // The gate passed these paths: their distributions stay close to the f32 path's.
-        assert!((0.0..1e-3).contains(&kl), "{row}");
-        assert!(same >= 95.0, "{row}");
+    // The GPU's gated paths, then the CPU backend's (`int-dot`, where the CPU has AVX-512 VNNI).
+    for backend in ["gpu", "cpu"] {
+        let o = bin().args(args(backend)).output().expect("the binary runs");
+        if backend == "cpu" && !tinygpt_kernels::ops::matmul::quant::cpu_int::int_dot_available() {
+            // No fast path on this CPU: nothing to compare, one clear error.
+            assert!(!o.status.success());
+            assert!(stderr(&o).contains("nothing to compare"), "{}", stderr(&o));
+            continue;
+        }
+        assert!(o.status.success(), "{backend}: {}", stderr(&o));
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        let rows: Vec<&str> = out.lines().skip(1).collect();
+        assert!(!rows.is_empty(), "{out}");
+        for row in &rows {
+            // fast paths .. PPL(f32) PPL(fast) ratio mean ± err max same%
+            let f: Vec<&str> = row.split_whitespace().collect();
+            let n = f.len();
+            let (ppl_base, ppl_fast): (f64, f64) =
+                (f[n - 8].parse().unwrap(), f[n - 7].parse().unwrap());
+            let ratio: f64 = f[n - 6].parse().unwrap();
+            let kl: f64 = f[n - 5].parse().unwrap();
+            let same: f64 = f[n - 1].trim_end_matches('%').parse().unwrap();
+            assert!(ppl_base > 1.0 && ppl_fast > 1.0, "{row}");
+            assert!((ratio - ppl_fast / ppl_base).abs() < 1e-3, "{row}");
+            // The gate passed these paths: their distributions stay close to the f32 path's.
+            assert!((0.0..1e-3).contains(&kl), "{backend}: {row}");
+            assert!(same >= 95.0, "{backend}: {row}");
+        }
+        if backend == "cpu" {
+            assert!(out.contains("int-dot") || out.contains("int dot"), "{out}");
+        }
     }
-    // The CPU backend has no fast path to compare: one clear error.
-    let o = bin().args(args("cpu")).output().expect("the binary runs");
-    assert!(!o.status.success());
-    assert!(stderr(&o).contains("nothing to compare"), "{}", stderr(&o));
     let _ = std::fs::remove_dir_all(&d);
 }
 

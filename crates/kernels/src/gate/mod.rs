@@ -31,7 +31,6 @@ pub use token::{TokenOutcome, token_gate};
 
 use crate::backend::{Backend, Tensor};
 use crate::error::Result;
-use crate::gpu::GpuBackend;
 use crate::path::{Fault, PathId, PathSet};
 use registry::{PathDef, REGISTRY};
 use serde::{Deserialize, Serialize};
@@ -303,7 +302,7 @@ impl GateOptions {
 /// would have to be measured): the way to know, without running a kernel, whether gating will be
 /// instant or whether the caller should start on the f32 path and gate in the background.
 pub fn stored_passes(
-    g: &GpuBackend,
+    be: &Backend,
     opts: &GateOptions,
     store: &mut dyn VerdictStore,
 ) -> Option<PathSet> {
@@ -312,12 +311,12 @@ pub fn stored_passes(
     }
     let cases = opts.cases();
     let mut passed = PathSet::F32;
-    for def in REGISTRY.iter().filter(|d| opts.allows(d.id)) {
-        if (def.detect)(g).is_err() || def.requires.iter().any(|r| !passed.has(*r)) {
+    for def in paths_of(be).filter(|d| opts.allows(d.id)) {
+        if (def.detect)(be).is_err() || def.requires.iter().any(|r| !passed.has(*r)) {
             continue;
         }
         store
-            .load(&cache_key(g, def.id, &cases))
+            .load(&cache_key(be, def.id, &cases))
             .and_then(|s| serde_json::from_str::<PathReport>(&s).ok())
             .filter(|c| c.status == Status::Active)?;
         passed = passed.with(def.id);
@@ -325,30 +324,67 @@ pub fn stored_passes(
     Some(passed)
 }
 
-/// The adapter's identity in cache keys: name, driver and driver version.
-pub(crate) fn adapter_key(g: &GpuBackend) -> String {
-    let i = g.info();
-    format!("{}|{}|{}", i.name, i.driver, i.driver_info)
+/// The registry rows of the paths `be`'s kind of backend has (see [`PathDef::on_cpu`]).
+fn paths_of(be: &Backend) -> impl Iterator<Item = &'static PathDef> {
+    let cpu = be.as_gpu().is_none();
+    REGISTRY.iter().filter(move |d| d.on_cpu == cpu)
 }
 
-/// Cache key of a path's verdict: adapter, driver, path, kernel version and the shapes gated.
-pub fn cache_key(g: &GpuBackend, id: PathId, cases: &[GateCase]) -> String {
+/// The device's identity in cache keys: the adapter's name, driver and driver version; on the CPU
+/// backend, the processor's name.
+pub(crate) fn adapter_key(be: &Backend) -> String {
+    match be.as_gpu() {
+        Some(g) => {
+            let i = g.info();
+            format!("{}|{}|{}", i.name, i.driver, i.driver_info)
+        }
+        None => format!("cpu|{}", cpu_name()),
+    }
+}
+
+/// The processor's name as it reports it (x86-64), else the architecture.
+pub fn cpu_name() -> String {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::__cpuid;
+        // Leaves 0x80000002..4 hold the brand string where the highest extended leaf reaches them.
+        let max = __cpuid(0x8000_0000).eax;
+        if max >= 0x8000_0004 {
+            let mut bytes = Vec::with_capacity(48);
+            for leaf in 0x8000_0002u32..=0x8000_0004 {
+                let r = __cpuid(leaf);
+                for w in [r.eax, r.ebx, r.ecx, r.edx] {
+                    bytes.extend_from_slice(&w.to_le_bytes());
+                }
+            }
+            let name = String::from_utf8_lossy(&bytes);
+            let name = name.trim_matches(char::from(0)).trim();
+            if !name.is_empty() {
+                return name.to_string();
+            }
+        }
+    }
+    std::env::consts::ARCH.to_string()
+}
+
+/// Cache key of a path's verdict: device, driver, path, kernel version and the shapes gated.
+pub fn cache_key(be: &Backend, id: PathId, cases: &[GateCase]) -> String {
     let shapes: Vec<String> = cases
         .iter()
         .map(|c| format!("{}x{}x{}", c.m, c.n, c.k))
         .collect();
     format!(
         "{}|{}|v{}|{}",
-        adapter_key(g),
+        adapter_key(be),
         id.name(),
         id.kernel_version(),
         shapes.join(",")
     )
 }
 
-/// Gates every registered path on the GPU backend `be` (paths not in `opts.only` are not gated and not
-/// passed). On the CPU backend there is nothing to gate: the summary is empty. Passed verdicts are
-/// taken from and written to `store`.
+/// Gates every registered path of `be`'s kind of backend (the GPU's paths on a GPU, the CPU's on the
+/// CPU backend; paths not in `opts.only` are not gated and not passed). Passed verdicts are taken
+/// from and written to `store`.
 pub async fn run_gates(
     be: &Backend,
     opts: &GateOptions,
@@ -377,22 +413,14 @@ async fn run_gates_from(
     planted: Option<(Fault, PathId)>,
 ) -> GateSummary {
     let t0 = Instant::now();
-    let Some(g) = be.as_gpu() else {
-        return GateSummary {
-            adapter: "CPU backend".into(),
-            driver: String::new(),
-            reports: Vec::new(),
-            millis: 0.0,
-        };
-    };
     let cases = opts.cases();
     let mut reports: Vec<PathReport> = Vec::new();
     let mut passed = PathSet::F32;
-    for def in REGISTRY {
+    for def in paths_of(be) {
         if !opts.allows(def.id) {
             continue;
         }
-        let key = cache_key(g, def.id, &cases);
+        let key = cache_key(be, def.id, &cases);
         let ts = Instant::now();
         let mut report = PathReport {
             path: def.id,
@@ -411,7 +439,7 @@ async fn run_gates_from(
             .flatten()
             .and_then(|s| serde_json::from_str::<PathReport>(&s).ok())
             .filter(|c| c.status == Status::Active);
-        if let Err(why) = (def.detect)(g) {
+        if let Err(why) = (def.detect)(be) {
             report.status = Status::Unsupported;
             report.reason = Some(why);
         } else if let Some(missing) = def.requires.iter().find(|r| !passed.has(**r)) {
@@ -442,10 +470,16 @@ async fn run_gates_from(
         }
         reports.push(report);
     }
-    let i = g.info();
+    let (adapter, driver) = match be.as_gpu() {
+        Some(g) => {
+            let i = g.info();
+            (i.name.clone(), format!("{} {}", i.driver, i.driver_info))
+        }
+        None => (format!("CPU backend ({})", cpu_name()), String::new()),
+    };
     GateSummary {
-        adapter: i.name.clone(),
-        driver: format!("{} {}", i.driver, i.driver_info),
+        adapter,
+        driver,
         reports,
         millis: t0.elapsed().as_secs_f64() * 1e3,
     }

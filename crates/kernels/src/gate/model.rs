@@ -9,13 +9,19 @@ use super::{
     token_gate,
 };
 use crate::backend::Backend;
-use crate::path::PathSet;
+use crate::path::{PathId, PathSet};
 
 /// A model the gate can check end to end.
 pub trait GateModel {
     type Error: std::fmt::Display;
     /// Shapes of the model's own products, gated beside the default ones.
     fn gate_cases(&self) -> Vec<GateCase>;
+    /// Whether the model's runner has kernels that `path` replaces (a model without quantized
+    /// weights gains nothing from a quantized-product path, and its gate would only cost time).
+    fn uses(&self, path: PathId) -> bool {
+        let _ = path;
+        true
+    }
     /// Identifies the weights (and the token gate's prompt) in the token gate's store key.
     fn model_key(&self) -> String;
     /// The first greedy tokens of a fixed prompt with a runner built for `paths`.
@@ -38,7 +44,7 @@ pub struct Gated {
 
 /// Gates `model` on `be`: op gates (stored verdicts reused unless `opts.regate`), then the token gate
 /// over the paths that passed. Each log line goes to `log` as it is decided; the run is recorded in
-/// `store`. On the CPU backend the result is the empty set at once.
+/// `store`. On the CPU backend the CPU's own paths are gated the same way.
 pub async fn gate_for_model<M: GateModel>(
     be: &Backend,
     store: &mut dyn VerdictStore,
@@ -46,8 +52,7 @@ pub async fn gate_for_model<M: GateModel>(
     opts: &GateOptions,
     log: &mut dyn FnMut(&str),
 ) -> Result<Gated, M::Error> {
-    let mut opts = opts.clone();
-    opts.extra_cases.extend(model.gate_cases());
+    let opts = model_options(model, opts);
     let summary = run_gates(be, &opts, store).await;
     for r in &summary.reports {
         log(&r.log_line());
@@ -68,9 +73,7 @@ pub async fn gate_for_model<M: GateModel>(
         .await?;
         (t.kept_set(passed), Some(t))
     };
-    if be.as_gpu().is_some() {
-        store.record(&record(&summary, model.model_key(), token.clone()));
-    }
+    store.record(&record(&summary, model.model_key(), token.clone()));
     Ok(Gated {
         paths,
         summary,
@@ -81,20 +84,25 @@ pub async fn gate_for_model<M: GateModel>(
 /// The paths [`gate_for_model`] would give `model` on `be` if every verdict it needs (op gates at the
 /// model's shapes, then the token gate) is stored; None when something would have to be measured. A
 /// caller that must not hold the first token hostage starts on the f32 path when this is None and
-/// gates in the background. On the CPU backend: the f32 path.
+/// gates in the background.
 pub fn stored_verdict<M: GateModel>(
     be: &Backend,
     store: &mut dyn VerdictStore,
     model: &M,
     opts: &GateOptions,
 ) -> Option<PathSet> {
-    let Some(g) = be.as_gpu() else {
-        return Some(PathSet::F32);
-    };
+    let opts = model_options(model, opts);
+    let passed = super::stored_passes(be, &opts, store)?;
+    super::token::stored_token_verdict(be, store, &model.model_key(), passed)
+}
+
+/// `opts` for `model`: its shapes added, and only the paths it uses.
+fn model_options<M: GateModel>(model: &M, opts: &GateOptions) -> GateOptions {
     let mut opts = opts.clone();
     opts.extra_cases.extend(model.gate_cases());
-    let passed = super::stored_passes(g, &opts, store)?;
-    super::token::stored_token_verdict(be, store, &model.model_key(), passed)
+    let allowed = opts.only.take().unwrap_or_else(|| PathId::ALL.to_vec());
+    opts.only = Some(allowed.into_iter().filter(|&p| model.uses(p)).collect());
+    opts
 }
 
 /// The op gates alone (no model): for `tinygpt gates` and benchmarks of bare kernels.
@@ -108,9 +116,7 @@ pub async fn gate_device(
     for r in &summary.reports {
         log(&r.log_line());
     }
-    if be.as_gpu().is_some() {
-        store.record(&record(&summary, "device".into(), None));
-    }
+    store.record(&record(&summary, "device".into(), None));
     Gated {
         paths: summary.active(),
         summary,

@@ -7,6 +7,7 @@ use super::{GateCase, Pending, guarded_output};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::gpu::GpuBackend;
+use crate::ops::matmul::quant::cpu_int::int_dot_available;
 use crate::ops::matmul::{
     self, Choice, Gemm, Kernel, QMatrix, QuantSource, Weights, pack_f16, packed_len,
 };
@@ -26,15 +27,19 @@ pub struct PathDef {
     pub kernel_version: u32,
     /// Paths that must pass first (and are evaluated together with this one).
     pub requires: &'static [PathId],
-    /// Ok when the adapter has what the path needs; Err says what is missing.
-    pub detect: fn(&GpuBackend) -> std::result::Result<(), String>,
+    /// The backend whose kernels the path replaces: the CPU backend's paths are gated (and shown) on
+    /// the CPU backend, the others on a GPU.
+    pub on_cpu: bool,
+    /// Ok when the device has what the path needs; Err says what is missing. Only called on the
+    /// path's own kind of backend ([`PathDef::on_cpu`]).
+    pub detect: fn(&Backend) -> std::result::Result<(), String>,
     /// Records the path's kernel(s) at one shape with the kernels of the given set (the path, what it
     /// requires, and in tests a planted fault), each beside its canonical f32 result.
     pub evaluate: fn(&Backend, &GateCase, u64, PathSet) -> Result<Vec<Pending>>,
 }
 
-fn has(g: &GpuBackend, f: wgpu::Features, name: &str) -> std::result::Result<(), String> {
-    if g.has_feature(f) {
+fn has(be: &Backend, f: wgpu::Features, name: &str) -> std::result::Result<(), String> {
+    if gpu_of(be).map_err(|e| e.to_string())?.has_feature(f) {
         Ok(())
     } else {
         Err(format!("the adapter lacks {name}"))
@@ -49,8 +54,9 @@ pub static REGISTRY: &[PathDef] = &[
         active_text: "f16 path active",
         kernel_version: 1,
         requires: &[],
+        on_cpu: false,
         // pack2x16float / unpack2x16float are core WGSL: every adapter can store f16 in u32 words.
-        detect: |_| Ok(()),
+        detect: |be| gpu_of(be).map(|_| ()).map_err(|e| e.to_string()),
         evaluate: |be, c, seed, paths| evaluate_nt(be, c, seed, true, |_| None, paths),
     },
     PathDef {
@@ -60,6 +66,7 @@ pub static REGISTRY: &[PathDef] = &[
         active_text: "shader-f16 path active",
         kernel_version: 1,
         requires: &[PathId::F16Storage],
+        on_cpu: false,
         detect: |g| has(g, wgpu::Features::SHADER_F16, "SHADER_F16"),
         evaluate: |be, c, seed, paths| evaluate_nt(be, c, seed, true, |_| None, paths),
     },
@@ -70,10 +77,14 @@ pub static REGISTRY: &[PathDef] = &[
         active_text: "subgroup path active",
         kernel_version: 1,
         requires: &[],
-        detect: |g| {
-            has(g, wgpu::Features::SUBGROUP, "SUBGROUP")?;
+        on_cpu: false,
+        detect: |be| {
+            has(be, wgpu::Features::SUBGROUP, "SUBGROUP")?;
             // The decode kernel's reduction assumes a subgroup never spans two of its 32-lane slices.
-            let max = g.info().subgroup_max_size;
+            let max = gpu_of(be)
+                .map_err(|e| e.to_string())?
+                .info()
+                .subgroup_max_size;
             if max == 0 || max > 32 || 32 % max != 0 {
                 return Err(format!(
                     "subgroups of up to {max} lanes (the kernels need at most 32)"
@@ -92,14 +103,16 @@ pub static REGISTRY: &[PathDef] = &[
         active_text: "cooperative-matrix path active",
         kernel_version: 1,
         requires: &[PathId::F16Storage],
-        detect: |g| {
+        on_cpu: false,
+        detect: |be| {
             has(
-                g,
+                be,
                 wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX,
                 "EXPERIMENTAL_COOPERATIVE_MATRIX",
             )?;
-            has(g, wgpu::Features::SHADER_F16, "SHADER_F16")?;
-            if !g
+            has(be, wgpu::Features::SHADER_F16, "SHADER_F16")?;
+            if !gpu_of(be)
+                .map_err(|e| e.to_string())?
                 .info()
                 .cooperative_matrix
                 .iter()
@@ -129,7 +142,8 @@ pub static REGISTRY: &[PathDef] = &[
         active_text: "quantized matmul active",
         kernel_version: 4,
         requires: &[],
-        detect: |_| Ok(()),
+        on_cpu: false,
+        detect: |be| gpu_of(be).map(|_| ()).map_err(|e| e.to_string()),
         evaluate: evaluate_quant,
     },
     PathDef {
@@ -139,6 +153,7 @@ pub static REGISTRY: &[PathDef] = &[
         active_text: "tensor-core training active",
         kernel_version: 2,
         requires: &[PathId::CoopMatrix],
+        on_cpu: false,
         detect: |g| (def(PathId::CoopMatrix).detect)(g),
         // The op gate checks the mixed-precision kernel (f32 operands rounded to f16) at every shape;
         // a trainer then runs the training gate (the first steps' losses against the f32 path) before
@@ -153,6 +168,26 @@ pub static REGISTRY: &[PathDef] = &[
                 paths,
             )
         },
+    },
+    PathDef {
+        id: PathId::IntDot,
+        name: "int-dot",
+        pill: "+int dot",
+        active_text: "integer dot products active",
+        kernel_version: 1,
+        requires: &[],
+        on_cpu: true,
+        detect: |be| {
+            if be.as_gpu().is_some() {
+                return Err("a CPU backend path".into());
+            }
+            if int_dot_available() {
+                Ok(())
+            } else {
+                Err("the CPU lacks AVX-512 VNNI".into())
+            }
+        },
+        evaluate: evaluate_quant,
     },
 ];
 
@@ -251,33 +286,37 @@ fn evaluate_nt(
     }])
 }
 
-/// The quantized-matmul gate at one shape: the Q8 (block 32) and Q4 kernels, each against the f32
-/// product with its own dequantized weights (the twin); the worse of the two is what the gate sees.
+/// The quantized-matmul gate at one shape (the GPU's `q8-matmul` and the CPU's `int-dot`): the Q8
+/// (blocks of 32, and of 16 on the CPU) and Q4 kernels, each against the f32 product with its own
+/// dequantized weights (the twin); the worst is what the gate sees.
 fn evaluate_quant(be: &Backend, c: &GateCase, seed: u64, paths: PathSet) -> Result<Vec<Pending>> {
-    use crate::ops::matmul::quant::{quantize_q4, quantize_q8_32};
-    gpu_of(be)?;
+    use crate::ops::matmul::quant::{quantize_q4, quantize_q8};
     let (x, w) = inputs(c, seed);
     let tx = be.from_f32(&x, 1)?;
-    [
-        QuantSource::Q8(quantize_q8_32(&w, c.n, c.k)),
+    let mut sources = vec![
+        QuantSource::Q8(quantize_q8(&w, c.n, c.k, 32)),
         QuantSource::Q4(quantize_q4(&w, c.n, c.k)),
-    ]
-    .into_iter()
-    .map(|src| {
-        let dense = match &src {
-            QuantSource::Q8(m) => m.dequantize(),
-            QuantSource::Q4(m) => m.dequantize(),
-        };
-        let wm = QMatrix::upload(be, src, paths)?;
-        let mut out = guarded_output(be, c)?;
-        let g = Gemm::nt(c.m, c.n, c.k);
-        matmul::matmul(be, paths, (&tx).into(), &wm, (&mut out).into(), &g)?;
-        Ok(Pending {
-            reference: reference(c, &x, &dense),
-            output: out,
+    ];
+    if be.as_gpu().is_none() {
+        sources.push(QuantSource::Q8(quantize_q8(&w, c.n, c.k, 16)));
+    }
+    sources
+        .into_iter()
+        .map(|src| {
+            let dense = match &src {
+                QuantSource::Q8(m) => m.dequantize(),
+                QuantSource::Q4(m) => m.dequantize(),
+            };
+            let wm = QMatrix::upload(be, src, paths)?;
+            let mut out = guarded_output(be, c)?;
+            let g = Gemm::nt(c.m, c.n, c.k);
+            matmul::matmul(be, paths, (&tx).into(), &wm, (&mut out).into(), &g)?;
+            Ok(Pending {
+                reference: reference(c, &x, &dense),
+                output: out,
+            })
         })
-    })
-    .collect()
+        .collect()
 }
 
 /// Gates only make sense on a GPU.

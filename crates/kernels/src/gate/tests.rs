@@ -96,10 +96,9 @@ fn every_healthy_path_passes_on_this_adapter() {
         return;
     };
     let g = gpu_backend(None).expect("opened above");
-    let gpu = g.as_gpu().expect("gpu");
     for r in &s.reports {
         eprintln!("{}", r.log_line());
-        let supported = (registry::def(r.path).detect)(gpu).is_ok();
+        let supported = (registry::def(r.path).detect)(&g).is_ok();
         if supported && r.path != PathId::CoopMatrix {
             assert_eq!(
                 r.status,
@@ -133,6 +132,8 @@ fn victims(f: Fault) -> Vec<PathId> {
         | Fault::PositionsPast200
         | Fault::WeightGradF16Accumulation
         | Fault::CausalMaskPast128 => vec![],
+        // A CPU path's fault (the CPU gate's tests plant it).
+        Fault::EightBitActivations => vec![],
         Fault::OutOfBoundsWrite | Fault::NanOutput => vec![
             PathId::F16Storage,
             PathId::Subgroups,
@@ -312,13 +313,17 @@ fn what_runs_depends_only_on_the_path_set_held() {
 }
 
 #[test]
-fn the_cpu_backend_has_nothing_to_gate() {
+fn the_cpu_backend_gates_none_of_the_gpu_paths() {
     let mut store = MemoryStore::default();
-    let s = block_on(run_gates(
-        &cpu_backend(),
-        &GateOptions::default(),
-        &mut store,
-    ));
+    let gpu_paths: Vec<PathId> = PathId::ALL
+        .into_iter()
+        .filter(|&p| !registry::def(p).on_cpu)
+        .collect();
+    let opts = GateOptions {
+        only: Some(gpu_paths),
+        ..GateOptions::default()
+    };
+    let s = block_on(run_gates(&cpu_backend(), &opts, &mut store));
     assert!(s.reports.is_empty());
     assert_eq!(s.active_pills(), "f32 path");
 }
@@ -395,16 +400,32 @@ impl GateModel for FixedModel {
 /// background only when something must be measured.
 #[test]
 fn a_stored_verdict_says_whether_gating_a_model_is_instant() {
+    let cpu = cpu_backend();
+    let gpu_only = GateOptions {
+        only: Some(vec![PathId::F16Storage]),
+        ..GateOptions::default()
+    };
     assert_eq!(
         stored_verdict(
-            &cpu_backend(),
+            &cpu,
             &mut MemoryStore::default(),
             &FixedModel("m"),
-            &GateOptions::default()
+            &gpu_only
         ),
         Some(PathSet::F32),
-        "the CPU backend has nothing to gate"
+        "no path of the CPU backend to gate"
     );
+    if crate::ops::matmul::quant::cpu_int::int_dot_available() {
+        let (mut store, all) = (MemoryStore::default(), GateOptions::default());
+        let model = FixedModel("m");
+        assert_eq!(stored_verdict(&cpu, &mut store, &model, &all), None);
+        let gated = block_on(gate_for_model(&cpu, &mut store, &model, &all, &mut |_| {})).unwrap();
+        assert_eq!(gated.paths, PathSet::of(&[PathId::IntDot]));
+        assert_eq!(
+            stored_verdict(&cpu, &mut store, &model, &all),
+            Some(gated.paths)
+        );
+    }
     let Some(be) = gpu_backend(None) else { return };
     let opts = GateOptions {
         only: Some(vec![PathId::F16Storage]),
@@ -436,4 +457,52 @@ fn a_stored_verdict_says_whether_gating_a_model_is_instant() {
         ..opts
     };
     assert_eq!(stored_verdict(&be, &mut store, &model, &wider), None);
+}
+
+/// The CPU backend gates its own paths and only those: `int-dot` passes where the CPU has AVX-512 VNNI
+/// (and is unsupported, with the reason, elsewhere), and eight-bit activations planted into its
+/// kernels (llama.cpp's precision) fail the gate.
+#[test]
+fn cpu_backend_gates_int_dot_and_rejects_eight_bit_activations() {
+    use crate::ops::matmul::quant::cpu_int::int_dot_available;
+    let be = cpu_backend();
+    let all = block_on(run_gates(
+        &be,
+        &GateOptions::default(),
+        &mut MemoryStore::default(),
+    ));
+    let names: Vec<PathId> = all.reports.iter().map(|r| r.path).collect();
+    assert_eq!(names, [PathId::IntDot], "the CPU backend's paths only");
+    assert!(all.adapter.starts_with("CPU backend"), "{}", all.adapter);
+    let r = &all.reports[0];
+    eprintln!("{}", r.log_line());
+    if !int_dot_available() {
+        assert_eq!(r.status, Status::Unsupported);
+        assert!(r.reason.as_deref().unwrap_or("").contains("VNNI"));
+        return;
+    }
+    assert_eq!(r.status, Status::Active, "{}", r.log_line());
+    assert_eq!(r.shapes.len(), default_cases().len());
+    let opts = GateOptions {
+        only: Some(vec![PathId::IntDot]),
+        ..GateOptions::default()
+    };
+    let bad = block_on(run_gates_planted(
+        &be,
+        &opts,
+        &mut MemoryStore::default(),
+        Fault::EightBitActivations,
+        PathId::IntDot,
+    ));
+    let r = &bad.reports[0];
+    eprintln!("{}", r.log_line());
+    assert_eq!(r.status, Status::Rejected, "{}", r.log_line());
+    assert!(
+        r.reason
+            .as_deref()
+            .unwrap_or("")
+            .contains("outside the error limits"),
+        "{:?}",
+        r.reason
+    );
 }

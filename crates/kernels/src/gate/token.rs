@@ -40,7 +40,7 @@ fn token_key(be: &Backend, model_key: &str, active: PathSet) -> String {
         .iter()
         .map(|p| format!("{}v{}", p.name(), p.kernel_version()))
         .collect();
-    let adapter = be.as_gpu().map_or_else(|| "cpu".into(), adapter_key);
+    let adapter = adapter_key(be);
     format!("token|{adapter}|{}|{model_key}", versions.join(","))
 }
 

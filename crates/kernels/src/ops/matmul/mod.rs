@@ -456,7 +456,7 @@ pub fn run(
                     let w = unpack_f16(b.cpu_u32("matmul", "B", packed_len(eb))?, eb);
                     cb.install(|| cpu::gemm_rows(a, &w, c, g));
                 }
-                Weights::Quant(q) => q.cpu_matmul(cb, a, c, g.m, g.rows)?,
+                Weights::Quant(q) => q.cpu_matmul(cb, a, c, g.m, g.rows, fault)?,
             }
             Ok(())
         }

@@ -1,11 +1,12 @@
 //! CPU quantized matmul: y = x · Wᵀ straight from the block-quantized layouts of [`crate::quant`], with
 //! f32 activations.
 //!
-//! There is no activation quantization: every product is an f32 product with the exact activation, so
-//! results equal f32 math on the dequantized weights up to summation order (and, on the AVX-512 path, one
-//! rounding of each dequantized weight, exactly as the `dequantize()` twin rounds it). llama.cpp
-//! quantizes activations to 8 bits and uses integer dot products; that is faster per instruction but
-//! changes the numbers, which the model tests forbid. Two exact reassociations are used:
+//! These are the canonical kernels: there is no activation quantization, every product is an f32 product
+//! with the exact activation, so results equal f32 math on the dequantized weights up to summation order
+//! (and, on the AVX-512 path, one rounding of each dequantized weight, exactly as the `dequantize()` twin
+//! rounds it). The `int-dot` fast path ([`super::cpu_int`]: 15-bit activations, integer dot products)
+//! changes the numbers within the gate's limits and runs only once the gate has passed it. Two exact
+//! reassociations are used:
 //!
 //! * scale outside the block sum: y = Σ_b scale_b · Σ_{i∈b} q_i x_i (+ min_b · Σ_{i∈b} x_i for Q4, with the
 //!   block sums Σx computed once per activation row) — AVX2, scalar, and AVX-512 Q8 with one row;
@@ -619,7 +620,7 @@ fn prepare_q4<'a>(x: &[f32], m: usize, k: usize, buf: &'a mut Vec<f32>) -> (&'a 
 
 /// A raw pointer to the output, shareable across the tiles: every tile writes only its own columns.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(super) struct OutPtr(pub(super) *mut f32);
 // SAFETY: the tiles handed out by `run_tiles` cover disjoint column ranges of y, so no element is written
 // by two threads, and y outlives the parallel section.
 unsafe impl Send for OutPtr {}
@@ -628,7 +629,7 @@ unsafe impl Sync for OutPtr {}
 impl OutPtr {
     /// The pointer `i` elements on (a method, so closures capture the whole `Sync` wrapper).
     #[inline]
-    fn at(self, i: usize) -> OutPtr {
+    pub(super) fn at(self, i: usize) -> OutPtr {
         OutPtr(self.0.wrapping_add(i))
     }
 
@@ -652,7 +653,7 @@ const L2_TILE_BYTES: usize = 192 * 1024;
 /// Splits output rows `rows` into tiles and runs `tile(n0, n1, y_at_n0)` for each, in parallel when it
 /// pays. `y` points at output column `rows.start` of row 0 (the callers pass y itself: column j of the
 /// call is at offset j).
-fn run_tiles(
+pub(super) fn run_tiles(
     rows: Range<usize>,
     row_bytes: usize,
     m: usize,

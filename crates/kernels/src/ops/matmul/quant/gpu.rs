@@ -306,7 +306,8 @@ fn plant(src: String, fault: Option<Fault>) -> String {
             | Fault::RopePast500
             | Fault::PositionsPast200
             | Fault::WeightGradF16Accumulation
-            | Fault::CausalMaskPast128,
+            | Fault::CausalMaskPast128
+            | Fault::EightBitActivations,
         ) => src,
         // Zero-extends the bytes: negative quants become 128..255.
         Some(Fault::SignExtensionDropped) => src.replace(

@@ -23,6 +23,9 @@ pub mod cpu;
 mod cpu_avx2;
 #[cfg(target_arch = "x86_64")]
 mod cpu_avx512;
+pub mod cpu_int;
+#[cfg(target_arch = "x86_64")]
+mod cpu_vnni;
 pub(crate) mod gpu;
 
 use std::ops::Range;
@@ -142,6 +145,8 @@ pub(crate) struct GpuParts {
 
 enum QStore {
     Cpu(QuantSource),
+    /// Repacked for the integer-dot kernels (the CPU `int-dot` path).
+    CpuInt(cpu_int::IntMatrix),
     Gpu(GpuParts),
     /// The quantized kernels have not passed their gate on this device: the canonical f32 path, the
     /// dequantized matrix (split at whole rows like any tensor).
@@ -170,6 +175,14 @@ impl QMatrix {
         let nb = cols / kind.block();
         let words = kind.words_per_row(cols);
         let store = match be {
+            Backend::Cpu(_) if paths.has(PathId::IntDot) && cpu_int::int_dot_available() => {
+                let packed = match &src {
+                    QuantSource::Q8(m) => cpu_int::IntMatrix::from_q8(m),
+                    QuantSource::Q4(m) => cpu_int::IntMatrix::from_q4(m),
+                };
+                // A shape the packed layout cannot hold keeps the f32 kernels.
+                packed.map_or(QStore::Cpu(src), QStore::CpuInt)
+            }
             Backend::Cpu(_) => QStore::Cpu(src),
             Backend::Gpu(_) if !paths.has(PathId::QuantMatmul) => {
                 let dense = match &src {
@@ -241,7 +254,7 @@ impl QMatrix {
     /// "cpu" or "gpu".
     pub fn backend_kind(&self) -> &'static str {
         match self.store {
-            QStore::Cpu(_) => "cpu",
+            QStore::Cpu(_) | QStore::CpuInt(_) => "cpu",
             QStore::Gpu(_) | QStore::GpuDense(_) => "gpu",
         }
     }
@@ -249,7 +262,7 @@ impl QMatrix {
     /// Number of buffers the largest component is split into on the GPU (1 on the CPU).
     pub fn num_chunks(&self) -> usize {
         match &self.store {
-            QStore::Cpu(_) => 1,
+            QStore::Cpu(_) | QStore::CpuInt(_) => 1,
             QStore::Gpu(p) => p.quants.gpu().map_or(1, |t| t.num_chunks()),
             QStore::GpuDense(t) => t.gpu().map_or(1, |t| t.num_chunks()),
         }
@@ -267,6 +280,7 @@ impl QMatrix {
             QStore::Cpu(QuantSource::Q4(m)) => {
                 4 * (m.scales.len() + m.mins.len() + m.quants.len()) as u64
             }
+            QStore::CpuInt(m) => m.bytes(),
             QStore::Gpu(p) => {
                 p.scales.bytes() + p.quants.bytes() + p.mins.as_ref().map_or(0, |t| t.bytes())
             }
@@ -308,6 +322,13 @@ impl QMatrix {
                 mins: m.mins[rows.start * nb..rows.end * nb].to_vec(),
                 quants: m.quants[rows.start * words..rows.end * words].to_vec(),
             }),
+            QStore::CpuInt(m) => {
+                let mut out = vec![0f32; n * k];
+                for (row, o) in rows.zip(out.chunks_exact_mut(k)) {
+                    m.dequantize_row(row, o);
+                }
+                return Ok(out);
+            }
             QStore::GpuDense(t) => return be.read_f32(t.at(rows.start * k), n * k).await,
             QStore::Gpu(p) => {
                 let scales = be.read_f32(p.scales.at(rows.start * nb), n * nb).await?;
@@ -382,13 +403,27 @@ impl QMatrix {
         y: &mut [f32],
         m: usize,
         rows: RowMode,
+        fault: Option<Fault>,
     ) -> Result<()> {
-        let QStore::Cpu(src) = &self.store else {
-            return Err(Error::BackendMismatch {
-                op: "qmatmul",
-                expected: "cpu",
-                found: "gpu",
-            });
+        let src = match &self.store {
+            QStore::Cpu(src) => src,
+            QStore::CpuInt(w) => {
+                fits_u32("qmatmul", &[m, x.len(), y.len()])?;
+                // Every row is computed as alone whatever `rows` says (see `cpu_int`).
+                let opts = cpu_int::IntOptions {
+                    fault,
+                    ..cpu_int::IntOptions::default()
+                };
+                c.install(|| cpu_int::int_matmul(x, w, y, m, opts));
+                return Ok(());
+            }
+            _ => {
+                return Err(Error::BackendMismatch {
+                    op: "qmatmul",
+                    expected: "cpu",
+                    found: "gpu",
+                });
+            }
         };
         fits_u32("qmatmul", &[m, x.len(), y.len()])?;
         let opts = cpu::QmmOptions {
@@ -456,23 +491,17 @@ pub fn get_rows(
         (Backend::Cpu(c), QStore::Cpu(src)) => {
             let ids = ids.cpu_u32(OP, "ids", n)?;
             let o = out.cpu(OP, "out", ol)?;
-            let rows = w.rows;
-            c.install(|| {
-                use rayon::prelude::*;
-                o.par_chunks_mut(k)
-                    .zip(ids.par_iter())
-                    .for_each(|(row, &id)| {
-                        let id = id as usize;
-                        if id >= rows {
-                            row.fill(0.0);
-                            return;
-                        }
-                        match src {
-                            QuantSource::Q8(q) => q.dequantize_row(id, row),
-                            QuantSource::Q4(q) => q.dequantize_row(id, row),
-                        }
-                        row.iter_mut().for_each(|v| *v *= scale);
-                    })
+            cpu_get_rows(c, ids, o, w.rows, k, scale, |id, row| match src {
+                QuantSource::Q8(q) => q.dequantize_row(id, row),
+                QuantSource::Q4(q) => q.dequantize_row(id, row),
+            });
+            Ok(())
+        }
+        (Backend::Cpu(c), QStore::CpuInt(packed)) => {
+            let ids = ids.cpu_u32(OP, "ids", n)?;
+            let o = out.cpu(OP, "out", ol)?;
+            cpu_get_rows(c, ids, o, w.rows, k, scale, |id, row| {
+                packed.dequantize_row(id, row)
             });
             Ok(())
         }
@@ -504,12 +533,44 @@ pub fn get_rows(
     }
 }
 
+/// Rows `ids` of a CPU matrix (`deq(id, row)` writes one) times `scale` into `o`, K values a row; an id
+/// past the last row gives zeros.
+fn cpu_get_rows(
+    c: &CpuBackend,
+    ids: &[u32],
+    o: &mut [f32],
+    rows: usize,
+    k: usize,
+    scale: f32,
+    deq: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    use rayon::prelude::*;
+    c.install(|| {
+        o.par_chunks_mut(k)
+            .zip(ids.par_iter())
+            .for_each(|(row, &id)| {
+                let id = id as usize;
+                if id >= rows {
+                    row.fill(0.0);
+                    return;
+                }
+                deq(id, row);
+                row.iter_mut().for_each(|v| *v *= scale);
+            })
+    });
+}
+
 /// Symmetric 8-bit quantization per block of 32 (Q8_0's rule), straight into the kernel layout (the
 /// gate's test matrices).
 pub fn quantize_q8_32(w: &[f32], rows: usize, cols: usize) -> Q8Matrix {
-    let mut scales = Vec::with_capacity(w.len() / 32);
+    quantize_q8(w, rows, cols, 32)
+}
+
+/// The same rule per block of `block` values (16: the layout Q6_K maps to).
+pub fn quantize_q8(w: &[f32], rows: usize, cols: usize, block: usize) -> Q8Matrix {
+    let mut scales = Vec::with_capacity(w.len() / block);
     let mut bytes = Vec::with_capacity(w.len());
-    for b in w.chunks(32) {
+    for b in w.chunks(block) {
         let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let id = if d > 0.0 { 1.0 / d } else { 0.0 };
@@ -526,7 +587,7 @@ pub fn quantize_q8_32(w: &[f32], rows: usize, cols: usize) -> Q8Matrix {
     Q8Matrix {
         rows,
         cols,
-        block: 32,
+        block,
         scales,
         quants,
     }

@@ -412,3 +412,44 @@ fn qgemm_tall_tiles_match_reference() {
         );
     }
 }
+
+/// On the CPU backend with `int-dot`, a matrix is held repacked for the integer kernels: its token
+/// lookups and dequantized rows are the source's bit for bit, and its products stay within the
+/// activation rounding of the f32 kernels' (the gate's own bounds; `cpu_int`'s tests bound each output).
+#[test]
+fn cpu_int_dot_matrices_keep_their_source() {
+    use crate::ops::matmul::quant::cpu_int::int_dot_available;
+    let be = cpu_backend();
+    let int = PathSet::of(&[PathId::IntDot]);
+    let mut rng = SeedRng::new(9);
+    let (rows, k, m) = (77, 320, 3);
+    let ids: Vec<u32> = vec![0, 5, 76, 77, 40];
+    let x = rng.vec(m * k, -1.0, 1.0);
+    for kind in [QKind::Q8 { block: 32 }, QKind::Q8 { block: 16 }, QKind::Q4] {
+        let src = source(&mut rng, kind, rows, k);
+        let plain = QMatrix::upload(&be, src.clone(), PathSet::F32).unwrap();
+        let packed = QMatrix::upload(&be, src.clone(), int).unwrap();
+        // Where the CPU lacks the instructions the path is never gated on; the matrix keeps its source.
+        assert_eq!(
+            packed.bytes() == plain.bytes(),
+            rows % 16 == 0 || !int_dot_available()
+        );
+        let look = |w: &QMatrix| {
+            let it = be.from_u32(&ids, 1).unwrap();
+            let mut o = be.zeros(ids.len() * k, k).unwrap();
+            get_rows(&be, it.at(0), w, o.at_mut(0), ids.len(), 1.5).unwrap();
+            be.to_vec(&o).unwrap()
+        };
+        assert_eq!(look(&plain), look(&packed), "{kind:?} lookups");
+        let rows_of = |w: &QMatrix| pollster::block_on(w.dequantize_rows(&be, 3..70)).unwrap();
+        assert_eq!(rows_of(&plain), rows_of(&packed), "{kind:?} rows");
+        let prod = |w: &QMatrix, paths: PathSet| {
+            let tx = be.from_f32(&x, k).unwrap();
+            let mut ty = be.zeros(m * rows, rows).unwrap();
+            matmul(&be, paths, tx.at(0), w, ty.at_mut(0), &Gemm::nt(m, rows, k)).unwrap();
+            be.to_vec(&ty).unwrap()
+        };
+        let (a, b) = (prod(&plain, PathSet::F32), prod(&packed, int));
+        assert_nmse(&format!("{kind:?} products"), &a, &b, 1e-7);
+    }
+}
