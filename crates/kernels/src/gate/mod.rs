@@ -219,7 +219,15 @@ impl PathReport {
                 &self.pill[1..],
                 self.reason.as_deref().unwrap_or("rejected")
             ),
-            Status::Unsupported => format!("-{} (not on this adapter)", &self.pill[1..]),
+            Status::Unsupported => format!(
+                "-{} (not on this {})",
+                &self.pill[1..],
+                if registry::def(self.path).on_cpu {
+                    "CPU"
+                } else {
+                    "adapter"
+                }
+            ),
         }
     }
 }
