@@ -14,7 +14,7 @@ pub struct DeviceArgs {
     #[arg(long, global = true, env = "TINYGPT_ADAPTER")]
     pub adapter: Option<String>,
     /// Ask the GPU for WebGPU's default limits only (128 MiB bindings), as the weakest adapters give.
-    #[arg(long, global = true, env = "TINYGPT_LOW_END")]
+    #[arg(long, global = true, env = "TINYGPT_LOW_END", value_parser = clap::builder::FalseyValueParser::new())]
     pub low_end: bool,
     /// Threads for the CPU backend (default: all cores).
     #[arg(long, global = true, env = "TINYGPT_THREADS")]

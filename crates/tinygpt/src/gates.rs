@@ -23,7 +23,7 @@ pub struct GateArgs {
     #[arg(long, global = true)]
     pub regate: bool,
     /// Use only the canonical f32 kernels (no fast path is gated or used).
-    #[arg(long, global = true, env = "TINYGPT_F32_ONLY")]
+    #[arg(long, global = true, env = "TINYGPT_F32_ONLY", value_parser = clap::builder::FalseyValueParser::new())]
     pub f32_only: bool,
     /// Fast paths not to use, by name (see `tinygpt gates`).
     #[arg(

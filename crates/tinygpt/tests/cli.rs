@@ -1100,3 +1100,22 @@ fn a_model_without_a_newline_generates_without_a_prompt() {
     }
     assert_eq!(texts[0], texts[1]);
 }
+
+/// The boolean environment variables take 1 and 0 as well as true and false (as shells and CI files
+/// set them), and `tinygpt gates` on the CPU backend shows the CPU's own paths.
+#[test]
+fn boolean_environment_variables_take_one_and_zero() {
+    for (value, off) in [("1", true), ("true", true), ("0", false), ("false", false)] {
+        let o = bin()
+            .env("TINYGPT_F32_ONLY", value)
+            .args(["--backend", "cpu", "gates"])
+            .output()
+            .expect("the binary runs");
+        assert!(o.status.success(), "TINYGPT_F32_ONLY={value}: {}", stderr(&o));
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert_eq!(out.contains("no fast paths to gate (--f32-only)"), off, "{value}: {out}");
+        if !off {
+            assert!(out.contains("int dot"), "the CPU's path is listed: {out}");
+        }
+    }
+}
