@@ -30,8 +30,10 @@ let browser;
 const t0 = Date.now();
 const mark = (what) => console.log(`# ${((Date.now() - t0) / 1000).toFixed(0)} s: ${what}`);
 
+// The native reference: the CPU backend on the canonical f32 kernels (the page's CPU backend has no
+// fast path; its `int-dot` path would leave the f32 text at a near-tie, as any gated path may).
 function native(args, input) {
-  return execFileSync(BIN, ['--backend', 'cpu', ...args], { env: ENV, input, encoding: 'utf8', stdio: ['pipe', 'pipe', 'pipe'] });
+  return execFileSync(BIN, ['--backend', 'cpu', '--f32-only', ...args], { env: ENV, input, encoding: 'utf8', stdio: ['pipe', 'pipe', 'pipe'] });
 }
 
 before(async () => {
