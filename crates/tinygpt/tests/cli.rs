@@ -1111,9 +1111,17 @@ fn boolean_environment_variables_take_one_and_zero() {
             .args(["--backend", "cpu", "gates"])
             .output()
             .expect("the binary runs");
-        assert!(o.status.success(), "TINYGPT_F32_ONLY={value}: {}", stderr(&o));
+        assert!(
+            o.status.success(),
+            "TINYGPT_F32_ONLY={value}: {}",
+            stderr(&o)
+        );
         let out = String::from_utf8_lossy(&o.stdout);
-        assert_eq!(out.contains("no fast paths to gate (--f32-only)"), off, "{value}: {out}");
+        assert_eq!(
+            out.contains("no fast paths to gate (--f32-only)"),
+            off,
+            "{value}: {out}"
+        );
         if !off {
             assert!(out.contains("int dot"), "the CPU's path is listed: {out}");
         }
