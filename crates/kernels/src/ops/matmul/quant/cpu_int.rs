@@ -101,20 +101,14 @@ impl IntMatrix {
         let (n, k) = (w.rows, w.cols);
         let nb = k / 32;
         let q = bytemuck::cast_slice::<u32, u8>(&w.quants);
-        let mut m = IntMatrix::zeroed(n, k, QKind::Q4);
-        for r in 0..n {
-            let (g, lane) = (r / GROUP, r % GROUP);
-            for b in 0..nb {
-                let rec = m.record_mut(g, b);
-                let src = &q[(r * nb + b) * 16..][..16];
-                for t in 0..4 {
-                    rec[t].0[lane * 4..lane * 4 + 4].copy_from_slice(&src[4 * t..4 * t + 4]);
-                }
-                put_f32(&mut rec[4], lane, w.scales[r * nb + b]);
-                put_f32(&mut rec[5], lane, w.mins[r * nb + b]);
+        Some(IntMatrix::packed(n, k, QKind::Q4, |r, b, lane, rec| {
+            let src = &q[(r * nb + b) * 16..][..16];
+            for t in 0..4 {
+                rec[t].0[lane * 4..lane * 4 + 4].copy_from_slice(&src[4 * t..4 * t + 4]);
             }
-        }
-        Some(m)
+            put_f32(&mut rec[4], lane, w.scales[r * nb + b]);
+            put_f32(&mut rec[5], lane, w.mins[r * nb + b]);
+        }))
     }
 
     /// Repacks a Q8 matrix (blocks of 16 or 32); None when it cannot be packed.
@@ -124,24 +118,45 @@ impl IntMatrix {
         let (n, k, bl) = (w.rows, w.cols, w.block);
         let nb = k / bl;
         let q = bytemuck::cast_slice::<u32, u8>(&w.quants);
-        let mut m = IntMatrix::zeroed(n, k, kind);
-        for r in 0..n {
-            let (g, lane) = (r / GROUP, r % GROUP);
-            for b in 0..nb {
-                let rec = m.record_mut(g, b);
-                let src = &q[r * k + b * bl..][..bl];
-                for t in 0..bl / 4 {
-                    for (d, &s) in rec[t].0[lane * 4..lane * 4 + 4]
-                        .iter_mut()
-                        .zip(&src[4 * t..4 * t + 4])
-                    {
-                        *d = s ^ 0x80;
-                    }
+        Some(IntMatrix::packed(n, k, kind, |r, b, lane, rec| {
+            let src = &q[r * k + b * bl..][..bl];
+            for t in 0..bl / 4 {
+                for (d, &s) in rec[t].0[lane * 4..lane * 4 + 4]
+                    .iter_mut()
+                    .zip(&src[4 * t..4 * t + 4])
+                {
+                    *d = s ^ 0x80;
                 }
-                put_f32(&mut rec[bl / 4], lane, w.scales[r * nb + b]);
             }
+            put_f32(&mut rec[bl / 4], lane, w.scales[r * nb + b]);
+        }))
+    }
+
+    /// A packed matrix whose records are filled by `fill(row, block, lane, record)` for every row and
+    /// block (rows past the last stay zeros); groups are filled in parallel (a large model packs in a
+    /// fraction of its load time).
+    fn packed(
+        rows: usize,
+        cols: usize,
+        kind: QKind,
+        fill: impl Fn(usize, usize, usize, &mut [Line]) + Sync,
+    ) -> IntMatrix {
+        use rayon::prelude::*;
+        let mut m = IntMatrix::zeroed(rows, cols, kind);
+        let (nb, rl) = (cols / kind.block(), record_lines(kind));
+        if nb > 0 {
+            m.lines
+                .par_chunks_mut(nb * rl)
+                .enumerate()
+                .for_each(|(g, group)| {
+                    for r in g * GROUP..((g + 1) * GROUP).min(rows) {
+                        for (b, rec) in group.chunks_exact_mut(rl).enumerate() {
+                            fill(r, b, r % GROUP, rec);
+                        }
+                    }
+                });
         }
-        Some(m)
+        m
     }
 
     fn zeroed(rows: usize, cols: usize, kind: QKind) -> IntMatrix {
@@ -153,12 +168,6 @@ impl IntMatrix {
             kind,
             lines: vec![Line([0; 64]); lines],
         }
-    }
-
-    fn record_mut(&mut self, g: usize, b: usize) -> &mut [Line] {
-        let rl = record_lines(self.kind);
-        let nb = self.cols / self.kind.block();
-        &mut self.lines[(g * nb + b) * rl..][..rl]
     }
 
     fn record(&self, g: usize, b: usize) -> &[Line] {
