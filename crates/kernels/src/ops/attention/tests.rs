@@ -531,3 +531,22 @@ fn decode_rows_refuse_positions_past_the_cache() {
     };
     assert!(attend_rows(&be, q.at(0), cache.at(0), rows, out.at_mut(0), s).is_err());
 }
+
+/// Four keys at once give each key's `dot` bit for bit (the batched decode rows and a row alone both
+/// rely on it), at head sizes with and without a tail past the 16-lane chunks.
+#[test]
+fn dot4_is_dot_four_times() {
+    let mut rng = SeedRng::new(44);
+    for len in [1, 7, 16, 64, 80, 128, 256, 131] {
+        let a = rng.vec(len, -2.0, 2.0);
+        let b: Vec<Vec<f32>> = (0..4).map(|_| rng.vec(len, -2.0, 2.0)).collect();
+        let four = dot4(&a, [&b[0], &b[1], &b[2], &b[3]]);
+        for (k, bk) in b.iter().enumerate() {
+            assert_eq!(
+                four[k].to_bits(),
+                dot(&a, bk).to_bits(),
+                "len {len} key {k}"
+            );
+        }
+    }
+}
