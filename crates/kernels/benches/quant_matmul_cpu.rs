@@ -399,64 +399,46 @@ fn per_call() {
 }
 
 /// Batched decode steps: m sequences' rows through every matrix, head included, each row computed as it
-/// is alone (bit-identical to a call of its own), as `tinygpt serve` and `bench llm --parallel` run them.
+/// is alone (bit-identical to a call of its own), as `tinygpt serve` and `bench llm --parallel` run them:
+/// on the integer-dot kernels (the `int-dot` path) where this CPU has them, then on the f32 kernels.
 fn batched(name: &str, model: &Model, pool: &rayon::ThreadPool) {
-    batched_int(name, model, pool);
+    let shapes: Vec<(usize, usize)> = model.iter().map(|m| (m.w.rows(), m.w.cols())).collect();
+    if int_dot_available() {
+        println!(
+            "\n== batched decode on the integer-dot kernels: all {name} matrices (head included) =="
+        );
+        let packed: Vec<IntMatrix> = model
+            .iter()
+            .map(|m| match &m.w {
+                W::Q8(w) => IntMatrix::from_q8(w),
+                W::Q4(w) => IntMatrix::from_q4(w),
+            })
+            .collect::<Option<_>>()
+            .expect("every matrix packs");
+        steps_per_m(&shapes, &[1, 4, 8, 16, 64], |m| {
+            median_of_passes(&shapes, m, pool, |i, x, y| {
+                int_matmul(x, &packed[i], y, m, IntOptions::default())
+            })
+        });
+    } else {
+        println!("\n(no AVX-512 VNNI here: the integer-dot kernels are not timed)");
+    }
     println!("\n== batched decode: all {name} matrices (head included), m rows as alone ==");
     let opts = QmmOptions {
         alone: true,
         ..QmmOptions::default()
     };
-    let macs: usize = model.iter().map(|m| m.w.rows() * m.w.cols()).sum();
-    for m in [1usize, 4, 8, 16] {
-        let t = median_pass(model, m, opts, pool);
-        println!(
-            "m = {m:2}: {:7.2} ms a step, {:6.1} tokens/s, {:6.1} GFLOP/s",
-            t * 1e3,
-            m as f64 / t,
-            2.0 * (macs * m) as f64 / t / 1e9
-        );
-    }
+    steps_per_m(&shapes, &[1, 4, 8, 16], |m| {
+        median_pass(model, m, opts, pool)
+    });
 }
 
-/// The same steps on the integer-dot kernels (the `int-dot` fast path), where this CPU has them.
-fn batched_int(name: &str, model: &Model, pool: &rayon::ThreadPool) {
-    if !int_dot_available() {
-        println!("\n(no AVX-512 VNNI here: the integer-dot kernels are not timed)");
-        return;
-    }
-    println!(
-        "\n== batched decode on the integer-dot kernels: all {name} matrices (head included) =="
-    );
-    let packed: Vec<IntMatrix> = model
-        .iter()
-        .map(|m| match &m.w {
-            W::Q8(w) => IntMatrix::from_q8(w),
-            W::Q4(w) => IntMatrix::from_q4(w),
-        })
-        .collect::<Option<_>>()
-        .expect("every matrix packs");
-    let macs: usize = model.iter().map(|m| m.w.rows() * m.w.cols()).sum();
-    let kmax = packed.iter().map(|w| w.cols()).max().unwrap();
-    let nmax = packed.iter().map(|w| w.rows()).max().unwrap();
-    for m in [1usize, 4, 8, 16, 64] {
-        let x: Vec<f32> = (0..m * kmax)
-            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-            .collect();
-        let mut y = vec![0f32; m * nmax];
-        let mut v: Vec<f64> = (0..7)
-            .map(|_| {
-                pool.install(|| {
-                    let t = Instant::now();
-                    for w in &packed {
-                        let (n, k) = (w.rows(), w.cols());
-                        int_matmul(&x[..m * k], w, &mut y[..m * n], m, IntOptions::default());
-                    }
-                    secs(t.elapsed())
-                })
-            })
-            .collect();
-        let t = median(&mut v);
+/// One line per row count m: the step time `step(m)` gives, as tokens/s and GFLOP/s over the matrices
+/// of `shapes` (N, K).
+fn steps_per_m(shapes: &[(usize, usize)], ms: &[usize], step: impl Fn(usize) -> f64) {
+    let macs: usize = shapes.iter().map(|(n, k)| n * k).sum();
+    for &m in ms {
+        let t = step(m);
         println!(
             "m = {m:2}: {:7.2} ms a step, {:6.1} tokens/s, {:6.1} GFLOP/s",
             t * 1e3,
@@ -468,8 +450,20 @@ fn batched_int(name: &str, model: &Model, pool: &rayon::ThreadPool) {
 
 /// Median of 7 passes of m activation rows through every matrix of `model` (inside `pool`).
 fn median_pass(model: &Model, m: usize, opts: QmmOptions, pool: &rayon::ThreadPool) -> f64 {
-    let kmax = model.iter().map(|w| w.w.cols()).max().unwrap();
-    let nmax = model.iter().map(|w| w.w.rows()).max().unwrap();
+    let shapes: Vec<(usize, usize)> = model.iter().map(|w| (w.w.rows(), w.w.cols())).collect();
+    median_of_passes(&shapes, m, pool, |i, x, y| model[i].w.run(x, y, m, opts))
+}
+
+/// Median of 7 passes of m activation rows through matrices of `shapes` (N, K) in order, matrix i
+/// multiplied by `run(i, x, y)` (inside `pool`).
+fn median_of_passes(
+    shapes: &[(usize, usize)],
+    m: usize,
+    pool: &rayon::ThreadPool,
+    run: impl Fn(usize, &[f32], &mut [f32]) + Sync,
+) -> f64 {
+    let kmax = shapes.iter().map(|s| s.1).max().unwrap();
+    let nmax = shapes.iter().map(|s| s.0).max().unwrap();
     let x: Vec<f32> = (0..m * kmax)
         .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
         .collect();
@@ -478,9 +472,8 @@ fn median_pass(model: &Model, m: usize, opts: QmmOptions, pool: &rayon::ThreadPo
         .map(|_| {
             pool.install(|| {
                 let t = Instant::now();
-                for w in model {
-                    let (n, k) = (w.w.rows(), w.w.cols());
-                    w.w.run(&x[..m * k], &mut y[..m * n], m, opts);
+                for (i, &(n, k)) in shapes.iter().enumerate() {
+                    run(i, &x[..m * k], &mut y[..m * n]);
                 }
                 secs(t.elapsed())
             })

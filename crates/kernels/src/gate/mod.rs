@@ -350,8 +350,13 @@ pub(crate) fn adapter_key(be: &Backend) -> String {
     }
 }
 
-/// The processor's name as it reports it (x86-64), else the architecture.
+/// The processor's name as it reports it (x86-64), else the architecture; read once.
 pub fn cpu_name() -> String {
+    static NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    NAME.get_or_init(read_cpu_name).clone()
+}
+
+fn read_cpu_name() -> String {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::__cpuid;

@@ -39,7 +39,7 @@ pub struct PathDef {
 }
 
 fn has(be: &Backend, f: wgpu::Features, name: &str) -> std::result::Result<(), String> {
-    if gpu_of(be).map_err(|e| e.to_string())?.has_feature(f) {
+    if gpu(be)?.has_feature(f) {
         Ok(())
     } else {
         Err(format!("the adapter lacks {name}"))
@@ -56,7 +56,7 @@ pub static REGISTRY: &[PathDef] = &[
         requires: &[],
         on_cpu: false,
         // pack2x16float / unpack2x16float are core WGSL: every adapter can store f16 in u32 words.
-        detect: |be| gpu_of(be).map(|_| ()).map_err(|e| e.to_string()),
+        detect: |be| gpu(be).map(|_| ()),
         evaluate: |be, c, seed, paths| evaluate_nt(be, c, seed, true, |_| None, paths),
     },
     PathDef {
@@ -81,10 +81,7 @@ pub static REGISTRY: &[PathDef] = &[
         detect: |be| {
             has(be, wgpu::Features::SUBGROUP, "SUBGROUP")?;
             // The decode kernel's reduction assumes a subgroup never spans two of its 32-lane slices.
-            let max = gpu_of(be)
-                .map_err(|e| e.to_string())?
-                .info()
-                .subgroup_max_size;
+            let max = gpu(be)?.info().subgroup_max_size;
             if max == 0 || max > 32 || 32 % max != 0 {
                 return Err(format!(
                     "subgroups of up to {max} lanes (the kernels need at most 32)"
@@ -111,8 +108,7 @@ pub static REGISTRY: &[PathDef] = &[
                 "EXPERIMENTAL_COOPERATIVE_MATRIX",
             )?;
             has(be, wgpu::Features::SHADER_F16, "SHADER_F16")?;
-            if !gpu_of(be)
-                .map_err(|e| e.to_string())?
+            if !gpu(be)?
                 .info()
                 .cooperative_matrix
                 .iter()
@@ -143,7 +139,7 @@ pub static REGISTRY: &[PathDef] = &[
         kernel_version: 4,
         requires: &[],
         on_cpu: false,
-        detect: |be| gpu_of(be).map(|_| ()).map_err(|e| e.to_string()),
+        detect: |be| gpu(be).map(|_| ()),
         evaluate: evaluate_quant,
     },
     PathDef {
@@ -319,10 +315,15 @@ fn evaluate_quant(be: &Backend, c: &GateCase, seed: u64, paths: PathSet) -> Resu
         .collect()
 }
 
-/// Gates only make sense on a GPU.
+/// [`gpu_of`] for a path's `detect`: the reason as text.
+fn gpu(be: &Backend) -> std::result::Result<&GpuBackend, String> {
+    gpu_of(be).map_err(|e| e.to_string())
+}
+
+/// The GPU a GPU path's evaluation runs on.
 fn gpu_of(be: &Backend) -> Result<&GpuBackend> {
     be.as_gpu().ok_or_else(|| Error::Shape {
         op: "gate",
-        msg: "fast paths are gated on a GPU backend".into(),
+        msg: "this fast path's kernels run on a GPU backend".into(),
     })
 }

@@ -275,15 +275,14 @@ impl Default for IntOptions {
 /// Activations prepared for the integer kernels (see the module docs), for m rows of K.
 #[derive(Default)]
 pub(super) struct Acts {
-    /// m·K high bytes xh, then m·K low bytes xl (xi = 128·xh + xl).
+    /// m·K high bytes xh and m·K low bytes xl (xi = 128·xh + xl).
     xh: Vec<i8>,
     xl: Vec<i8>,
     /// Per block of 32: the scale sx, and the f32 sum of the block's activations (Q4's min term).
     sx: Vec<f32>,
     sumx: Vec<f32>,
-    /// 128·Σxi per 16 values and per 32 (Q8's +128 offset).
+    /// 128·Σxi per 16 values (Q8's +128 offset; a block of 32 takes two).
     corr16: Vec<i32>,
-    corr32: Vec<i32>,
 }
 
 thread_local! {
@@ -302,7 +301,6 @@ impl Acts {
         self.sx.resize(nb, 0.0);
         self.sumx.resize(nb, 0.0);
         self.corr16.resize(2 * nb, 0);
-        self.corr32.resize(nb, 0);
         let top = if eight_bit { 127.0 } else { XI_MAX };
         for (b, blk) in x.chunks_exact(32).enumerate() {
             let (xh, xl) = (&mut self.xh[32 * b..][..32], &mut self.xl[32 * b..][..32]);
@@ -331,7 +329,6 @@ impl Acts {
             self.sumx[b] = sumx;
             self.corr16[2 * b] = 128 * half[0];
             self.corr16[2 * b + 1] = 128 * half[1];
-            self.corr32[b] = 128 * (half[0] + half[1]);
         }
     }
 
@@ -459,7 +456,6 @@ pub(super) struct ActPtrs {
     pub sx: *const f32,
     pub sumx: *const f32,
     pub corr16: *const i32,
-    pub corr32: *const i32,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -471,7 +467,6 @@ impl Acts {
             sx: self.sx.as_ptr(),
             sumx: self.sumx.as_ptr(),
             corr16: self.corr16.as_ptr(),
-            corr32: self.corr32.as_ptr(),
         }
     }
 }

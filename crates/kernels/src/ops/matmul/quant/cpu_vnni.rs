@@ -229,7 +229,7 @@ unsafe fn q8<const R: usize, const B: usize>(
                     l1 = _mm512_dpbusd_epi32(l1, q[t + 1], bcast(xl, t + 1));
                 }
                 let corr = if B == 32 {
-                    *a.corr32.add(row / 32)
+                    *a.corr16.add(row / 16) + *a.corr16.add(row / 16 + 1)
                 } else {
                     *a.corr16.add(row / 16)
                 };

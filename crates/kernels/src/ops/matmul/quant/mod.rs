@@ -405,37 +405,35 @@ impl QMatrix {
         rows: RowMode,
         fault: Option<Fault>,
     ) -> Result<()> {
-        let src = match &self.store {
-            QStore::Cpu(src) => src,
+        fits_u32("qmatmul", &[m, x.len(), y.len()])?;
+        let n = self.rows;
+        match &self.store {
+            QStore::Cpu(src) => {
+                let opts = cpu::QmmOptions {
+                    alone: rows == RowMode::Independent,
+                    ..cpu::QmmOptions::default()
+                };
+                c.install(|| match src {
+                    QuantSource::Q8(q) => cpu::q8_matmul_nt_with(x, q, m, 0..n, y, n, opts),
+                    QuantSource::Q4(q) => cpu::q4_matmul_nt_with(x, q, m, 0..n, y, n, opts),
+                });
+                Ok(())
+            }
             QStore::CpuInt(w) => {
-                fits_u32("qmatmul", &[m, x.len(), y.len()])?;
                 // Every row is computed as alone whatever `rows` says (see `cpu_int`).
                 let opts = cpu_int::IntOptions {
                     fault,
                     ..cpu_int::IntOptions::default()
                 };
                 c.install(|| cpu_int::int_matmul(x, w, y, m, opts));
-                return Ok(());
+                Ok(())
             }
-            _ => {
-                return Err(Error::BackendMismatch {
-                    op: "qmatmul",
-                    expected: "cpu",
-                    found: "gpu",
-                });
-            }
-        };
-        fits_u32("qmatmul", &[m, x.len(), y.len()])?;
-        let opts = cpu::QmmOptions {
-            alone: rows == RowMode::Independent,
-            ..cpu::QmmOptions::default()
-        };
-        let n = self.rows;
-        c.install(|| match src {
-            QuantSource::Q8(q) => cpu::q8_matmul_nt_with(x, q, m, 0..n, y, n, opts),
-            QuantSource::Q4(q) => cpu::q4_matmul_nt_with(x, q, m, 0..n, y, n, opts),
-        });
-        Ok(())
+            _ => Err(Error::BackendMismatch {
+                op: "qmatmul",
+                expected: "cpu",
+                found: "gpu",
+            }),
+        }
     }
 
     /// y[m, N] = x[m, K] · Wᵀ from the blocks on the GPU (x and y views: tensor and element offset); with
