@@ -25,16 +25,20 @@ pub enum PathId {
     /// The CPU backend's quantized products with 15-bit integer activations and integer dot products
     /// (AVX-512 VNNI), on weights repacked at load.
     IntDot,
+    /// Prompts' quantized products (32 rows and more) on the tensor cores: x and the dequantized
+    /// weights rounded to f16 in workgroup memory, f32 accumulation.
+    CoopQuant,
 }
 
 impl PathId {
     /// Every path, in the order they are gated and shown.
-    pub const ALL: [PathId; 7] = [
+    pub const ALL: [PathId; 8] = [
         PathId::F16Storage,
         PathId::ShaderF16,
         PathId::Subgroups,
         PathId::CoopMatrix,
         PathId::QuantMatmul,
+        PathId::CoopQuant,
         PathId::MixedTraining,
         PathId::IntDot,
     ];
@@ -193,6 +197,6 @@ mod tests {
         );
         assert_eq!(s.without(PathId::F16Storage).len(), 1);
         assert!(PathSet::F32.is_empty() && PathSet::F32.fault().is_none());
-        assert_eq!(PathId::ALL.into_iter().collect::<PathSet>().len(), 7);
+        assert_eq!(PathId::ALL.into_iter().collect::<PathSet>().len(), 8);
     }
 }

@@ -143,6 +143,21 @@ pub static REGISTRY: &[PathDef] = &[
         evaluate: evaluate_quant,
     },
     PathDef {
+        id: PathId::CoopQuant,
+        name: "tc-prompt",
+        pill: "+tensor-core prompts",
+        active_text: "tensor-core prompt products active",
+        kernel_version: 1,
+        requires: &[PathId::QuantMatmul, PathId::CoopMatrix],
+        on_cpu: false,
+        detect: |g| (def(PathId::CoopMatrix).detect)(g),
+        // The tensor-core GEMM at every shape, decode rows included (mostly-empty tiles exercise its
+        // edges), on both weight layouts.
+        evaluate: |be, c, seed, paths| {
+            evaluate_quant_on(be, c, seed, paths, Some(Kernel::QuantCoop))
+        },
+    },
+    PathDef {
         id: PathId::MixedTraining,
         name: "tc-training",
         pill: "+tensor-core training",
@@ -286,6 +301,17 @@ fn evaluate_nt(
 /// (blocks of 32, and of 16 on the CPU) and Q4 kernels, each against the f32 product with its own
 /// dequantized weights (the twin); the worst is what the gate sees.
 fn evaluate_quant(be: &Backend, c: &GateCase, seed: u64, paths: PathSet) -> Result<Vec<Pending>> {
+    evaluate_quant_on(be, c, seed, paths, None)
+}
+
+/// [`evaluate_quant`] on the kernel `force` names (None: the one the path set chooses).
+fn evaluate_quant_on(
+    be: &Backend,
+    c: &GateCase,
+    seed: u64,
+    paths: PathSet,
+    force: Option<Kernel>,
+) -> Result<Vec<Pending>> {
     use crate::ops::matmul::quant::{quantize_q4, quantize_q8};
     let (x, w) = inputs(c, seed);
     let tx = be.from_f32(&x, 1)?;
@@ -306,7 +332,20 @@ fn evaluate_quant(be: &Backend, c: &GateCase, seed: u64, paths: PathSet) -> Resu
             let wm = QMatrix::upload(be, src, paths)?;
             let mut out = guarded_output(be, c)?;
             let g = Gemm::nt(c.m, c.n, c.k);
-            matmul::matmul(be, paths, (&tx).into(), &wm, (&mut out).into(), &g)?;
+            match force {
+                Some(k) => {
+                    let choice = Choice::forced(k, paths);
+                    matmul::run(
+                        be,
+                        choice,
+                        (&tx).into(),
+                        (&wm).into(),
+                        (&mut out).into(),
+                        &g,
+                    )?
+                }
+                None => matmul::matmul(be, paths, (&tx).into(), &wm, (&mut out).into(), &g)?,
+            }
             Ok(Pending {
                 reference: reference(c, &x, &dense),
                 output: out,

@@ -49,8 +49,14 @@ fn token_gate_finds_the_first_divergence() {
 
 /// The paths to gate so that `p` can be evaluated: its prerequisites, then itself.
 fn with_requirements(p: PathId) -> Vec<PathId> {
-    let mut v = registry::def(p).requires.to_vec();
+    let mut v: Vec<PathId> = registry::def(p)
+        .requires
+        .iter()
+        .flat_map(|&r| with_requirements(r))
+        .collect();
     v.push(p);
+    v.sort();
+    v.dedup();
     v
 }
 
@@ -125,7 +131,9 @@ fn every_healthy_path_passes_on_this_adapter() {
 /// Which paths each planted fault breaks (the kernels it is planted into).
 fn victims(f: Fault) -> Vec<PathId> {
     match f {
-        Fault::SignExtensionDropped | Fault::BlockIndexAtK2048 => vec![PathId::QuantMatmul],
+        Fault::SignExtensionDropped | Fault::BlockIndexAtK2048 => {
+            vec![PathId::QuantMatmul, PathId::CoopQuant]
+        }
         Fault::F16Accumulation => vec![PathId::F16Storage, PathId::ShaderF16],
         // Faults of one model's run, which the drift guard and the training gate catch.
         Fault::RopePast500
@@ -139,6 +147,7 @@ fn victims(f: Fault) -> Vec<PathId> {
             PathId::Subgroups,
             PathId::CoopMatrix,
             PathId::QuantMatmul,
+            PathId::CoopQuant,
             PathId::MixedTraining,
         ],
     }

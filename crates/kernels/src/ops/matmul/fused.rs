@@ -227,6 +227,7 @@ fn try_staged(
         [m, n, k, n],
         mode == RowMode::Independent,
         paths.fault(),
+        paths.has(PathId::CoopQuant),
     ))
 }
 

@@ -304,6 +304,9 @@ pub enum Kernel {
     CoopMixed,
     /// Straight from the quantized blocks.
     Quant,
+    /// Straight from the quantized blocks, every row that is not computed alone on the tensor cores
+    /// (f16-rounded operands, f32 accumulation: the `tc-prompt` path).
+    QuantCoop,
 }
 
 /// A kernel and, in tests, the planted fault it is built with.
@@ -341,6 +344,12 @@ pub fn choose(
                 Weights::F32(t) => (t.tensor(), false),
                 Weights::F16(t) => (t.tensor(), true),
                 Weights::Quant(q) => match q.dense() {
+                    None if paths.has(PathId::CoopQuant)
+                        && g.m >= quant::GEMM_MIN_ROWS
+                        && g.rows != RowMode::Independent =>
+                    {
+                        return Choice::forced(Kernel::QuantCoop, paths);
+                    }
                     None => return Choice::forced(Kernel::Quant, paths),
                     Some(t) => (t, false),
                 },
@@ -460,10 +469,11 @@ pub fn run(
             }
             Ok(())
         }
-        (Backend::Gpu(gb), Weights::Quant(q), Kernel::Quant) => {
+        (Backend::Gpu(gb), Weights::Quant(q), k @ (Kernel::Quant | Kernel::QuantCoop)) => {
             let tx = a.gpu("matmul", "A", ea)?;
             let ty = c.gpu("matmul", "C", ec)?;
-            q.gpu_matmul(gb, (tx, a.offset()), (ty, c.offset()), g.m, g.rows, fault)
+            let (x, y) = ((tx, a.offset()), (ty, c.offset()));
+            q.gpu_matmul(gb, x, y, g.m, g.rows, fault, k == Kernel::QuantCoop)
         }
         (Backend::Gpu(_), Weights::Quant(q), k) => match q.dense() {
             Some(t) => run(be, Choice { kernel: k, fault }, a, t.into(), c, g),
@@ -530,7 +540,7 @@ pub fn run(
                     };
                     gpu_tiled(gb, a, b, c, g, tile, opts, fault)
                 }
-                Kernel::Cpu | Kernel::Quant => Err(Error::Shape {
+                Kernel::Cpu | Kernel::Quant | Kernel::QuantCoop => Err(Error::Shape {
                     op: "matmul",
                     msg: format!("kernel {k:?} does not run on a GPU with these weights"),
                 }),

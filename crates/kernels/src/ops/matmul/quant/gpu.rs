@@ -8,7 +8,9 @@
 //!   sequence the numbers it would get alone.
 //! - **tiled rows** (q8.wgsl, q4.wgsl): up to 8 rows of x per pass over the weights, for short prompts.
 //! - **GEMM** (qgemm.wgsl): 64 x 64 output tiles, the weights dequantised into workgroup memory one
-//!   block of K at a time, for prompts of [`GEMM_MIN_ROWS`] rows or more.
+//!   block of K at a time, for prompts of [`GEMM_MIN_ROWS`] rows or more; where the `tc-prompt` path
+//!   passed its gate, the same walk on the tensor cores (qgemm_coop.wgsl: x and the dequantised
+//!   weights rounded to f16 in workgroup memory, 16x16x16 cooperative matrices, f32 sums).
 //!
 //! One product is one dispatch in the usual case (x, y and the weights each in one buffer). Split
 //! tensors multiply it: x/y are cut by rows of x where either changes buffer, the weights by the row
@@ -38,8 +40,9 @@ const WORDS_PER_LANE: usize = 16;
 const GEMV_VECTORS_PER_LANE: usize = 3;
 /// Most quant vectors one gemv lane holds (longer rows take the tiled kernel).
 const GEMV_MAX_VECTORS: usize = 8;
-/// Rows of x from which a product takes the GEMM kernel (its tiles hold 64).
-const GEMM_MIN_ROWS: usize = 32;
+/// Rows of x from which a product takes the GEMM kernel (its tiles hold 64), and the tensor-core one
+/// where the `tc-prompt` path is held.
+pub(crate) const GEMM_MIN_ROWS: usize = 32;
 /// Threads per workgroup of the row-lookup kernels (one workgroup per token).
 const GET_ROWS_WG: usize = 64;
 
@@ -339,7 +342,8 @@ fn fold(g: &GpuBackend, n: usize) -> [u32; 3] {
 }
 
 /// y = x · Wᵀ for `m` rows: the gemv family for a few rows (decode), and for every row of a batch whose
-/// rows must not share work (`independent`); the tiled family for prompts.
+/// rows must not share work (`independent`); the tiled family for prompts. `tensor_cores`: every row
+/// that is not `independent` on the tensor-core GEMM (the `tc-prompt` path), whatever their number.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn qmatmul(
     g: &GpuBackend,
@@ -350,6 +354,7 @@ pub(super) fn qmatmul(
     [m, n, k]: [usize; 3],
     independent: bool,
     fault: Option<Fault>,
+    tensor_cores: bool,
 ) -> Result<()> {
     const OP: &str = "qmatmul";
     if m == 0 {
@@ -361,6 +366,21 @@ pub(super) fn qmatmul(
         let (xb, yb) = (&xs.places[0].buffer, &xs.places[1].buffer);
         let (x0, y0) = (xs.places[0].offset, xs.places[1].offset);
         let rows = xs.len();
+        if tensor_cores && !independent {
+            let (shape, tile) = ([rows, n, k], Some(tc_tile(g, rows, n)));
+            qgemm(
+                g,
+                (xb, x0),
+                (yb, y0),
+                w,
+                kind,
+                shape,
+                Output::Store,
+                fault,
+                tile,
+            )?;
+            continue;
+        }
         if let Some((_, _, ni)) = gemv_shape(kind, k).filter(|_| rows <= MAX_R || independent) {
             let r = rows.next_power_of_two().min(MAX_R);
             let v = Variant {
@@ -396,6 +416,7 @@ pub(super) fn qmatmul(
                 [rows, n, k],
                 Output::Store,
                 fault,
+                None,
             )?;
             continue;
         }
@@ -489,6 +510,7 @@ pub(crate) fn qmatmul_staged(
     [m, n, k, ldy]: [usize; 4],
     independent: bool,
     fault: Option<Fault>,
+    tensor_cores: bool,
 ) -> Result<()> {
     // A prompt's rows added to y: the GEMM with the addition in its store (a decode batch's rows stay
     // on the gemv family, which computes each row as it is computed alone).
@@ -498,7 +520,8 @@ pub(crate) fn qmatmul_staged(
         && m >= GEMM_MIN_ROWS
         && ldy == n
     {
-        return qgemm(g, (xb, x0), (yb, y0), w, kind, [m, n, k], out, fault);
+        let (shape, tile) = ([m, n, k], tensor_cores.then(|| tc_tile(g, m, n)));
+        return qgemm(g, (xb, x0), (yb, y0), w, kind, shape, out, fault, tile);
     }
     let (Some((_, _, ni)), Some(r)) = (gemv_shape(kind, k), staged_rows(g, m, k, stage)) else {
         return Err(shape(
@@ -677,6 +700,7 @@ fn qgemm(
     [m, n, k]: [usize; 3],
     out: Output,
     fault: Option<Fault>,
+    tensor_cores: Option<TcTile>,
 ) -> Result<()> {
     if !k.is_multiple_of(32) {
         return Err(shape("qmatmul", format!("K = {k} is not a multiple of 32")));
@@ -684,11 +708,24 @@ fn qgemm(
     let xvec = x_off.is_multiple_of(4);
     // Rows of x per tile: 32 when 64 would leave fewer than two workgroups per compute unit of a big
     // GPU (264 covers the H200's 132).
-    let tiles = |bm: usize| n.div_ceil(64) * m.div_ceil(bm);
-    let bm = if tiles(64) < 264 { 32 } else { 64 };
+    let tile = tensor_cores.unwrap_or_else(|| {
+        let bm = if n.div_ceil(64) * m.div_ceil(64) < 264 {
+            32
+        } else {
+            64
+        };
+        TcTile { bm, steps: 1 }
+    });
+    let bm = tile.bm;
+    let tensor_cores = tensor_cores.is_some();
     let acc = out == Output::Accumulate;
     let key = format!(
-        "qgemm_bm{bm}_{}_{}{}{}",
+        "qgemm{}_bm{bm}_{}_{}{}{}",
+        if tensor_cores {
+            format!("_tc_s{}", tile.steps)
+        } else {
+            String::new()
+        },
         match kind {
             QKind::Q8 { block } => format!("q8b{block}"),
             QKind::Q4 => "q4".into(),
@@ -702,26 +739,7 @@ fn qgemm(
         bindings.push(Access::Read);
     }
     let pipe = g.pipeline(&key, &bindings, PipelineOptions::default(), || {
-        let (xt, xload) = if xvec {
-            ("vec4<f32>", "return x[i >> 2u];")
-        } else {
-            (
-                "f32",
-                "return vec4<f32>(x[i], x[i + 1u], x[i + 2u], x[i + 3u]);",
-            )
-        };
-        let body = repeat_lines(include_str!("qgemm.wgsl"), "$w", 64 / bm);
-        let put = if acc {
-            "fn put(at: u32, v: f32) { y[at] = y[at] + v; }"
-        } else {
-            "fn put(at: u32, v: f32) { y[at] = v; }"
-        };
-        let src = format!(
-            "{PRELUDE}\nconst BM: u32 = {bm}u;\nconst BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{body}\n{put}\n{}",
-            kind.block(),
-            qgemm_layout(kind)
-        );
-        plant(src, fault)
+        qgemm_source(kind, tile, xvec, acc, tensor_cores, fault)
     })?;
     let max = g.limits.max_compute_workgroups_per_dimension as usize;
     for i0 in (0..m).step_by(bm * max) {
@@ -760,6 +778,93 @@ fn qgemm(
         }
     }
     Ok(())
+}
+
+/// A GEMM tile: `bm` rows of x (by 64 weight rows), `steps` blocks of K staged per step (the
+/// tensor-core kernel; the SIMT one takes 1).
+#[derive(Clone, Copy, Debug)]
+struct TcTile {
+    bm: usize,
+    steps: usize,
+}
+
+/// Fewest rows of x per tensor-core tile (16, 32 or 64).
+const TC_MIN_BM: usize = 32;
+/// Blocks of K the tensor-core GEMM stages per step (1 or 2) where workgroup memory holds them.
+const TC_STEPS: usize = 1;
+
+/// The tensor-core GEMM's tile for `m` x `n` outputs: the most rows per tile (down to [`TC_MIN_BM`])
+/// that still give every compute unit of a big GPU two workgroups (264 covers the H200's 132);
+/// [`TC_STEPS`] blocks of K per step where workgroup memory holds both tiles at that width.
+fn tc_tile(g: &GpuBackend, m: usize, n: usize) -> TcTile {
+    let tiles = |bm: usize| n.div_ceil(64) * m.div_ceil(bm);
+    let bm = [64, 32, 16]
+        .into_iter()
+        .find(|&bm| bm == TC_MIN_BM || tiles(bm) >= 264)
+        .unwrap_or(TC_MIN_BM);
+    let bytes = |steps: usize| 2 * (bm + 64) * (32 * steps + 8) + 4096;
+    let limit = g.limits.max_compute_workgroup_storage_size as usize;
+    let steps = if bytes(TC_STEPS) <= limit {
+        TC_STEPS
+    } else {
+        1
+    };
+    TcTile { bm, steps }
+}
+
+/// The source of qgemm.wgsl (or, with `tensor_cores`, qgemm_coop.wgsl) for BM = `bm` rows of x per
+/// tile: x read as vec4s (`xvec`) or values, y stored or added to (`acc`).
+fn qgemm_source(
+    kind: QKind,
+    TcTile { bm, steps }: TcTile,
+    xvec: bool,
+    acc: bool,
+    tensor_cores: bool,
+    fault: Option<Fault>,
+) -> String {
+    let (xt, xload) = if xvec {
+        ("vec4<f32>", "return x[i >> 2u];")
+    } else {
+        (
+            "f32",
+            "return vec4<f32>(x[i], x[i + 1u], x[i + 2u], x[i + 3u]);",
+        )
+    };
+    let put = if acc {
+        "fn put(at: u32, v: f32) { y[at] = y[at] + v; }"
+    } else {
+        "fn put(at: u32, v: f32) { y[at] = v; }"
+    };
+    let (enables, body) = if tensor_cores {
+        // Subgroup columns: 4 side by side for 16-row tiles, else 2 x 2.
+        let sgc = if bm == 16 { 4 } else { 2 };
+        let marks = [
+            ("$a", bm * sgc / 64),
+            ("$b", 4 / sgc),
+            ("$x", bm.div_ceil(32)),
+            ("$w", 2),
+            ("$s", steps),
+        ];
+        let body = marks
+            .iter()
+            .fold(include_str!("qgemm_coop.wgsl").to_string(), |b, (v, n)| {
+                repeat_lines(&b, v, *n)
+            });
+        let consts = format!("const S: u32 = {steps}u;\nconst SGC: u32 = {sgc}u;\n");
+        (
+            "enable f16;\nenable wgpu_cooperative_matrix;\n",
+            consts + &body,
+        )
+    } else {
+        ("", repeat_lines(include_str!("qgemm.wgsl"), "$w", 64 / bm))
+    };
+    // The kernel's body last: a planted fault's lines go before its final brace.
+    let src = format!(
+        "{enables}{PRELUDE}\nconst BM: u32 = {bm}u;\nconst BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{put}\n{}\n{body}",
+        kind.block(),
+        qgemm_layout(kind)
+    );
+    plant(src, fault)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -829,4 +934,139 @@ pub(super) fn get_rows(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every GEMM source, the tensor-core one included, is valid WGSL for naga's front end and
+    /// validator and becomes SPIR-V, healthy and with each planted fault (the tensor-core kernel runs
+    /// only where the adapter has cooperative matrices; its gate then decides).
+    #[test]
+    fn gemm_kernels_parse_and_validate() {
+        let faults = std::iter::once(None).chain(Fault::ALL.map(Some));
+        for fault in faults {
+            for kind in [QKind::Q8 { block: 32 }, QKind::Q8 { block: 16 }, QKind::Q4] {
+                for (bm, steps, xvec, acc, tc) in [
+                    (16, 1, true, false, true),
+                    (16, 2, true, true, true),
+                    (32, 1, true, false, true),
+                    (32, 2, false, false, true),
+                    (64, 1, false, true, true),
+                    (64, 2, true, true, true),
+                    (32, 1, false, false, false),
+                    (64, 1, true, true, false),
+                ] {
+                    let tile = TcTile { bm, steps };
+                    let src = qgemm_source(kind, tile, xvec, acc, tc, fault);
+                    let module = naga::front::wgsl::parse_str(&src)
+                        .unwrap_or_else(|e| panic!("{}", e.emit_to_string(&src)));
+                    let mut v = naga::valid::Validator::new(
+                        naga::valid::ValidationFlags::all(),
+                        naga::valid::Capabilities::all(),
+                    );
+                    let info = v
+                        .validate(&module)
+                        .unwrap_or_else(|e| panic!("{fault:?} {kind:?} bm {bm} tc {tc}: {e:?}"));
+                    // Vulkan adapters get it through naga's SPIR-V writer, which has panicked on
+                    // cooperative loads it could not express.
+                    let opts = naga::back::spv::Options::default();
+                    naga::back::spv::write_vec(&module, &info, &opts, None)
+                        .unwrap_or_else(|e| panic!("{fault:?} {kind:?} bm {bm} tc {tc}: {e:?}"));
+                    if let Some(Fault::OutOfBoundsWrite | Fault::NanOutput) = fault {
+                        // The planted lines land in the kernel's entry point.
+                        let main = src.rfind("fn main").expect("entry point");
+                        assert!(src[main..].contains("group_index(wid, nwg)"));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The tensor-core GEMM (`tc-prompt`) against f64 math on the dequantized weights, every block
+    /// layout, stored and added to y, every tile (16, 32, 64 rows; one or two blocks of K a step, K of
+    /// an odd number of blocks), from one row (a mostly-empty tile) to several tiles, with odd N.
+    /// Only adapters with cooperative matrices run it (elsewhere the path is never gated). Bound: x and
+    /// the weights are rounded to f16 (relative error ≤ 2⁻¹¹ each), so with random signs the NMSE is of
+    /// order (2⁻¹¹)² · 2 / 3 ≈ 1.6e-7; 1e-6 still catches one wrong block or fragment.
+    #[test]
+    fn tensor_core_gemm_matches_reference() {
+        use crate::backend::Backend;
+        use crate::ops::matmul::quant::{quantize_q4, quantize_q8};
+        use crate::path::PathId;
+        use crate::rng::SeedRng;
+        use crate::testing::{assert_nmse, gpu_backend};
+        let Some(be) = gpu_backend(None) else {
+            return;
+        };
+        if let Err(why) = (crate::gate::registry::def(PathId::CoopQuant).detect)(&be) {
+            eprintln!("tensor-core GEMM not run: {why}");
+            return;
+        }
+        let Backend::Gpu(g) = &be else { unreachable!() };
+        let paths = crate::path::PathSet::of(&[PathId::QuantMatmul]);
+        let mut rng = SeedRng::new(77);
+        let tiles = [16, 32, 64]
+            .into_iter()
+            .flat_map(|bm| [1, 2].map(|steps| TcTile { bm, steps }));
+        let shapes = [
+            (1, 70, 64),
+            (33, 200, 576),
+            (100, 1100, 1536),
+            (300, 330, 96),
+        ];
+        let cases = shapes
+            .into_iter()
+            .flat_map(|s| tiles.clone().map(move |t| (s, t)));
+        for ((m, n, k), tile) in cases {
+            let w = rng.vec(n * k, -0.5, 0.5);
+            let x = rng.normal_vec(m * k, 1.0);
+            let y0 = rng.vec(m * n, -1.0, 1.0);
+            let sources = [
+                super::super::QuantSource::Q8(quantize_q8(&w, n, k, 32)),
+                super::super::QuantSource::Q8(quantize_q8(&w, n, k, 16)),
+                super::super::QuantSource::Q4(quantize_q4(&w, n, k)),
+            ];
+            for src in sources {
+                let dense = match &src {
+                    super::super::QuantSource::Q8(q) => q.dequantize(),
+                    super::super::QuantSource::Q4(q) => q.dequantize(),
+                };
+                let kind = src.dims().2;
+                let wm = super::super::QMatrix::upload(&be, src, paths).unwrap();
+                let parts = wm.gpu_parts().expect("held as blocks");
+                let mut want = vec![0f32; m * n];
+                for i in 0..m {
+                    for j in 0..n {
+                        let s: f64 = (0..k)
+                            .map(|c| x[i * k + c] as f64 * dense[j * k + c] as f64)
+                            .sum();
+                        want[i * n + j] = s as f32;
+                    }
+                }
+                let tx = be.from_f32(&x, k).unwrap();
+                for out in [Output::Store, Output::Accumulate] {
+                    let ty = be.from_f32(&y0, n).unwrap();
+                    let (xb, yb) = (
+                        &tx.gpu().unwrap().chunks[0].buffer,
+                        &ty.gpu().unwrap().chunks[0].buffer,
+                    );
+                    let tile = Some(tile);
+                    qgemm(g, (xb, 0), (yb, 0), parts, kind, [m, n, k], out, None, tile).unwrap();
+                    let got = be.to_vec(&ty).unwrap();
+                    let want: Vec<f32> = match out {
+                        Output::Store => want.clone(),
+                        Output::Accumulate => want.iter().zip(&y0).map(|(a, b)| a + b).collect(),
+                    };
+                    assert_nmse(
+                        &format!("{kind:?} m={m} n={n} k={k} {out:?} {tile:?}"),
+                        &want,
+                        &got,
+                        1e-6,
+                    );
+                }
+            }
+        }
+    }
 }

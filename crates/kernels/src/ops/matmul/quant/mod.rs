@@ -27,6 +27,7 @@ pub mod cpu_int;
 #[cfg(target_arch = "x86_64")]
 mod cpu_vnni;
 pub(crate) mod gpu;
+pub(crate) use gpu::GEMM_MIN_ROWS;
 
 use std::ops::Range;
 
@@ -437,7 +438,9 @@ impl QMatrix {
     }
 
     /// y[m, N] = x[m, K] · Wᵀ from the blocks on the GPU (x and y views: tensor and element offset); with
-    /// independent rows, each row as it would be computed alone.
+    /// independent rows, each row as it would be computed alone; `tensor_cores`: the other rows on the
+    /// tensor-core GEMM.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn gpu_matmul(
         &self,
         g: &GpuBackend,
@@ -446,6 +449,7 @@ impl QMatrix {
         m: usize,
         rows: RowMode,
         fault: Option<Fault>,
+        tensor_cores: bool,
     ) -> Result<()> {
         let QStore::Gpu(parts) = &self.store else {
             return Err(shape(
@@ -464,6 +468,7 @@ impl QMatrix {
             shape,
             rows == RowMode::Independent,
             fault,
+            tensor_cores,
         )
     }
 }

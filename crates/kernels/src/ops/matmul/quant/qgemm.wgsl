@@ -36,8 +36,18 @@ fn sext(w: u32) -> vec4<f32> {
   return vec4<f32>((vec4<i32>(bitcast<i32>(w)) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));
 }
 
+// Row i of y, columns c .. c + 3 (those inside the product), through `put` (gpu.rs: y = v, or y += v).
+fn store(i: u32, c: u32, v: vec4<f32>) {
+  if (i >= p.m) { return; }
+  let at = p.o_y + i * p.ldy + c;
+  if (c < p.n) { put(at, v.x); }
+  if (c + 1u < p.n) { put(at + 1u, v.y); }
+  if (c + 2u < p.n) { put(at + 2u, v.z); }
+  if (c + 3u < p.n) { put(at + 3u, v.w); }
+}
+
 @compute @workgroup_size(4u * BM)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
   let n0 = wid.x * 64u;
   let i0 = wid.y * BM;
   let ty = lid / 16u;
@@ -94,14 +104,4 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   store(i0 + 4u * ty + 1u, c, acc1);
   store(i0 + 4u * ty + 2u, c, acc2);
   store(i0 + 4u * ty + 3u, c, acc3);
-}
-
-// Row i of y, columns c .. c + 3 (those inside the product), through `put` (gpu.rs: y = v, or y += v).
-fn store(i: u32, c: u32, v: vec4<f32>) {
-  if (i >= p.m) { return; }
-  let at = p.o_y + i * p.ldy + c;
-  if (c < p.n) { put(at, v.x); }
-  if (c + 1u < p.n) { put(at + 1u, v.y); }
-  if (c + 2u < p.n) { put(at + 2u, v.z); }
-  if (c + 3u < p.n) { put(at + 3u, v.w); }
 }
