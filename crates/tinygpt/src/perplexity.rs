@@ -5,7 +5,8 @@
 //!
 //! `--kl-divergence` measures what the fast paths cost in numerics over the whole file, as llama.cpp's
 //! `--kl-divergence` does against a base model's logits: the model on the gated fast paths (and, when
-//! several are active, on each one alone) against the same model on the canonical f32 path, at every
+//! several are active, on each one with the paths it builds on) against the same model on the
+//! canonical f32 path, at every
 //! scored token — the KL divergence of the fast path's next-token distribution from the f32 one, the
 //! perplexity ratio and how often the two agree on the most likely token.
 
@@ -281,10 +282,16 @@ fn kl_divergence(
     };
     let mut base = load_with(PathSet::F32)?;
     let v = base.config().vocab;
-    // The active set as the run uses it, then each path alone when there are several.
+    // The active set as the run uses it, then, when there are several, each path with only the paths
+    // it builds on (alone, a path that needs another never reaches its kernels).
     let mut configs = vec![(active, Some(m.llm))];
     if active.len() > 1 {
-        configs.extend(active.iter().map(|p| (PathSet::F32.with(p), None)));
+        for p in active.iter() {
+            let set = p.with_prerequisites().intersect(active);
+            if set != active && !configs.iter().any(|(s, _)| *s == set) {
+                configs.push((set, None));
+            }
+        }
     }
     eprintln!(
         "comparing {} configuration(s) against the f32 path over {n_chunks} chunks of {n_ctx}",

@@ -235,6 +235,16 @@ impl PathId {
     pub fn from_name(name: &str) -> Option<PathId> {
         REGISTRY.iter().find(|d| d.name == name).map(|d| d.id)
     }
+
+    /// The path with every path it requires, and theirs: the smallest set in which it runs (a path
+    /// held without its prerequisites never reaches its kernels).
+    pub fn with_prerequisites(self) -> PathSet {
+        def(self)
+            .requires
+            .iter()
+            .flat_map(|r| r.with_prerequisites().iter())
+            .fold(PathSet::F32.with(self), PathSet::with)
+    }
 }
 
 /// Every path's name, comma-separated (for messages listing what exists).

@@ -49,15 +49,20 @@ fn token_gate_finds_the_first_divergence() {
 
 /// The paths to gate so that `p` can be evaluated: its prerequisites, then itself.
 fn with_requirements(p: PathId) -> Vec<PathId> {
-    let mut v: Vec<PathId> = registry::def(p)
-        .requires
-        .iter()
-        .flat_map(|&r| with_requirements(r))
-        .collect();
-    v.push(p);
-    v.sort();
-    v.dedup();
-    v
+    p.with_prerequisites().iter().collect()
+}
+
+#[test]
+fn a_path_comes_with_its_prerequisites_and_theirs() {
+    let s = PathId::CoopQuant.with_prerequisites();
+    let want = [
+        PathId::F16Storage,
+        PathId::CoopMatrix,
+        PathId::QuantMatmul,
+        PathId::CoopQuant,
+    ];
+    assert_eq!(s, PathSet::of(&want));
+    assert_eq!(PathId::Subgroups.with_prerequisites().len(), 1);
 }
 
 /// Gates `paths` on a fresh GPU backend (a fresh store: nothing cached), with `fault` planted into the
