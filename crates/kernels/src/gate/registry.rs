@@ -335,10 +335,7 @@ fn evaluate_quant_on(
     sources
         .into_iter()
         .map(|src| {
-            let dense = match &src {
-                QuantSource::Q8(m) => m.dequantize(),
-                QuantSource::Q4(m) => m.dequantize(),
-            };
+            let dense = src.dequantize();
             let wm = QMatrix::upload(be, src, paths)?;
             let mut out = guarded_output(be, c)?;
             let g = Gemm::nt(c.m, c.n, c.k);

@@ -1029,22 +1029,10 @@ mod tests {
                 super::super::QuantSource::Q4(quantize_q4(&w, n, k)),
             ];
             for src in sources {
-                let dense = match &src {
-                    super::super::QuantSource::Q8(q) => q.dequantize(),
-                    super::super::QuantSource::Q4(q) => q.dequantize(),
-                };
                 let kind = src.dims().2;
+                let want = super::super::tests::reference(&x, &src.dequantize(), m, n, k);
                 let wm = super::super::QMatrix::upload(&be, src, paths).unwrap();
                 let parts = wm.gpu_parts().expect("held as blocks");
-                let mut want = vec![0f32; m * n];
-                for i in 0..m {
-                    for j in 0..n {
-                        let s: f64 = (0..k)
-                            .map(|c| x[i * k + c] as f64 * dense[j * k + c] as f64)
-                            .sum();
-                        want[i * n + j] = s as f32;
-                    }
-                }
                 let tx = be.from_f32(&x, k).unwrap();
                 for out in [Output::Store, Output::Accumulate] {
                     let ty = be.from_f32(&y0, n).unwrap();

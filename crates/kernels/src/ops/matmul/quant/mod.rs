@@ -86,6 +86,14 @@ impl From<Q4Matrix> for QuantSource {
 }
 
 impl QuantSource {
+    /// The row-major f32 matrix: every block's scale · q (+ min), the canonical path's weights.
+    pub fn dequantize(&self) -> Vec<f32> {
+        match self {
+            QuantSource::Q8(m) => m.dequantize(),
+            QuantSource::Q4(m) => m.dequantize(),
+        }
+    }
+
     /// (rows, cols, kind).
     pub fn dims(&self) -> (usize, usize, QKind) {
         match self {
@@ -186,11 +194,7 @@ impl QMatrix {
             }
             Backend::Cpu(_) => QStore::Cpu(src),
             Backend::Gpu(_) if !paths.has(PathId::QuantMatmul) => {
-                let dense = match &src {
-                    QuantSource::Q8(m) => m.dequantize(),
-                    QuantSource::Q4(m) => m.dequantize(),
-                };
-                QStore::GpuDense(be.from_f32(&dense, cols)?)
+                QStore::GpuDense(be.from_f32(&src.dequantize(), cols)?)
             }
             Backend::Gpu(_) => {
                 let (scales, mins, quants) = match &src {
@@ -354,10 +358,7 @@ impl QMatrix {
                 }
             }
         };
-        Ok(match part {
-            QuantSource::Q8(m) => m.dequantize(),
-            QuantSource::Q4(m) => m.dequantize(),
-        })
+        Ok(part.dequantize())
     }
 }
 

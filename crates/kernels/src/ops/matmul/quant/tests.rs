@@ -82,15 +82,8 @@ fn source(rng: &mut SeedRng, kind: QKind, rows: usize, cols: usize) -> QuantSour
     }
 }
 
-fn dequantize(src: &QuantSource) -> Vec<f32> {
-    match src {
-        QuantSource::Q8(m) => m.dequantize(),
-        QuantSource::Q4(m) => m.dequantize(),
-    }
-}
-
 /// y = x · Wᵀ in f64 on the dequantized weights.
-fn reference(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+pub(super) fn reference(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
     let mut y = vec![0.0; m * n];
     for i in 0..m {
         for j in 0..n {
@@ -153,7 +146,7 @@ fn matmul_cases(kind: QKind, seed: u64) {
     });
     for (i, c) in cases.iter().enumerate() {
         let (n, k, _) = c.src.dims();
-        let want = reference(&c.x[k..], &dequantize(&c.src), c.m, n, k);
+        let want = reference(&c.x[k..], &c.src.dequantize(), c.m, n, k);
         let y = &out[2 * i + 1];
         assert_eq!(
             &y[..n],
@@ -213,7 +206,7 @@ fn qmatmul_views_at_unaligned_offsets() {
     });
     for (i, c) in cases.iter().enumerate() {
         let (n, k, _) = c.src.dims();
-        let want = reference(&c.x[xo..xo + c.m * k], &dequantize(&c.src), c.m, n, k);
+        let want = reference(&c.x[xo..xo + c.m * k], &c.src.dequantize(), c.m, n, k);
         let (y, y0) = (&out[2 * i + 1], args[2 * i + 1].data.as_ref().unwrap());
         assert_nmse(
             "qmatmul at offsets, cpu vs f64",
@@ -256,7 +249,7 @@ fn qget_rows_matches_twins() {
         Ok(())
     });
     for (src, o) in srcs.iter().zip(&out[1..]) {
-        let deq = dequantize(src);
+        let deq = src.dequantize();
         assert!(o[..k].iter().all(|&v| v == 0.5), "guard row");
         for (i, &id) in ids.iter().enumerate() {
             let got = &o[(i + 1) * k..(i + 2) * k];
@@ -403,7 +396,7 @@ fn qgemm_tall_tiles_match_reference() {
         let tx = be.from_f32(&x, k).unwrap();
         let mut ty = be.zeros(m * n, n).unwrap();
         qmatmul(&be, (&tx).into(), &w, (&mut ty).into(), m).unwrap();
-        let want = reference(&x, &dequantize(&src), m, n, k);
+        let want = reference(&x, &src.dequantize(), m, n, k);
         assert_nmse(
             &format!("{kind:?}"),
             &want,
