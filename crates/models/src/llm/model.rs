@@ -27,8 +27,9 @@
 //!   ([`Sequence`], each a slot of the shared cache with its own position) and is built for the fewest
 //!   dispatches: the norm before each projection, the GLU before the down projection and the residual
 //!   addition after the output projections ride inside the quantized products
-//!   ([`matmul_fused`]); RoPE, the Q/K norms and the cache writes are one op ([`rope_into_cache`]);
-//!   attention is one op for every sequence ([`attend_rows`]). A llama layer is five dispatches and an
+//!   ([`matmul_fused`]); the Q/K norms, RoPE, the cache writes and attention over every sequence are
+//!   one op ([`attend_new_rows`]: the dispatch of [`attend_rows`], which takes the new rows as the
+//!   product left them, and its merge past 32 positions). A llama layer is four products and that
 //!   attention. The next tokens can be picked on the device ([`Llm::pick_greedy`]) and fed to the next
 //!   pass from there, so the host never waits on the device in between ([`Llm::read_picks`]).
 //!
@@ -38,7 +39,9 @@
 use tinygpt_formats::GgufFile;
 use tinygpt_kernels::ops::add::add_assign;
 use tinygpt_kernels::ops::argmax::argmax_rows;
-use tinygpt_kernels::ops::attention::{CacheRows, DecodeShape, RowsShape, attend, attend_rows};
+use tinygpt_kernels::ops::attention::{
+    CacheRows, DecodeShape, NewRows, RowsShape, attend, attend_new_rows, attend_rows,
+};
 use tinygpt_kernels::ops::fill::copy_rows;
 use tinygpt_kernels::ops::gelu::gelu;
 use tinygpt_kernels::ops::glu::{glu, glu_rows};
@@ -1528,34 +1531,11 @@ impl Pass<'_> {
         table: &[[u32; 2]],
         rope: Option<&Tensor>,
     ) -> Result<()> {
-        let (be, cfg, m) = (self.be, self.cfg, self.m);
-        let (hd, qd, kvd) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
+        let (be, m) = (self.be, self.m);
+        let qd = self.cfg.q_dim();
         let [q, k, v] = [0, 1, 2].map(|i| lw.qkv.slot(i, self.batch));
-        let norm = match (&lw.q_norm, &lw.k_norm) {
-            (Some(qw), Some(kw)) => Some(QkNorm {
-                q: qw.into(),
-                k: kw.into(),
-                eps: cfg.norm_eps,
-            }),
-            _ => None,
-        };
-        let (tab, positions) = match rope {
-            Some(t) => (t, self.context),
-            None => (&s.ones, self.context),
-        };
-        let shape = RopeCacheShape {
-            heads: cfg.n_head,
-            kv_heads: cfg.n_kv_head,
-            head_dim: hd,
-            n_rot: if rope.is_some() { cfg.n_rot } else { 0 },
-            layout: cfg.rope_layout,
-            ld_in: q.ld,
-            q_at: q.offset,
-            k_at: k.offset,
-            v_at: v.offset,
-            ld_q: qd,
-            ld_kv: 2 * kvd,
-        };
+        let (norm, shape) = self.rope_cache_shape(lw, rope);
+        let (tab, positions) = (rope.unwrap_or(&s.ones), self.context);
         let all = CacheRows {
             table: s.rows.at(0),
             host: table,
@@ -1601,9 +1581,42 @@ impl Pass<'_> {
         Ok(())
     }
 
-    /// A decode pass's attention sublayer: the Q/K/V product (norm fused in), norms, RoPE and cache
-    /// writes in one op, attention over every row's sequence in one op, the output product with the
-    /// residual addition.
+    /// [`Self::rope_cache`]'s Q/K norms and shape, for rows of one product (`[q | k | v]`, `q.ld` apart).
+    fn rope_cache_shape<'w>(
+        &self,
+        lw: &'w LayerWeights,
+        rope: Option<&Tensor>,
+    ) -> (Option<QkNorm<'w>>, RopeCacheShape) {
+        let cfg = self.cfg;
+        let (hd, qd, kvd) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
+        let [q, k, v] = [0, 1, 2].map(|i| lw.qkv.slot(i, self.batch));
+        let norm = match (&lw.q_norm, &lw.k_norm) {
+            (Some(qw), Some(kw)) => Some(QkNorm {
+                q: qw.into(),
+                k: kw.into(),
+                eps: cfg.norm_eps,
+            }),
+            _ => None,
+        };
+        let shape = RopeCacheShape {
+            heads: cfg.n_head,
+            kv_heads: cfg.n_kv_head,
+            head_dim: hd,
+            n_rot: if rope.is_some() { cfg.n_rot } else { 0 },
+            layout: cfg.rope_layout,
+            ld_in: q.ld,
+            q_at: q.offset,
+            k_at: k.offset,
+            v_at: v.offset,
+            ld_q: qd,
+            ld_kv: 2 * kvd,
+        };
+        (norm, shape)
+    }
+
+    /// A decode pass's attention sublayer: the Q/K/V product (norm fused in); norms, RoPE, the cache
+    /// writes and attention over every row's sequence in one op (two where the rows' q, k and v lie in
+    /// products of different widths); the output product with the residual addition.
     fn decode_attention(
         &self,
         lw: &LayerWeights,
@@ -1624,7 +1637,6 @@ impl Pass<'_> {
             self.batch,
             s.ones.at(0),
         )?;
-        self.rope_cache(lw, s, cache.at_mut(0), table, rope)?;
         let all = CacheRows {
             table: s.rows.at(0),
             host: table,
@@ -1642,7 +1654,36 @@ impl Pass<'_> {
             scale: cfg.attn_scale,
             softcap: 0.0,
         };
-        attend_rows(be, s.qn.at(0), cache.at(0), all, s.att.at_mut(0), shape)?;
+        let [q, k, v] = [0, 1, 2].map(|i| lw.qkv.slot(i, self.batch));
+        if self.m == 1 || (q.ld == k.ld && k.ld == v.ld) {
+            // Rows of one product: the norms, RoPE and cache writes happen inside the attention's
+            // dispatch.
+            let (norm, rs) = self.rope_cache_shape(lw, rope);
+            let new = NewRows {
+                input: s.proj.at(0),
+                table: rope.unwrap_or(&s.ones).at(0),
+                positions: self.context,
+                norm,
+                shape: rs,
+            };
+            let Scratch { qn, att, .. } = s;
+            attend_new_rows(
+                be,
+                new,
+                qn.at_mut(0),
+                cache.at_mut(0),
+                all,
+                att.at_mut(0),
+                shape,
+            )?;
+        } else {
+            self.rope_cache(lw, s, cache.at_mut(0), table, rope)?;
+            let all = CacheRows {
+                table: s.rows.at(0),
+                host: table,
+            };
+            attend_rows(be, s.qn.at(0), cache.at(0), all, s.att.at_mut(0), shape)?;
+        }
         self.attention_output(lw, s)
     }
 

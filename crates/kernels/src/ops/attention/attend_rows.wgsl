@@ -15,25 +15,82 @@
 //
 // With one split the row's output is written normalised; with several, each split writes its partial
 // (max, sum of exponentials, unnormalised output) and attend_combine.wgsl merges them.
+//
+// FRESH (the new rows' variant): q is the Q/K/V product's output as it left the product, rows ld_q
+// apart, the row's own key and value heads at o_kn / o_vn of its row. Each workgroup then does what
+// rope_cache.wgsl does before it: the query heads' RMSNorm (optional) and rotation as they are staged,
+// and in the split holding the row's own position the key head's norm and rotation; that key and the
+// value are used from workgroup memory and written to the cache row by the head group's first workgroup
+// (no workgroup of the dispatch reads that row from the cache). The norms are rope_cache.wgsl's tree
+// (ops/common.rs's reduce_sum over 256 threads, thread d holding dimension d: four heads in the four
+// lanes of a vec4) and the rotation its a·c − b·s, a·s + b·c, so the values are the ones rope_cache
+// would have written.
 struct Params { rows: u32, heads: u32, kv_heads: u32, head_dim: u32, ld_q: u32, ld_kv: u32, ld_o: u32,
                 window: u32, scale: f32, softcap: f32, o_q: u32, o_k: u32, o_v: u32, o_out: u32,
-                o_tab: u32, lo_row: u32, hi_row: u32, n_split: u32, o_part: u32, groups: u32 }
+                o_tab: u32, lo_row: u32, hi_row: u32, n_split: u32, o_part: u32, groups: u32,
+                o_kn: u32, o_vn: u32, n_rot: u32, neox: u32, o_rope: u32, norm: u32, o_qw: u32,
+                o_kw: u32, eps: f32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> q: array<f32>;
-@group(0) @binding(2) var<storage, read> kv: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> kv: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> tab: array<u32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read_write> part: array<f32>;
+@group(0) @binding(6) var<storage, read> rope: array<f32>;
+@group(0) @binding(7) var<storage, read> qw: array<f32>;
+@group(0) @binding(8) var<storage, read> kw: array<f32>;
 
-// rows.rs prepends CHUNK (positions per workgroup).
+// rows.rs prepends CHUNK (positions per workgroup) and FRESH.
 const WG: u32 = 256u;
 const TPP: u32 = 8u;                               // threads per position in the scores
 const GMAX: u32 = 4u;
 var<workgroup> qs: array<vec4<f32>, 256>;          // GMAX heads x head_dim / 4 (head_dim <= 256)
 var<workgroup> ps: array<vec4<f32>, CHUNK>;        // the GMAX heads' scores, then probabilities
 var<workgroup> red: array<vec4<f32>, WG>;
+var<workgroup> kn: array<f32, 256>;                // FRESH: the row's own key and value head
+var<workgroup> vn: array<f32, 256>;
 var<workgroup> wbase: u32;
 var<workgroup> wpos: u32;
+
+// FRESH: the four lanes of x (dimension d of four heads) RMS-normed over head_dim with weight w, as
+// rope_cache.wgsl norms each head; every thread of the workgroup calls it.
+fn norm4(x: vec4<f32>, w: f32, lid: u32) -> vec4<f32> {
+  red[lid] = x * x;
+  workgroupBarrier();
+  for (var s = WG / 2u; s > 0u; s = s >> 1u) {
+    if (lid < s) { red[lid] = red[lid] + red[lid + s]; }
+    workgroupBarrier();
+  }
+  let ss = red[0];
+  workgroupBarrier();
+  let rstd = 1.0 / sqrt(ss * (1.0 / f32(p.head_dim)) + p.eps);
+  return x * rstd * w;
+}
+
+// FRESH: dimension d (= lid) of four heads rotated to position pos; every thread calls it.
+fn rotate4(x: vec4<f32>, d: u32, pos: u32) -> vec4<f32> {
+  red[d] = x;
+  workgroupBarrier();
+  var y = x;
+  if (d < p.n_rot) {
+    let half = p.n_rot / 2u;
+    var i = d / 2u;
+    var first = d % 2u == 0u;
+    var partner = d ^ 1u;
+    if (p.neox != 0u) {
+      i = d % half;
+      first = d < half;
+      partner = select(d - half, d + half, first);
+    }
+    let t = p.o_rope + (pos * half + i) * 2u;
+    let c = rope[t];
+    let s = rope[t + 1u];
+    let b = red[partner];
+    if (first) { y = x * c - b * s; } else { y = b * s + x * c; }
+  }
+  workgroupBarrier();
+  return y;
+}
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -75,12 +132,62 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   }
   let ld4 = p.ld_kv / 4u;
   let row0 = base + lo - p.lo_row;
-  for (var i = lid; i < nh * hd4; i = i + WG) {
-    let g = i / hd4;
-    let qb = p.o_q + r * p.ld_q + (h0 + g) * p.head_dim + 4u * (i % hd4);
-    qs[i] = vec4<f32>(q[qb], q[qb + 1u], q[qb + 2u], q[qb + 3u]);
+  // FRESH: this split holds the row's own position (the last split: hi is pos + 1).
+  let own = FRESH && hi == pos + 1u;
+  if (FRESH) {
+    // Thread d holds dimension d of the group's query heads, then of the key head.
+    let d = lid;
+    let in_head = d < p.head_dim;
+    var x = vec4<f32>(0.0);
+    if (in_head) {
+      let qb = p.o_q + r * p.ld_q + h0 * p.head_dim + d;
+      for (var g = 0u; g < nh; g = g + 1u) { x[g] = q[qb + g * p.head_dim]; }
+    }
+    if (p.norm != 0u) {
+      var w = 0.0;
+      if (in_head) { w = qw[p.o_qw + d]; }
+      x = norm4(x, w, lid);
+    }
+    red[d] = rotate4(x, d, pos);
+    workgroupBarrier();
+    // Into qs's layout: head g's dimensions 4c .. 4c + 3 in qs[g·hd4 + c].
+    for (var i = lid; i < nh * hd4; i = i + WG) {
+      let g = i / hd4;
+      let c = 4u * (i % hd4);
+      qs[i] = vec4<f32>(red[c][g], red[c + 1u][g], red[c + 2u][g], red[c + 3u][g]);
+    }
+    workgroupBarrier();
+    if (own) {
+      var k = vec4<f32>(0.0);
+      if (in_head) { k.x = q[p.o_kn + r * p.ld_q + kvh * p.head_dim + d]; }
+      if (p.norm != 0u) {
+        var w = 0.0;
+        if (in_head) { w = kw[p.o_kw + d]; }
+        k = norm4(k, w, lid);
+      }
+      k = rotate4(k, d, pos);
+      if (in_head) {
+        kn[d] = k.x;
+        vn[d] = q[p.o_vn + r * p.ld_q + kvh * p.head_dim + d];
+      }
+    }
+  } else {
+    for (var i = lid; i < nh * hd4; i = i + WG) {
+      let g = i / hd4;
+      let qb = p.o_q + r * p.ld_q + (h0 + g) * p.head_dim + 4u * (i % hd4);
+      qs[i] = vec4<f32>(q[qb], q[qb + 1u], q[qb + 2u], q[qb + 3u]);
+    }
   }
   workgroupBarrier();
+  // The row's own key and value go to its cache row, once per KV head; this dispatch reads them from
+  // workgroup memory.
+  let jown = pos - lo;
+  if (own && gq == 0u && lid < hd4) {
+    let c = 4u * lid;
+    let at = (row0 + jown) * ld4 + kvh * hd4 + lid;
+    kv[p.o_k / 4u + at] = vec4<f32>(kn[c], kn[c + 1u], kn[c + 2u], kn[c + 3u]);
+    kv[p.o_v / 4u + at] = vec4<f32>(vn[c], vn[c + 1u], vn[c + 2u], vn[c + 3u]);
+  }
 
   // Scores: positions lo + j, j = lid / TPP, lid / TPP + WG / TPP, ...: TPP threads each, each thread
   // dimensions t, t + TPP, ... (vec4s), summed by a tree over the TPP threads.
@@ -92,8 +199,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     var acc = vec4<f32>(0.0);
     if (lo + j < hi) {
       let kb = p.o_k / 4u + (row0 + j) * ld4 + kvh * hd4;
+      let fresh = own && j == jown;
       for (var c = t; c < hd4; c = c + TPP) {
-        let k4 = kv[kb + c];
+        var k4: vec4<f32>;
+        if (fresh) {
+          k4 = vec4<f32>(kn[4u * c], kn[4u * c + 1u], kn[4u * c + 2u], kn[4u * c + 3u]);
+        } else {
+          k4 = kv[kb + c];
+        }
         acc.x = acc.x + dot(qs[c], k4);
         acc.y = acc.y + dot(qs[hd4 + c], k4);
         acc.z = acc.z + dot(qs[2u * hd4 + c], k4);
@@ -147,7 +260,13 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   var a3 = vec4<f32>(0.0);
   if (jg < nj) {
     for (var jj = jg; jj < hi - lo; jj = jj + nj) {
-      let v4 = kv[p.o_v / 4u + (row0 + jj) * ld4 + kvh * hd4 + lane];
+      var v4: vec4<f32>;
+      if (own && jj == jown) {
+        let c = 4u * lane;
+        v4 = vec4<f32>(vn[c], vn[c + 1u], vn[c + 2u], vn[c + 3u]);
+      } else {
+        v4 = kv[p.o_v / 4u + (row0 + jj) * ld4 + kvh * hd4 + lane];
+      }
       let w = ps[jj];
       a0 = a0 + w.x * v4;
       a1 = a1 + w.y * v4;

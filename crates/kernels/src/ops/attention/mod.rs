@@ -670,7 +670,7 @@ const SPLIT_KEYS: usize = 128;
 const MAX_SPLITS: usize = 8;
 
 mod rows;
-pub use rows::{CHUNK, CacheRows, RowsShape, attend_rows};
+pub use rows::{CHUNK, CacheRows, NewRows, RowsShape, attend_new_rows, attend_rows};
 
 #[cfg(test)]
 mod tests;

@@ -2,6 +2,10 @@
 //! server's batch), every sequence's keys and values in one shared cache tensor, all rows in one
 //! dispatch (two past [`CHUNK`] positions: the splits, then their merge).
 //!
+//! [`attend_new_rows`] takes the rows as the Q/K/V product left them and does [`rope_into_cache`]'s
+//! work (Q/K norms, RoPE, the new key and value into the cache) inside the same dispatch: a decode
+//! step's layer saves that op's dispatch.
+//!
 //! ```text
 //!   cache (one per layer):  row base_s + j = [k | v] of sequence s at position j
 //!   table (per query row):  [base, pos]  — the row's sequence's first cache row, and its position
@@ -12,6 +16,7 @@ use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::Access;
 use crate::ops::common::kernel;
+use crate::ops::rope::{QkNorm, RopeCacheShape, RopeLayout, rope_into_cache};
 use rayon::prelude::*;
 
 /// Positions one workgroup scores (attend_rows.wgsl's CHUNK): many small splits keep each workgroup
@@ -40,21 +45,28 @@ impl CacheRows<'_> {
         offset: usize,
         ld: usize,
     ) -> Vec<(&'c wgpu::Buffer, usize, usize, usize)> {
-        cache
-            .chunks
-            .iter()
-            .filter_map(|c| {
-                let first = c.start.max(offset);
-                let lo = (first - offset).div_ceil(ld);
-                let hi = (c.start + c.len).saturating_sub(offset) / ld;
-                let used = self
-                    .host
-                    .iter()
-                    .any(|r| (lo..hi).contains(&(r[0] as usize)));
-                used.then(|| (&c.buffer, offset + lo * ld - c.start, lo, hi))
-            })
-            .collect()
+        cache_buffers(self.host, cache, offset, ld)
     }
+}
+
+/// [`CacheRows::buffers`] for the rows `host`.
+fn cache_buffers<'c>(
+    host: &[[u32; 2]],
+    cache: &'c crate::gpu::GpuTensor,
+    offset: usize,
+    ld: usize,
+) -> Vec<(&'c wgpu::Buffer, usize, usize, usize)> {
+    cache
+        .chunks
+        .iter()
+        .filter_map(|c| {
+            let first = c.start.max(offset);
+            let lo = (first - offset).div_ceil(ld);
+            let hi = (c.start + c.len).saturating_sub(offset) / ld;
+            let used = host.iter().any(|r| (lo..hi).contains(&(r[0] as usize)));
+            used.then(|| (&c.buffer, offset + lo * ld - c.start, lo, hi))
+        })
+        .collect()
 }
 
 /// Heads and layouts of a decode pass's attention.
@@ -202,11 +214,7 @@ pub fn attend_rows(
         }
         Backend::Gpu(g) => g,
     };
-    // The kernel reads the cache as 16-byte vectors and splits 256 threads over a head's vectors.
-    let vec4 = [s.ld_kv, s.k_at, s.v_at, cache.offset()]
-        .iter()
-        .all(|v| v.is_multiple_of(4));
-    if !vec4 || !s.head_dim.is_multiple_of(4) || s.head_dim > 256 || 256 % (s.head_dim / 4) != 0 {
+    if !fits_kernel(g, rows.host, cache.offset(), &s) {
         return one_by_one(&mut out);
     }
     let (Some((bq, oq)), Some((bo, oo)), Some((bt, ot))) = (
@@ -219,13 +227,233 @@ pub fn attend_rows(
     ) else {
         return one_by_one(&mut out);
     };
-    let (chunk, n_split) = splits(rows.host, s.window);
+    let ct = cache.gpu("attend_rows", "cache", cache_rows * s.ld_kv)?;
+    let place = Places {
+        q: (bq, oq),
+        out: (bo, oo),
+        table: (bt, ot),
+        cache: ct,
+        cache_offset: cache.offset(),
+    };
+    record(g, place, rows.host, &s, None)
+}
+
+/// The new rows of a decode pass as the Q/K/V product left them, for [`attend_new_rows`].
+#[derive(Clone, Copy)]
+pub struct NewRows<'a> {
+    /// Rows of `[q | k | v]`, `shape.ld_in` apart (q, k and v at `shape`'s `q_at`, `k_at`, `v_at`).
+    pub input: TRef<'a>,
+    /// The RoPE table of [`crate::ops::rope::rope_table`] and its length in positions.
+    pub table: TRef<'a>,
+    pub positions: usize,
+    /// Per-head RMSNorm of the queries and keys (Gemma 3, Qwen3).
+    pub norm: Option<QkNorm<'a>>,
+    pub shape: RopeCacheShape,
+}
+
+/// [`rope_into_cache`] then [`attend_rows`] — each row's query and key heads normed (optional) and
+/// rotated, its key and value written to its cache row, its attention over its sequence — in one
+/// dispatch (and the merge) where the attention kernel takes the shapes; the two ops otherwise (the CPU
+/// backend: its twin), with the rotated queries in `q_scratch` (`s.ld_q` apart). The cache holds
+/// rope_into_cache's rows: keys at 0, values at `kv_heads · head_dim` (`s.k_at`, `s.v_at`).
+pub fn attend_new_rows(
+    be: &Backend,
+    new: NewRows<'_>,
+    mut q_scratch: TMut<'_>,
+    mut cache: TMut<'_>,
+    rows: CacheRows<'_>,
+    out: TMut<'_>,
+    s: RowsShape,
+) -> Result<()> {
+    let r = new.shape;
+    let kvd = r.kv_heads * r.head_dim;
+    if (r.heads, r.kv_heads, r.head_dim, r.ld_kv, r.ld_q)
+        != (s.heads, s.kv_heads, s.head_dim, s.ld_kv, s.ld_q)
+        || s.k_at != 0
+        || s.v_at != kvd
+    {
+        return Err(Error::Shape {
+            op: "attend_new_rows",
+            msg: format!(
+                "the rotation's shape {r:?} and the attention's {s:?} must agree (heads, cache rows of [k | v], query rows)"
+            ),
+        });
+    }
+    let n = rows.host.len();
+    let cache_rows = (cache.tensor().len() - cache.offset()) / s.ld_kv.max(1);
+    let fused = match be {
+        Backend::Gpu(g)
+            if n > 0
+                && r.n_rot <= r.head_dim
+                && r.n_rot.is_multiple_of(2)
+                && rows.host.iter().enumerate().all(|(i, h)| {
+                    (h[1] as usize) < new.positions
+                        && (h[0] as usize + h[1] as usize) < cache_rows
+                        // Rows of one sequence: a row would read another's new key (the two ops
+                        // write every row's first).
+                        && rows.host[..i].iter().all(|o| o[0] != h[0])
+                })
+                && fits_kernel(g, rows.host, cache.offset(), &s) =>
+        {
+            Some(g)
+        }
+        _ => None,
+    };
+    let Some(g) = fused else {
+        rope_into_cache(
+            be,
+            new.input,
+            q_scratch.reborrow(),
+            cache.reborrow(),
+            rows,
+            new.table,
+            new.positions,
+            new.norm,
+            r,
+        )?;
+        return attend_rows(be, q_scratch.as_ref(), cache.as_ref(), rows, out, s);
+    };
+    let span_in = (n - 1) * r.ld_in
+        + (r.q_at + r.heads * r.head_dim)
+            .max(r.k_at + kvd)
+            .max(r.v_at + kvd);
+    let span_o = (n - 1) * s.ld_o + s.heads * s.head_dim;
+    let tab_len = new.positions * (r.n_rot / 2) * 2;
+    let input = new.input;
+    let places = (
+        input
+            .gpu("attend_new_rows", "input", span_in)?
+            .span(input.offset(), span_in),
+        out.gpu("attend_new_rows", "out", span_o)?
+            .span(out.offset(), span_o),
+        rows.table
+            .gpu("attend_new_rows", "rows", 2 * n)?
+            .span(rows.table.offset(), 2 * n),
+        new.table
+            .gpu("attend_new_rows", "table", tab_len.max(1))?
+            .span(new.table.offset(), tab_len.max(1)),
+    );
+    let norm = match new.norm {
+        Some(nm) => Some((
+            nm.q.gpu("attend_new_rows", "q norm", r.head_dim)?
+                .span(nm.q.offset(), r.head_dim),
+            nm.k.gpu("attend_new_rows", "k norm", r.head_dim)?
+                .span(nm.k.offset(), r.head_dim),
+            nm.eps,
+        )),
+        None => None,
+    };
+    let norm = match norm {
+        None => Some(None),
+        Some((Some(q), Some(k), eps)) => Some(Some((q, k, eps))),
+        Some(_) => None,
+    };
+    let ((Some((bi, oi)), Some(o), Some(t), Some(rope)), Some(norm)) = (places, norm) else {
+        // A view across buffers: the two ops.
+        rope_into_cache(
+            be,
+            new.input,
+            q_scratch.reborrow(),
+            cache.reborrow(),
+            rows,
+            new.table,
+            new.positions,
+            new.norm,
+            r,
+        )?;
+        return attend_rows(be, q_scratch.as_ref(), cache.as_ref(), rows, out, s);
+    };
+    let ct = cache
+        .as_ref()
+        .gpu("attend_new_rows", "cache", cache_rows * s.ld_kv)?;
+    let place = Places {
+        q: (bi, oi + r.q_at),
+        out: o,
+        table: t,
+        cache: ct,
+        cache_offset: cache.offset(),
+    };
+    let fresh = FreshGpu {
+        o_kn: oi + r.k_at,
+        o_vn: oi + r.v_at,
+        n_rot: r.n_rot,
+        layout: r.layout,
+        rope,
+        norm,
+    };
+    record(
+        g,
+        place,
+        rows.host,
+        &RowsShape { ld_q: r.ld_in, ..s },
+        Some(fresh),
+    )
+}
+
+/// Whether the kernel takes `s` over `rows` (else the row-by-row path runs): it reads the cache as
+/// 16-byte vectors and splits 256 threads over a head's vectors.
+fn fits_kernel(
+    g: &crate::gpu::GpuBackend,
+    rows: &[[u32; 2]],
+    cache_offset: usize,
+    s: &RowsShape,
+) -> bool {
+    let vec4 = [s.ld_kv, s.k_at, s.v_at, cache_offset]
+        .iter()
+        .all(|v| v.is_multiple_of(4));
+    let (_, n_split) = splits(rows, s.window);
+    let wgs = rows.len() * s.kv_heads * (s.heads / s.kv_heads).div_ceil(GMAX);
+    let max = g.limits.max_compute_workgroups_per_dimension as usize;
+    vec4 && s.head_dim.is_multiple_of(4)
+        && s.head_dim <= 256
+        && 256 % (s.head_dim / 4) == 0
+        && wgs <= max
+        && n_split <= max
+}
+
+/// Where the kernel's operands lie: (buffer, element offset) of the queries (or, for new rows, of the
+/// Q/K/V product's rows), the output and the row table, and the cache.
+struct Places<'a> {
+    q: Place<'a>,
+    out: Place<'a>,
+    table: Place<'a>,
+    cache: &'a crate::gpu::GpuTensor,
+    cache_offset: usize,
+}
+
+/// A buffer and an element offset in it.
+type Place<'a> = (&'a wgpu::Buffer, usize);
+
+/// What the FRESH variant needs beyond [`Places`]: where the new key and value heads start (element
+/// offsets in the queries' buffer, rows `ld_q` apart), the rotation and the optional norms.
+struct FreshGpu<'a> {
+    o_kn: usize,
+    o_vn: usize,
+    n_rot: usize,
+    layout: RopeLayout,
+    rope: Place<'a>,
+    /// The query and key norm weights, and epsilon.
+    norm: Option<(Place<'a>, Place<'a>, f32)>,
+}
+
+/// Records the attention (and its merge past one split) for every row of `rows`.
+fn record(
+    g: &crate::gpu::GpuBackend,
+    place: Places<'_>,
+    rows: &[[u32; 2]],
+    s: &RowsShape,
+    fresh: Option<FreshGpu<'_>>,
+) -> Result<()> {
+    let n = rows.len();
+    let Places {
+        q: (bq, oq),
+        out: (bo, oo),
+        table: (bt, ot),
+        ..
+    } = place;
+    let (chunk, n_split) = splits(rows, s.window);
     let groups = (s.heads / s.kv_heads).div_ceil(GMAX);
     let wgs = n * s.kv_heads * groups;
-    let max = g.limits.max_compute_workgroups_per_dimension as usize;
-    if wgs > max || n_split > max {
-        return one_by_one(&mut out);
-    }
     // Partial results of every split, merged by a second dispatch.
     let scratch = if n_split > 1 {
         Some(g.scratch(
@@ -237,23 +465,43 @@ pub fn attend_rows(
     };
     let dummy = g.scratch("dummy", 1)?;
     let pb = scratch.as_ref().unwrap_or(&dummy).chunks[0].buffer.clone();
+    // Read-only stand-ins (`dummy` may be bound read-write as `part` in the same dispatch).
+    let none = g.scratch("attend_rows_none", 1)?;
+    let db = &none.chunks[0].buffer;
+    let is_fresh = fresh.is_some();
     let pipe = kernel(
         g,
-        &format!("attend_rows_c{chunk}"),
+        &format!("attend_rows_c{chunk}{}", if is_fresh { "_new" } else { "" }),
         &format!(
-            "const CHUNK: u32 = {chunk}u;\n{}",
+            "const CHUNK: u32 = {chunk}u;\nconst FRESH: bool = {is_fresh};\n{}",
             include_str!("attend_rows.wgsl")
         ),
         &[
             Access::Read,
-            Access::Read,
+            Access::ReadWrite,
             Access::Read,
             Access::ReadWrite,
             Access::ReadWrite,
+            Access::Read,
+            Access::Read,
+            Access::Read,
         ],
     )?;
-    let ct = cache.gpu("attend_rows", "cache", cache_rows * s.ld_kv)?;
-    for (buffer, o_kv, lo, hi) in rows.buffers(ct, cache.offset(), s.ld_kv) {
+    let (o_kn, o_vn, n_rot, neox, (br, or)) = match &fresh {
+        Some(f) => (
+            f.o_kn,
+            f.o_vn,
+            f.n_rot,
+            f.layout == RopeLayout::Neox,
+            f.rope,
+        ),
+        None => (0, 0, 0, false, (db, 0)),
+    };
+    let (norm_on, (bqw, oqw), (bkw, okw), eps) = match fresh.as_ref().and_then(|f| f.norm) {
+        Some((qw, kw, eps)) => (true, qw, kw, eps),
+        None => (false, (db, 0), (db, 0), 0.0),
+    };
+    for (buffer, o_kv, lo, hi) in cache_buffers(rows, place.cache, place.cache_offset, s.ld_kv) {
         let params = [
             n as u32,
             s.heads as u32,
@@ -275,11 +523,20 @@ pub fn attend_rows(
             n_split as u32,
             0,
             groups as u32,
+            o_kn as u32,
+            o_vn as u32,
+            n_rot as u32,
+            neox as u32,
+            or as u32,
+            norm_on as u32,
+            oqw as u32,
+            okw as u32,
+            eps.to_bits(),
         ];
         g.dispatch(
             &pipe,
             &params,
-            &[bq, buffer, bt, bo, &pb],
+            &[bq, buffer, bt, bo, &pb, br, bqw, bkw],
             [wgs as u32, n_split as u32, 1],
         )?;
     }

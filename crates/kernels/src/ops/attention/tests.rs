@@ -457,6 +457,134 @@ fn decode_rows_match_twin() {
     }
 }
 
+/// The new rows' attention (norms, RoPE and the cache writes inside the attention's dispatch) against
+/// its twin, rope_into_cache then attend_rows: the output and every cache row, written or not. SmolLM2's
+/// heads (llama rotation), Gemma 3's (NeoX, Q/K norms, 256 dimensions, a window), seven query heads a KV
+/// head (two workgroups share it; one writes), a partial rotation with norms, no rotation; rows of one
+/// split and of several, the cache split across buffers. Rows of one sequence (a row would read another
+/// row's new key) take the two ops on every backend.
+#[test]
+fn new_rows_match_twin() {
+    use crate::ops::rope::{QkNorm, RopeCacheShape, RopeLayout, rope_table};
+    let mut rng = SeedRng::new(95);
+    let ctx = 700;
+    let c = ctx as u32;
+    let long: Vec<[u32; 2]> = vec![[0, 5], [c, 300], [2 * c, 699], [3 * c, 256], [4 * c, 0]];
+    let short: Vec<[u32; 2]> = vec![[0, 31], [c, 32], [2 * c, 100]];
+    let same_seq: Vec<[u32; 2]> = vec![[0, 5], [0, 256], [c, 40]];
+    use RopeLayout::{Neox, Normal};
+    for (heads, kv_heads, hd, n_rot, layout, norm, window, host) in [
+        (
+            9usize, 3usize, 64usize, 64usize, Normal, false, 0usize, &long,
+        ),
+        (4, 1, 256, 256, Neox, true, 512, &long),
+        (14, 2, 64, 64, Neox, false, 0, &short),
+        (8, 2, 128, 64, Normal, true, 0, &short),
+        (2, 1, 32, 0, Normal, true, 0, &short),
+        (9, 3, 64, 64, Normal, false, 0, &same_seq),
+    ] {
+        let (qd, kvd) = (heads * hd, kv_heads * hd);
+        let seqs = 5;
+        let n = host.len();
+        // Input rows [pad | q | k | v | pad], as a product's output with room around the slots.
+        let ld_in = qd + 2 * kvd + 7;
+        let ld_kv = 2 * kvd;
+        let ld_o = qd + 2;
+        let positions = ctx;
+        let table = rope_table(n_rot.max(2), 10_000.0, 1.0, positions);
+        let words: Vec<u32> = host.iter().flatten().copied().collect();
+        let args = [
+            Arg::data(rng.normal_vec(n * ld_in, 2.0), ld_in),
+            Arg::data(rng.normal_vec(seqs * ctx * ld_kv, 1.0), ctx * ld_kv),
+            Arg::words(&words, 2),
+            Arg::data(table, 2),
+            Arg::data(rng.vec(2 * hd, 0.5, 1.5), hd),
+            // Padding between output rows stays as it was.
+            Arg::data(vec![0.5; n * ld_o], ld_o),
+        ];
+        let rs = RopeCacheShape {
+            heads,
+            kv_heads,
+            head_dim: hd,
+            n_rot,
+            layout,
+            ld_in,
+            q_at: 3,
+            k_at: 3 + qd,
+            v_at: 3 + qd + kvd,
+            ld_q: qd,
+            ld_kv,
+        };
+        let s = RowsShape {
+            heads,
+            kv_heads,
+            head_dim: hd,
+            ld_q: qd,
+            ld_kv,
+            ld_o,
+            k_at: 0,
+            v_at: kvd,
+            window,
+            scale: 1.0 / (hd as f32).sqrt(),
+            softcap: 0.0,
+        };
+        let name = format!(
+            "attend_new_rows {heads}/{kv_heads}x{hd} rot {n_rot} {layout:?} norm {norm} window {window} rows {host:?}"
+        );
+        let run = |be: &Backend, t: &mut [crate::Tensor]| -> crate::Result<()> {
+            let [ti, tc, tt, tr, tw, to] = t else {
+                unreachable!()
+            };
+            let rows = CacheRows {
+                table: tt.at(0),
+                host,
+            };
+            let new = NewRows {
+                input: ti.at(0),
+                table: tr.at(0),
+                positions,
+                norm: norm.then(|| QkNorm {
+                    q: tw.at(0),
+                    k: tw.at(hd),
+                    eps: 1e-6,
+                }),
+                shape: rs,
+            };
+            let mut q = be.zeros(n * qd, qd)?;
+            attend_new_rows(be, new, q.at_mut(0), tc.at_mut(0), rows, to.at_mut(0), s)
+        };
+        check_twin(&name, 1e-10, &args, Some((ctx * ld_kv * 4) as u64), run);
+        // One dispatch and the merge where the rows are different sequences; the two ops otherwise.
+        if let Some(g) = crate::testing::gpu_backend(None) {
+            let mut t: Vec<_> = args
+                .iter()
+                .map(|a| {
+                    g.from_f32(a.data.as_deref().unwrap_or(&vec![0.0; a.len]), a.unit)
+                        .unwrap()
+                })
+                .collect();
+            let gb = g.as_gpu().unwrap();
+            gb.sync().unwrap();
+            let before = gb.counters().dispatches;
+            run(&g, &mut t).unwrap();
+            let used = gb.counters().dispatches - before;
+            let splits = host
+                .iter()
+                .map(|r| r[1] as usize + 1)
+                .max()
+                .unwrap()
+                .div_ceil(CHUNK);
+            let fused = 1 + u64::from(splits > 1);
+            let want = if std::ptr::eq(host, &same_seq) {
+                fused + 1
+            } else {
+                fused
+            };
+            assert_eq!(used, want, "{name}: dispatches");
+        }
+    }
+}
+
 /// A context of more splits than the merge kernel's workgroup holds at once (8,300 positions: 260 splits
 /// of 32, merged 256 at a time), beside a short row in the same dispatch.
 #[test]
