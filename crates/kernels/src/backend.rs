@@ -88,6 +88,17 @@ pub struct Tensor {
     pub(crate) store: Store,
 }
 
+impl Tensor {
+    /// An f32 tensor of the GPU storage `t` (all its chunks).
+    pub(crate) fn of_gpu(t: GpuTensor) -> Tensor {
+        Tensor {
+            len: t.chunks.iter().map(|c| c.len).sum(),
+            dtype: DType::F32,
+            store: Store::Gpu(t),
+        }
+    }
+}
+
 /// A read-only view of a tensor from element `offset`.
 #[derive(Clone, Copy)]
 pub struct TRef<'a> {
@@ -335,14 +346,7 @@ impl Backend {
     pub(crate) fn scratch(&self, slot: &'static str, len: usize, unit: usize) -> Result<Tensor> {
         match self {
             Backend::Cpu(_) => self.zeros(len, unit),
-            Backend::Gpu(g) => {
-                let t = g.scratch_split(slot, len, unit)?;
-                Ok(Tensor {
-                    len: t.chunks.iter().map(|c| c.len).sum(),
-                    dtype: DType::F32,
-                    store: Store::Gpu(t),
-                })
-            }
+            Backend::Gpu(g) => Ok(Tensor::of_gpu(g.scratch_split(slot, len, unit)?)),
         }
     }
 

@@ -29,8 +29,8 @@
 //!   addition after the output projections ride inside the quantized products
 //!   ([`matmul_fused`]); the Q/K norms, RoPE, the cache writes and attention over every sequence are
 //!   one op ([`attend_new_rows`]: the dispatch of [`attend_rows`], which takes the new rows as the
-//!   product left them, and its merge past 32 positions). A llama layer is four products and that
-//!   attention. The next tokens can be picked on the device ([`Llm::pick_greedy`]) and fed to the next
+//!   product left them, and its merge past 32 positions — for a lone row, the output product merges
+//!   the splits on its way in). A llama layer is five dispatches. The next tokens can be picked on the device ([`Llm::pick_greedy`]) and fed to the next
 //!   pass from there, so the host never waits on the device in between ([`Llm::read_picks`]).
 //!
 //! Every op of a decode pass computes each row as it would alone, so a sequence's numbers do not depend
@@ -40,7 +40,7 @@ use tinygpt_formats::GgufFile;
 use tinygpt_kernels::ops::add::add_assign;
 use tinygpt_kernels::ops::argmax::argmax_rows;
 use tinygpt_kernels::ops::attention::{
-    CacheRows, DecodeShape, NewRows, RowsShape, attend, attend_new_rows, attend_rows,
+    Attended, CacheRows, DecodeShape, NewRows, RowsShape, attend, attend_new_rows, attend_rows,
 };
 use tinygpt_kernels::ops::fill::copy_rows;
 use tinygpt_kernels::ops::gelu::gelu;
@@ -1616,7 +1616,8 @@ impl Pass<'_> {
 
     /// A decode pass's attention sublayer: the Q/K/V product (norm fused in); norms, RoPE, the cache
     /// writes and attention over every row's sequence in one op (two where the rows' q, k and v lie in
-    /// products of different widths); the output product with the residual addition.
+    /// products of different widths); the output product with the residual addition (and, for a lone
+    /// row, the attention's merge in front).
     fn decode_attention(
         &self,
         lw: &LayerWeights,
@@ -1667,7 +1668,8 @@ impl Pass<'_> {
                 shape: rs,
             };
             let Scratch { qn, att, .. } = s;
-            attend_new_rows(
+            // One row's splits go to the output product, which merges them on its way in.
+            let attended = attend_new_rows(
                 be,
                 new,
                 qn.at_mut(0),
@@ -1675,7 +1677,25 @@ impl Pass<'_> {
                 all,
                 att.at_mut(0),
                 shape,
+                self.m == 1,
             )?;
+            if let Attended::Splits { part, n_split } = attended {
+                let input = Input::Merge {
+                    part: part.at(0),
+                    heads: cfg.n_head,
+                    head_dim: hd,
+                    n_split,
+                };
+                let Scratch { x, out, ones, .. } = s;
+                return self.residual_fused(
+                    input,
+                    &lw.wo,
+                    lw.post_attn_norm.as_ref(),
+                    x,
+                    out,
+                    ones,
+                );
+            }
         } else {
             self.rope_cache(lw, s, cache.at_mut(0), table, rope)?;
             let all = CacheRows {

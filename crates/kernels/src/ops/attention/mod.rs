@@ -670,7 +670,9 @@ const SPLIT_KEYS: usize = 128;
 const MAX_SPLITS: usize = 8;
 
 mod rows;
-pub use rows::{CHUNK, CacheRows, NewRows, RowsShape, attend_new_rows, attend_rows};
+pub use rows::{
+    Attended, CHUNK, CacheRows, NewRows, RowsShape, attend_new_rows, attend_rows, merge_splits,
+};
 
 #[cfg(test)]
 mod tests;

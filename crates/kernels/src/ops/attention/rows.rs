@@ -12,7 +12,7 @@
 //! ```
 
 use super::{DecodeShape, attend, head_cpu};
-use crate::backend::{Backend, TMut, TRef};
+use crate::backend::{Backend, TMut, TRef, Tensor};
 use crate::error::{Error, Result};
 use crate::gpu::Access;
 use crate::ops::common::kernel;
@@ -235,7 +235,7 @@ pub fn attend_rows(
         cache: ct,
         cache_offset: cache.offset(),
     };
-    record(g, place, rows.host, &s, None)
+    record(g, place, rows.host, &s, None, false).map(|_| ())
 }
 
 /// The new rows of a decode pass as the Q/K/V product left them, for [`attend_new_rows`].
@@ -256,6 +256,10 @@ pub struct NewRows<'a> {
 /// dispatch (and the merge) where the attention kernel takes the shapes; the two ops otherwise (the CPU
 /// backend: its twin), with the rotated queries in `q_scratch` (`s.ld_q` apart). The cache holds
 /// rope_into_cache's rows: keys at 0, values at `kv_heads · head_dim` (`s.k_at`, `s.v_at`).
+///
+/// With `defer_merge`, one row whose attention takes several splits may come back as
+/// [`Attended::Splits`] (its output not written) for the output product to merge.
+#[allow(clippy::too_many_arguments)]
 pub fn attend_new_rows(
     be: &Backend,
     new: NewRows<'_>,
@@ -264,7 +268,8 @@ pub fn attend_new_rows(
     rows: CacheRows<'_>,
     out: TMut<'_>,
     s: RowsShape,
-) -> Result<()> {
+    defer_merge: bool,
+) -> Result<Attended> {
     let r = new.shape;
     let kvd = r.kv_heads * r.head_dim;
     if (r.heads, r.kv_heads, r.head_dim, r.ld_kv, r.ld_q)
@@ -311,7 +316,8 @@ pub fn attend_new_rows(
             new.norm,
             r,
         )?;
-        return attend_rows(be, q_scratch.as_ref(), cache.as_ref(), rows, out, s);
+        return attend_rows(be, q_scratch.as_ref(), cache.as_ref(), rows, out, s)
+            .map(|_| Attended::Written);
     };
     let span_in = (n - 1) * r.ld_in
         + (r.q_at + r.heads * r.head_dim)
@@ -361,7 +367,8 @@ pub fn attend_new_rows(
             new.norm,
             r,
         )?;
-        return attend_rows(be, q_scratch.as_ref(), cache.as_ref(), rows, out, s);
+        return attend_rows(be, q_scratch.as_ref(), cache.as_ref(), rows, out, s)
+            .map(|_| Attended::Written);
     };
     let ct = cache
         .as_ref()
@@ -387,6 +394,7 @@ pub fn attend_new_rows(
         rows.host,
         &RowsShape { ld_q: r.ld_in, ..s },
         Some(fresh),
+        defer_merge,
     )
 }
 
@@ -436,14 +444,16 @@ struct FreshGpu<'a> {
     norm: Option<(Place<'a>, Place<'a>, f32)>,
 }
 
-/// Records the attention (and its merge past one split) for every row of `rows`.
+/// Records the attention for every row of `rows`, and past one split its merge, unless `defer` (one
+/// row, few enough splits for the product's merging stage): then the splits are left for the product.
 fn record(
     g: &crate::gpu::GpuBackend,
     place: Places<'_>,
     rows: &[[u32; 2]],
     s: &RowsShape,
     fresh: Option<FreshGpu<'_>>,
-) -> Result<()> {
+    defer: bool,
+) -> Result<Attended> {
     let n = rows.len();
     let Places {
         q: (bq, oq),
@@ -541,6 +551,12 @@ fn record(
         )?;
     }
     if let Some(part) = scratch {
+        if defer && n == 1 && deferrable(s.heads, n_split) {
+            return Ok(Attended::Splits {
+                part: Tensor::of_gpu(part),
+                n_split,
+            });
+        }
         merge_gpu(
             g,
             (&part.chunks[0].buffer, 0),
@@ -552,7 +568,85 @@ fn record(
             n_split,
         )?;
     }
-    Ok(())
+    Ok(Attended::Written)
+}
+
+/// Whether a product's merging stage takes `heads` heads of `n_split` splits.
+fn deferrable(heads: usize, n_split: usize) -> bool {
+    heads <= crate::ops::matmul::quant::MERGE_MAX_HEADS
+        && heads * n_split <= crate::ops::matmul::quant::MERGE_MAX_PAIRS
+}
+
+/// What a decode pass's attention leaves for the product after it.
+pub enum Attended {
+    /// The output rows are written.
+    Written,
+    /// One row's partial results, per head and split (its maximum, its sum of exponentials, its
+    /// unnormalised output), for the output product to merge as it reads them
+    /// ([`crate::ops::matmul::fused::Input::Merge`]) — the merge's dispatch saved.
+    Splits { part: Tensor, n_split: usize },
+}
+
+/// out = the merge of one row's `n_split` splits per head in `part` (as [`Attended::Splits`] holds
+/// them): per head Σ_s e^(m_s − M) o_s / Σ_s e^(m_s − M) l_s, M the largest maximum of a non-empty
+/// split, empty splits (l_s = 0) skipped, each sum in split order.
+pub fn merge_splits(
+    be: &Backend,
+    part: TRef<'_>,
+    mut out: TMut<'_>,
+    heads: usize,
+    head_dim: usize,
+    n_split: usize,
+) -> Result<()> {
+    let stride = head_dim + 2;
+    let len = heads * n_split * stride;
+    match be {
+        Backend::Cpu(_) => {
+            let ps = part.cpu("merge_splits", "part", len)?;
+            let os = out.cpu("merge_splits", "out", heads * head_dim)?;
+            for h in 0..heads {
+                let sp = &ps[h * n_split * stride..][..n_split * stride];
+                let live = |s: usize| sp[s * stride + 1] > 0.0;
+                let mx = (0..n_split)
+                    .filter(|&s| live(s))
+                    .map(|s| sp[s * stride])
+                    .fold(f32::NEG_INFINITY, f32::max);
+                let w: Vec<f32> = (0..n_split)
+                    .map(|s| {
+                        if live(s) {
+                            (sp[s * stride] - mx).exp()
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                let den = (0..n_split)
+                    .filter(|&s| live(s))
+                    .fold(0.0f32, |a, s| a + w[s] * sp[s * stride + 1]);
+                for d in 0..head_dim {
+                    let acc = (0..n_split)
+                        .filter(|&s| live(s))
+                        .fold(0.0f32, |a, s| a + w[s] * sp[s * stride + 2 + d]);
+                    os[h * head_dim + d] = acc / den;
+                }
+            }
+            Ok(())
+        }
+        Backend::Gpu(g) => {
+            let (Some(p), Some(o)) = (
+                part.gpu("merge_splits", "part", len)?
+                    .span(part.offset(), len),
+                out.gpu("merge_splits", "out", heads * head_dim)?
+                    .span(out.offset(), heads * head_dim),
+            ) else {
+                return Err(Error::Shape {
+                    op: "merge_splits",
+                    msg: "the splits and the output must each lie in one buffer".into(),
+                });
+            };
+            merge_gpu(g, p, o, 1, heads, head_dim, heads * head_dim, n_split)
+        }
+    }
 }
 
 /// out[r, h] = the merge of row r's, head h's `n_split` partial results in `part`:

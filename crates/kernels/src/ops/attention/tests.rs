@@ -462,7 +462,8 @@ fn decode_rows_match_twin() {
 /// heads (llama rotation), Gemma 3's (NeoX, Q/K norms, 256 dimensions, a window), seven query heads a KV
 /// head (two workgroups share it; one writes), a partial rotation with norms, no rotation; rows of one
 /// split and of several, the cache split across buffers. Rows of one sequence (a row would read another
-/// row's new key) take the two ops on every backend.
+/// row's new key) take the two ops on every backend. A row alone comes back as its splits, merged
+/// by `merge_splits`.
 #[test]
 fn new_rows_match_twin() {
     use crate::ops::rope::{QkNorm, RopeCacheShape, RopeLayout, rope_table};
@@ -472,6 +473,7 @@ fn new_rows_match_twin() {
     let long: Vec<[u32; 2]> = vec![[0, 5], [c, 300], [2 * c, 699], [3 * c, 256], [4 * c, 0]];
     let short: Vec<[u32; 2]> = vec![[0, 31], [c, 32], [2 * c, 100]];
     let same_seq: Vec<[u32; 2]> = vec![[0, 5], [0, 256], [c, 40]];
+    let one: Vec<[u32; 2]> = vec![[c, 300]];
     use RopeLayout::{Neox, Normal};
     for (heads, kv_heads, hd, n_rot, layout, norm, window, host) in [
         (
@@ -482,6 +484,7 @@ fn new_rows_match_twin() {
         (8, 2, 128, 64, Normal, true, 0, &short),
         (2, 1, 32, 0, Normal, true, 0, &short),
         (9, 3, 64, 64, Normal, false, 0, &same_seq),
+        (4, 1, 256, 256, Neox, true, 0, &one),
     ] {
         let (qd, kvd) = (heads * hd, kv_heads * hd);
         let seqs = 5;
@@ -551,7 +554,23 @@ fn new_rows_match_twin() {
                 shape: rs,
             };
             let mut q = be.zeros(n * qd, qd)?;
-            attend_new_rows(be, new, q.at_mut(0), tc.at_mut(0), rows, to.at_mut(0), s)
+            // A row left as splits is merged here, as the output product would.
+            match attend_new_rows(
+                be,
+                new,
+                q.at_mut(0),
+                tc.at_mut(0),
+                rows,
+                to.at_mut(0),
+                s,
+                true,
+            )? {
+                Attended::Written => Ok(()),
+                Attended::Splits { part, n_split } => {
+                    assert!(n == 1, "{n} rows left as splits");
+                    merge_splits(be, part.at(0), to.at_mut(0), heads, hd, n_split)
+                }
+            }
         };
         check_twin(&name, 1e-10, &args, Some((ctx * ld_kv * 4) as u64), run);
         // One dispatch and the merge where the rows are different sequences; the two ops otherwise.

@@ -2,7 +2,8 @@
 //!
 //! A decode step is bound by how many dispatches it records (each costs microseconds on the fastest GPUs,
 //! whatever its size), so the small ops around a projection ride inside it: the RMSNorm before a
-//! projection, the GLU before the down projection, the residual addition after an output projection.
+//! projection, the GLU before the down projection, the merge of a lone row's attention splits before
+//! the output projection, the residual addition after the output and down projections.
 //! [`matmul_fused`] computes exactly what the separate ops compute, in their order (norm, then product,
 //! then addition); where no fused kernel applies — the CPU backend, f32 weights (the canonical path),
 //! rows too long for workgroup memory, tensors split across buffers — it runs those ops one by one.
@@ -11,6 +12,7 @@
 //!   input:  Rows(x)                 x
 //!           RmsNorm { x, w, eps }   x / rms(x) · w           (per row, as ops::norm computes it)
 //!           Glu { act, gate, up }   act(gate) · up           (as ops::glu computes it)
+//!           Merge { part, .. }      one row's attention splits merged (as attention::merge_splits does)
 //!   output: Store                   y  = input · Wᵀ
 //!           Accumulate              y += input · Wᵀ          (as ops::add::add_assign adds)
 //! ```
@@ -40,6 +42,14 @@ pub enum Input<'a> {
         up: TRef<'a>,
         ld: usize,
     },
+    /// One row (m = 1): the merge of an attention's `n_split` splits per head
+    /// ([`crate::ops::attention::Attended::Splits`]); k = heads · head_dim.
+    Merge {
+        part: TRef<'a>,
+        heads: usize,
+        head_dim: usize,
+        n_split: usize,
+    },
 }
 
 /// y (+)= input · Wᵀ: `m` rows of `k` through the N x K matrix `w` into `m` contiguous rows of y, with
@@ -67,6 +77,18 @@ pub fn matmul_fused<'w>(
         return Err(shape(
             "matmul_fused",
             format!("GLU rows {ld} apart overlap rows of {k}"),
+        ));
+    }
+    if let Input::Merge {
+        heads, head_dim, ..
+    } = input
+        && (m != 1 || heads * head_dim != k)
+    {
+        return Err(shape(
+            "matmul_fused",
+            format!(
+                "a merged input is one row of heads x head_dim = {k}, not {m} rows of {heads} x {head_dim}"
+            ),
         ));
     }
     // Rows of a decode batch take the norm and the GLU as dispatches of their own: a staged kernel
@@ -126,6 +148,17 @@ pub fn matmul_fused<'w>(
                     )?;
                 }
             }
+            staged_x = t;
+            staged_x.at(0)
+        }
+        Input::Merge {
+            part,
+            heads,
+            head_dim,
+            n_split,
+        } => {
+            let mut t = be.scratch("fused_in", k, k)?;
+            crate::ops::attention::merge_splits(be, part, t.at_mut(0), heads, head_dim, n_split)?;
             staged_x = t;
             staged_x.at(0)
         }
@@ -207,6 +240,25 @@ fn try_staged(
                     act,
                     up: base(up),
                     ld,
+                },
+            )
+        }
+        Input::Merge {
+            part,
+            heads,
+            head_dim,
+            n_split,
+        } => {
+            let len = heads * n_split * (head_dim + 2);
+            (
+                part.gpu("matmul_fused", "part", len)
+                    .ok()?
+                    .span(part.offset(), len)?,
+                None,
+                Stage::Merge {
+                    heads,
+                    head_dim,
+                    n_split,
                 },
             )
         }
@@ -321,6 +373,7 @@ mod tests {
                     )?;
                 }
             }
+            Input::Merge { .. } => unreachable!("run_case builds no merged input"),
         }
         let mut prod = be.zeros(m * n, n)?;
         matmul(be, paths, xin.at(0), w, prod.at_mut(0), &Gemm::nt(m, n, k))?;
@@ -418,6 +471,108 @@ mod tests {
                         assert_nmse(&format!("{name}: gpu vs cpu"), &want[2], &got[0], 1e-11);
                     }
                 }
+            }
+        }
+    }
+
+    /// A decode row's attention splits merged on the product's way in (`Input::Merge`) against the
+    /// CPU twin and, on the GPU, bit for bit against the merge kernel then the product: heads of 64,
+    /// 256 and 32 dimensions, 2 to 20 splits with empty ones among them (their maxima, larger than
+    /// every other, must not count), and more (head, split) pairs than the stage holds (the merge
+    /// kernel then runs first).
+    #[test]
+    fn merged_input_matches_the_merge_then_the_product() {
+        use crate::ops::attention::merge_splits;
+        let mut rng = SeedRng::new(42);
+        let paths = PathSet::of(&[PathId::QuantMatmul]);
+        for (heads, hd, n_split) in [
+            (9, 64, 2),
+            (9, 64, 20),
+            (4, 256, 7),
+            (2, 32, 3),
+            (9, 64, 60),
+        ] {
+            let (k, n) = (heads * hd, 40);
+            let stride = hd + 2;
+            let mut part = rng.normal_vec(heads * n_split * stride, 1.0);
+            for h in 0..heads {
+                for sp in 0..n_split {
+                    let at = (h * n_split + sp) * stride;
+                    // Every third split of a head past its first is empty.
+                    let empty = sp > 0 && (sp + h) % 3 == 0;
+                    part[at] = if empty {
+                        100.0
+                    } else {
+                        rng.vec(1, -3.0, 3.0)[0]
+                    };
+                    part[at + 1] = if empty { 0.0 } else { rng.vec(1, 0.5, 5.0)[0] };
+                }
+            }
+            let w = rng.normal_vec(n * k, 0.05);
+            let src: crate::ops::matmul::QuantSource = quantize_q8_32(&w, n, k).into();
+            for out in [Output::Store, Output::Accumulate] {
+                let args = [
+                    Arg::data(part.clone(), part.len()),
+                    Arg::data(rng.vec(n, -1.0, 1.0), n),
+                ];
+                let name = format!("merged {heads}x{hd}, {n_split} splits, {out:?}");
+                let run = |be: &Backend, t: &mut [Tensor], one: bool| -> Result<()> {
+                    let [p, y] = t else { unreachable!() };
+                    let w = QMatrix::upload(be, src.clone(), paths)?;
+                    let input = if one {
+                        let mut x = be.zeros(k, k)?;
+                        merge_splits(be, p.at(0), x.at_mut(0), heads, hd, n_split)?;
+                        let done = matmul_fused(
+                            be,
+                            paths,
+                            RowMode::Shared,
+                            Input::Rows(x.at(0)),
+                            &w,
+                            y.at_mut(0),
+                            [1, n, k],
+                            out,
+                        );
+                        return done;
+                    } else {
+                        Input::Merge {
+                            part: p.at(0),
+                            heads,
+                            head_dim: hd,
+                            n_split,
+                        }
+                    };
+                    matmul_fused(
+                        be,
+                        paths,
+                        RowMode::Shared,
+                        input,
+                        &w,
+                        y.at_mut(0),
+                        [1, n, k],
+                        out,
+                    )
+                };
+                check_twin(&name, 1e-11, &args, None, |be, t| run(be, t, false));
+                let Some(g) = gpu_backend(None) else { continue };
+                let got: Vec<Vec<u32>> = [false, true]
+                    .iter()
+                    .map(|&one| {
+                        let mut t: Vec<Tensor> = args
+                            .iter()
+                            .map(|a| g.from_f32(a.data.as_ref().unwrap(), a.unit).unwrap())
+                            .collect();
+                        run(&g, &mut t, one).unwrap();
+                        g.to_vec(&t[1])
+                            .unwrap()
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect()
+                    })
+                    .collect();
+                assert_eq!(
+                    got[0], got[1],
+                    "{name}: merged in the product vs merge then product"
+                );
             }
         }
     }

@@ -88,7 +88,21 @@ pub(crate) enum Stage {
         up: usize,
         ld: usize,
     },
+    /// x = the merge of one row's attention splits in x's binding (per head, per split: its maximum,
+    /// its sum of exponentials, its unnormalised output of `head_dim`), computed as
+    /// attend_combine.wgsl merges them (the same values in the same order), so a decode step's output
+    /// product takes its attention's splits without the merge's dispatch. One row of x (R = 1).
+    Merge {
+        heads: usize,
+        head_dim: usize,
+        n_split: usize,
+    },
 }
+
+/// Most heads, and most (head, split) pairs, a merging stage takes (their statistics live in workgroup
+/// memory).
+pub(crate) const MERGE_MAX_HEADS: usize = 64;
+pub(crate) const MERGE_MAX_PAIRS: usize = 512;
 
 impl Stage {
     fn key(self) -> String {
@@ -96,6 +110,7 @@ impl Stage {
             Stage::Plain => String::new(),
             Stage::RmsNorm { .. } => "_rms".into(),
             Stage::Glu { act, .. } => format!("_glu{act:?}"),
+            Stage::Merge { .. } => "_merge".into(),
         }
     }
 }
@@ -185,6 +200,63 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
                      return 0.5 * x * (1.0 + t);"
                 }
             }
+        ),
+        Stage::Merge { .. } => format!(
+            "var<workgroup> xs: array<vec4<f32>, {xs}>;\n\
+             var<workgroup> mm: array<f32, {MERGE_MAX_PAIRS}>;\n\
+             var<workgroup> ll: array<f32, {MERGE_MAX_PAIRS}>;\n\
+             var<workgroup> dn: array<f32, {MERGE_MAX_HEADS}>;\n\
+             fn xrow(r: u32, i0: u32) -> u32 {{ return r * p.k; }}\n\
+             fn xget(i: u32) -> vec4<f32> {{ return xs[i >> 2u]; }}\n\
+             // The merge of row i0's splits (e0 splits, e1 heads, e2 head_dim; head h's split s at\n\
+             // p.o_x + ((i0 · e1 + h) · e0 + s) · (e2 + 2): max, sum, output) as attend_combine.wgsl\n\
+             // merges them: M the largest maximum of a non-empty split, weights e^(m_s − M) (0 for an\n\
+             // empty split), Σ_s w_s o_s / Σ_s w_s l_s, each sum in split order. The pairs' statistics\n\
+             // are loaded at once, one thread per head weighs its splits, then every output.\n\
+             fn prologue(lid: u32, i0: u32) {{\n\
+               let ns = p.e0;\n\
+               let nh = p.e1;\n\
+               let hd = p.e2;\n\
+               let stride = hd + 2u;\n\
+               let b = p.o_x + i0 * nh * ns * stride;\n\
+               for (var i = lid; i < nh * ns; i = i + WG) {{\n\
+                 mm[i] = x1(b + i * stride);\n\
+                 ll[i] = x1(b + i * stride + 1u);\n\
+               }}\n\
+               workgroupBarrier();\n\
+               for (var h = lid; h < nh; h = h + WG) {{\n\
+                 var ninf_bits = 0xff800000u;\n\
+                 var mx = bitcast<f32>(ninf_bits);\n\
+                 for (var s = 0u; s < ns; s = s + 1u) {{\n\
+                   if (ll[h * ns + s] > 0.0) {{ mx = max(mx, mm[h * ns + s]); }}\n\
+                 }}\n\
+                 var den = 0.0;\n\
+                 for (var s = 0u; s < ns; s = s + 1u) {{\n\
+                   let j = h * ns + s;\n\
+                   let l = ll[j];\n\
+                   let w = select(0.0, exp(mm[j] - mx), l > 0.0);\n\
+                   mm[j] = w;\n\
+                   if (l > 0.0) {{ den = den + w * l; }}\n\
+                 }}\n\
+                 dn[h] = den;\n\
+               }}\n\
+               workgroupBarrier();\n\
+               for (var i = lid; i < p.k / 4u; i = i + WG) {{\n\
+                 let h = (4u * i) / hd;\n\
+                 let o = b + h * ns * stride + 2u + (4u * i) % hd;\n\
+                 var acc = vec4<f32>(0.0);\n\
+                 for (var s = 0u; s < ns; s = s + 1u) {{\n\
+                   let j = h * ns + s;\n\
+                   if (ll[j] > 0.0) {{\n\
+                     let at = o + s * stride;\n\
+                     acc = acc + mm[j] * vec4<f32>(x1(at), x1(at + 1u), x1(at + 2u), x1(at + 3u));\n\
+                   }}\n\
+                 }}\n\
+                 xs[i] = acc / dn[h];\n\
+               }}\n\
+               workgroupBarrier();\n\
+             }}",
+            xs = r * k / 4
         ),
     };
     format!("{body}\n{store}\n")
@@ -473,6 +545,21 @@ fn passes(rows: usize, r: usize, max_z: usize) -> impl Iterator<Item = (usize, u
 fn staged_rows(g: &GpuBackend, m: usize, k: usize, stage: Stage) -> Option<usize> {
     let limit = g.limits.max_compute_workgroup_storage_size as usize;
     let copy = if stage == Stage::Plain { 0 } else { k };
+    if let Stage::Merge {
+        heads,
+        head_dim,
+        n_split,
+    } = stage
+    {
+        // One row; its heads' splits' statistics beside the copy.
+        let fits = m == 1
+            && heads <= MERGE_MAX_HEADS
+            && heads * n_split <= MERGE_MAX_PAIRS
+            && heads * head_dim == k
+            && head_dim.is_multiple_of(4);
+        let bytes = (k + WG + 2 * MERGE_MAX_PAIRS + MERGE_MAX_HEADS) * 4;
+        return (fits && bytes <= limit).then_some(1);
+    }
     let mut r = m.next_power_of_two().min(MAX_R);
     while r >= 1 {
         // The copy of x and the reduction buffer.
@@ -537,9 +624,14 @@ pub(crate) fn qmatmul_staged(
         out,
         fault,
     };
-    // A GLU input's rows are `ld` apart, a normed one's k; y's ldy apart.
+    // A GLU input's rows are `ld` apart, a normed one's k, a merged one's its splits; y's ldy apart.
     let x_rows = match stage {
         Stage::Glu { ld, .. } => ld,
+        Stage::Merge {
+            heads,
+            head_dim,
+            n_split,
+        } => heads * n_split * (head_dim + 2),
         _ => k,
     };
     let max_z = g.limits.max_compute_workgroups_per_dimension as usize;
@@ -606,6 +698,11 @@ fn dispatch(
         Stage::Plain => [0; 3],
         Stage::RmsNorm { eps } => [off(0), eps.to_bits(), 0],
         Stage::Glu { up, ld, .. } => [up as u32, ld as u32, 0],
+        Stage::Merge {
+            heads,
+            head_dim,
+            n_split,
+        } => [n_split as u32, heads as u32, head_dim as u32],
     };
     for ws in &w.segs {
         let nseg = ws.len();
