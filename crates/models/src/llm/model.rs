@@ -1457,23 +1457,32 @@ impl Pass<'_> {
         let (keys, values) = (cache.as_ref(), cache.as_ref().shift(kvd));
         let query = q_src.at(q_slot.offset);
         attend(be, query, keys, values, s.att.at_mut(0), shape)?;
-        self.attention_output(lw, s)
+        self.attention_output(lw, s, None)
     }
 
     /// x += [post_attn_norm](att · Woᵀ): the attention sublayer's output product and residual, the
     /// same for prompt and decode passes.
-    fn attention_output(&self, lw: &LayerWeights, s: &mut Scratch) -> Result<()> {
+    /// The output product with its post-norm and the residual addition, of the attention's rows in
+    /// `s.att` or, given `splits` (a lone row's partial results and their count), of their merge.
+    fn attention_output(
+        &self,
+        lw: &LayerWeights,
+        s: &mut Scratch,
+        splits: Option<(&Tensor, usize)>,
+    ) -> Result<()> {
         let Scratch {
             att, x, out, ones, ..
         } = s;
-        self.residual_fused(
-            Input::Rows(att.at(0)),
-            &lw.wo,
-            lw.post_attn_norm.as_ref(),
-            x,
-            out,
-            ones,
-        )
+        let input = match splits {
+            Some((part, n_split)) => Input::Merge {
+                part: part.at(0),
+                heads: self.cfg.n_head,
+                head_dim: self.cfg.head_dim,
+                n_split,
+            },
+            None => Input::Rows(att.at(0)),
+        };
+        self.residual_fused(input, &lw.wo, lw.post_attn_norm.as_ref(), x, out, ones)
     }
 
     fn feed_forward(&self, lw: &LayerWeights, s: &mut Scratch) -> Result<()> {
@@ -1656,7 +1665,7 @@ impl Pass<'_> {
             softcap: 0.0,
         };
         let [q, k, v] = [0, 1, 2].map(|i| lw.qkv.slot(i, self.batch));
-        if self.m == 1 || (q.ld == k.ld && k.ld == v.ld) {
+        let attended = if self.m == 1 || (q.ld == k.ld && k.ld == v.ld) {
             // Rows of one product: the norms, RoPE and cache writes happen inside the attention's
             // dispatch.
             let (norm, rs) = self.rope_cache_shape(lw, rope);
@@ -1669,7 +1678,7 @@ impl Pass<'_> {
             };
             let Scratch { qn, att, .. } = s;
             // One row's splits go to the output product, which merges them on its way in.
-            let attended = attend_new_rows(
+            attend_new_rows(
                 be,
                 new,
                 qn.at_mut(0),
@@ -1678,24 +1687,7 @@ impl Pass<'_> {
                 att.at_mut(0),
                 shape,
                 self.m == 1,
-            )?;
-            if let Attended::Splits { part, n_split } = attended {
-                let input = Input::Merge {
-                    part: part.at(0),
-                    heads: cfg.n_head,
-                    head_dim: hd,
-                    n_split,
-                };
-                let Scratch { x, out, ones, .. } = s;
-                return self.residual_fused(
-                    input,
-                    &lw.wo,
-                    lw.post_attn_norm.as_ref(),
-                    x,
-                    out,
-                    ones,
-                );
-            }
+            )?
         } else {
             self.rope_cache(lw, s, cache.at_mut(0), table, rope)?;
             let all = CacheRows {
@@ -1703,8 +1695,13 @@ impl Pass<'_> {
                 host: table,
             };
             attend_rows(be, s.qn.at(0), cache.at(0), all, s.att.at_mut(0), shape)?;
-        }
-        self.attention_output(lw, s)
+            Attended::Written
+        };
+        let splits = match &attended {
+            Attended::Splits { part, n_split } => Some((part, *n_split)),
+            Attended::Written => None,
+        };
+        self.attention_output(lw, s, splits)
     }
 
     /// A decode pass's feed-forward sublayer: gate and up (norm fused in), then down with the GLU fused

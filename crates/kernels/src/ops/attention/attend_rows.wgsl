@@ -40,7 +40,7 @@ struct Params { rows: u32, heads: u32, kv_heads: u32, head_dim: u32, ld_q: u32, 
 @group(0) @binding(7) var<storage, read> qw: array<f32>;
 @group(0) @binding(8) var<storage, read> kw: array<f32>;
 
-// rows.rs prepends CHUNK (positions per workgroup) and FRESH.
+// rows.rs prepends CHUNK (positions per workgroup), FRESH and rope_pair (ops/rope, ROPE_PAIR).
 const WG: u32 = 256u;
 const TPP: u32 = 8u;                               // threads per position in the scores
 const GMAX: u32 = 4u;
@@ -73,20 +73,12 @@ fn rotate4(x: vec4<f32>, d: u32, pos: u32) -> vec4<f32> {
   workgroupBarrier();
   var y = x;
   if (d < p.n_rot) {
-    let half = p.n_rot / 2u;
-    var i = d / 2u;
-    var first = d % 2u == 0u;
-    var partner = d ^ 1u;
-    if (p.neox != 0u) {
-      i = d % half;
-      first = d < half;
-      partner = select(d - half, d + half, first);
-    }
-    let t = p.o_rope + (pos * half + i) * 2u;
+    let pr = rope_pair(d, p.n_rot, p.neox != 0u);
+    let t = p.o_rope + (pos * (p.n_rot / 2u) + pr.i) * 2u;
     let c = rope[t];
     let s = rope[t + 1u];
-    let b = red[partner];
-    if (first) { y = x * c - b * s; } else { y = b * s + x * c; }
+    let b = red[pr.partner];
+    if (pr.first) { y = x * c - b * s; } else { y = b * s + x * c; }
   }
   workgroupBarrier();
   return y;

@@ -670,6 +670,7 @@ const SPLIT_KEYS: usize = 128;
 const MAX_SPLITS: usize = 8;
 
 mod rows;
+pub(crate) use rows::split_len;
 pub use rows::{
     Attended, CHUNK, CacheRows, NewRows, RowsShape, attend_new_rows, attend_rows, merge_splits,
 };

@@ -15,8 +15,8 @@ use super::{DecodeShape, attend, head_cpu};
 use crate::backend::{Backend, TMut, TRef, Tensor};
 use crate::error::{Error, Result};
 use crate::gpu::Access;
-use crate::ops::common::kernel;
-use crate::ops::rope::{QkNorm, RopeCacheShape, RopeLayout, rope_into_cache};
+use crate::ops::common::{kernel, kernel_parts};
+use crate::ops::rope::{QkNorm, ROPE_PAIR, RopeCacheShape, RopeLayout, rope_into_cache};
 use rayon::prelude::*;
 
 /// Positions one workgroup scores (attend_rows.wgsl's CHUNK): many small splits keep each workgroup
@@ -90,7 +90,7 @@ pub struct RowsShape {
 
 /// Elements of the partial results of `n_split` splits: per (row, head, split) the split's maximum, its sum
 /// of exponentials and its unnormalised output.
-fn split_len(rows: usize, heads: usize, head_dim: usize, n_split: usize) -> usize {
+pub(crate) fn split_len(rows: usize, heads: usize, head_dim: usize, n_split: usize) -> usize {
     rows * heads * n_split * (head_dim + 2)
 }
 
@@ -263,8 +263,8 @@ pub struct NewRows<'a> {
 pub fn attend_new_rows(
     be: &Backend,
     new: NewRows<'_>,
-    mut q_scratch: TMut<'_>,
-    mut cache: TMut<'_>,
+    q_scratch: TMut<'_>,
+    cache: TMut<'_>,
     rows: CacheRows<'_>,
     out: TMut<'_>,
     s: RowsShape,
@@ -305,19 +305,7 @@ pub fn attend_new_rows(
         _ => None,
     };
     let Some(g) = fused else {
-        rope_into_cache(
-            be,
-            new.input,
-            q_scratch.reborrow(),
-            cache.reborrow(),
-            rows,
-            new.table,
-            new.positions,
-            new.norm,
-            r,
-        )?;
-        return attend_rows(be, q_scratch.as_ref(), cache.as_ref(), rows, out, s)
-            .map(|_| Attended::Written);
+        return two_ops(be, new, q_scratch, cache, rows, out, s);
     };
     let span_in = (n - 1) * r.ld_in
         + (r.q_at + r.heads * r.head_dim)
@@ -339,36 +327,22 @@ pub fn attend_new_rows(
             .gpu("attend_new_rows", "table", tab_len.max(1))?
             .span(new.table.offset(), tab_len.max(1)),
     );
+    // None: a norm weight across buffers.
     let norm = match new.norm {
-        Some(nm) => Some((
+        None => Some(None),
+        Some(nm) => match (
             nm.q.gpu("attend_new_rows", "q norm", r.head_dim)?
                 .span(nm.q.offset(), r.head_dim),
             nm.k.gpu("attend_new_rows", "k norm", r.head_dim)?
                 .span(nm.k.offset(), r.head_dim),
-            nm.eps,
-        )),
-        None => None,
-    };
-    let norm = match norm {
-        None => Some(None),
-        Some((Some(q), Some(k), eps)) => Some(Some((q, k, eps))),
-        Some(_) => None,
+        ) {
+            (Some(q), Some(k)) => Some(Some((q, k, nm.eps))),
+            _ => None,
+        },
     };
     let ((Some((bi, oi)), Some(o), Some(t), Some(rope)), Some(norm)) = (places, norm) else {
         // A view across buffers: the two ops.
-        rope_into_cache(
-            be,
-            new.input,
-            q_scratch.reborrow(),
-            cache.reborrow(),
-            rows,
-            new.table,
-            new.positions,
-            new.norm,
-            r,
-        )?;
-        return attend_rows(be, q_scratch.as_ref(), cache.as_ref(), rows, out, s)
-            .map(|_| Attended::Written);
+        return two_ops(be, new, q_scratch, cache, rows, out, s);
     };
     let ct = cache
         .as_ref()
@@ -396,6 +370,32 @@ pub fn attend_new_rows(
         Some(fresh),
         defer_merge,
     )
+}
+
+/// [`attend_new_rows`] as its two ops: [`rope_into_cache`] (the rotated queries into `q_scratch`), then
+/// [`attend_rows`].
+fn two_ops(
+    be: &Backend,
+    new: NewRows<'_>,
+    mut q_scratch: TMut<'_>,
+    mut cache: TMut<'_>,
+    rows: CacheRows<'_>,
+    out: TMut<'_>,
+    s: RowsShape,
+) -> Result<Attended> {
+    rope_into_cache(
+        be,
+        new.input,
+        q_scratch.reborrow(),
+        cache.reborrow(),
+        rows,
+        new.table,
+        new.positions,
+        new.norm,
+        new.shape,
+    )?;
+    attend_rows(be, q_scratch.as_ref(), cache.as_ref(), rows, out, s)?;
+    Ok(Attended::Written)
 }
 
 /// Whether the kernel takes `s` over `rows` (else the row-by-row path runs): it reads the cache as
@@ -479,13 +479,14 @@ fn record(
     let none = g.scratch("attend_rows_none", 1)?;
     let db = &none.chunks[0].buffer;
     let is_fresh = fresh.is_some();
-    let pipe = kernel(
+    let pipe = kernel_parts(
         g,
         &format!("attend_rows_c{chunk}{}", if is_fresh { "_new" } else { "" }),
-        &format!(
-            "const CHUNK: u32 = {chunk}u;\nconst FRESH: bool = {is_fresh};\n{}",
-            include_str!("attend_rows.wgsl")
-        ),
+        &[
+            &format!("const CHUNK: u32 = {chunk}u;\nconst FRESH: bool = {is_fresh};"),
+            ROPE_PAIR,
+            include_str!("attend_rows.wgsl"),
+        ],
         &[
             Access::Read,
             Access::ReadWrite,
@@ -551,7 +552,7 @@ fn record(
         )?;
     }
     if let Some(part) = scratch {
-        if defer && n == 1 && deferrable(s.heads, n_split) {
+        if defer && n == 1 && crate::ops::matmul::quant::merge_takes(s.heads, n_split) {
             return Ok(Attended::Splits {
                 part: Tensor::of_gpu(part),
                 n_split,
@@ -569,12 +570,6 @@ fn record(
         )?;
     }
     Ok(Attended::Written)
-}
-
-/// Whether a product's merging stage takes `heads` heads of `n_split` splits.
-fn deferrable(heads: usize, n_split: usize) -> bool {
-    heads <= crate::ops::matmul::quant::MERGE_MAX_HEADS
-        && heads * n_split <= crate::ops::matmul::quant::MERGE_MAX_PAIRS
 }
 
 /// What a decode pass's attention leaves for the product after it.
@@ -599,7 +594,7 @@ pub fn merge_splits(
     n_split: usize,
 ) -> Result<()> {
     let stride = head_dim + 2;
-    let len = heads * n_split * stride;
+    let len = split_len(1, heads, head_dim, n_split);
     match be {
         Backend::Cpu(_) => {
             let ps = part.cpu("merge_splits", "part", len)?;

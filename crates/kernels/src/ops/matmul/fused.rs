@@ -249,7 +249,7 @@ fn try_staged(
             head_dim,
             n_split,
         } => {
-            let len = heads * n_split * (head_dim + 2);
+            let len = crate::ops::attention::split_len(1, heads, head_dim, n_split);
             (
                 part.gpu("matmul_fused", "part", len)
                     .ok()?

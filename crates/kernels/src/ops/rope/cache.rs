@@ -8,12 +8,13 @@
 //!   cache row base + pos:      [ k rotated | v ]  (ld_kv elements, keys from 0, values from kv_heads x head_dim)
 //! ```
 
+use super::ROPE_PAIR;
 use super::{RopeLayout, RopeShape, rope};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::Access;
 use crate::ops::attention::CacheRows;
-use crate::ops::common::row_kernel;
+use crate::ops::common::{ROW_REDUCE, kernel_parts};
 use crate::ops::fill::copy;
 use crate::ops::norm::{NormKind, NormShape, norm_forward};
 
@@ -135,10 +136,10 @@ pub fn rope_into_cache(
         (Some(_), (Some(q), Some(k))) => (true, q, k),
         _ => return one_by_one(be, input, q_out, cache, rows, table, positions, norm, s),
     };
-    let pipe = row_kernel(
+    let pipe = kernel_parts(
         g,
         "rope_cache",
-        include_str!("rope_cache.wgsl"),
+        &[ROW_REDUCE, ROPE_PAIR, include_str!("rope_cache.wgsl")],
         &[
             Access::Read,
             Access::ReadWrite,

@@ -10,6 +10,22 @@ use crate::error::{Error, Result};
 use crate::gpu::{Access, Operand};
 use rayon::prelude::*;
 
+/// WGSL shared by the kernels that rotate a head one thread per dimension (rope_cache.wgsl, the new
+/// rows of attention/attend_rows.wgsl), so both pair dimensions as [`RopeLayout`] says.
+pub(crate) const ROPE_PAIR: &str = "
+// Dimension d (< n_rot) of a rotation of n_rot dimensions: its pair's index i (the table's column),
+// whether it comes first in its pair, and its partner. llama pairs (2i, 2i + 1), NeoX (i, i + n_rot / 2).
+struct RopePair { i: u32, first: bool, partner: u32 }
+fn rope_pair(d: u32, n_rot: u32, neox: bool) -> RopePair {
+  if (neox) {
+    let half = n_rot / 2u;
+    let first = d < half;
+    return RopePair(d % half, first, select(d - half, d + half, first));
+  }
+  return RopePair(d / 2u, d % 2u == 0u, d ^ 1u);
+}
+";
+
 /// Which dimensions are rotated together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RopeLayout {

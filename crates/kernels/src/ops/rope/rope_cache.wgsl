@@ -23,7 +23,7 @@ var<workgroup> vals: array<f32, 256>;
 var<workgroup> wbase: u32;
 var<workgroup> wpos: u32;
 
-// reduce_sum and WG: ops/common.rs, ROW_REDUCE.
+// reduce_sum and WG: ops/common.rs, ROW_REDUCE; rope_pair: ops/rope, ROPE_PAIR.
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
   let r = wid.x;
@@ -59,18 +59,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   let half = p.n_rot / 2u;
   var y = x;
   if (d < p.n_rot) {
-    var i = d / 2u;
-    var first = d % 2u == 0u;
-    var partner = d ^ 1u;
-    if (p.neox != 0u) {
-      i = d % half;
-      first = d < half;
-      partner = select(d - half, d + half, first);
-    }
-    let t = p.o_rope + (pos * half + i) * 2u;
+    let pr = rope_pair(d, p.n_rot, p.neox != 0u);
+    let t = p.o_rope + (pos * half + pr.i) * 2u;
     let c = rope[t];
     let s = rope[t + 1u];
-    if (first) { y = x * c - vals[partner] * s; } else { y = vals[partner] * s + x * c; }
+    if (pr.first) { y = x * c - vals[pr.partner] * s; } else { y = vals[pr.partner] * s + x * c; }
   }
   if (d < p.head_dim) {
     if (is_q) {

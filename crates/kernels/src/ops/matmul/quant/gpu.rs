@@ -22,6 +22,7 @@ use std::rc::Rc;
 use super::{GpuParts, QKind};
 use crate::error::{Result, shape};
 use crate::gpu::{Access, GpuBackend, GpuTensor, Operand, Pipeline, PipelineOptions, segments};
+use crate::ops::attention::split_len;
 use crate::ops::common::{PRELUDE, repeat_lines};
 use crate::ops::glu::Activation;
 use crate::path::Fault;
@@ -101,8 +102,13 @@ pub(crate) enum Stage {
 
 /// Most heads, and most (head, split) pairs, a merging stage takes (their statistics live in workgroup
 /// memory).
-pub(crate) const MERGE_MAX_HEADS: usize = 64;
-pub(crate) const MERGE_MAX_PAIRS: usize = 512;
+const MERGE_MAX_HEADS: usize = 64;
+const MERGE_MAX_PAIRS: usize = 512;
+
+/// Whether a merging stage holds the statistics of `heads` heads of `n_split` splits.
+pub(crate) fn merge_takes(heads: usize, n_split: usize) -> bool {
+    heads <= MERGE_MAX_HEADS && heads * n_split <= MERGE_MAX_PAIRS
+}
 
 impl Stage {
     fn key(self) -> String {
@@ -553,8 +559,7 @@ fn staged_rows(g: &GpuBackend, m: usize, k: usize, stage: Stage) -> Option<usize
     {
         // One row; its heads' splits' statistics beside the copy.
         let fits = m == 1
-            && heads <= MERGE_MAX_HEADS
-            && heads * n_split <= MERGE_MAX_PAIRS
+            && merge_takes(heads, n_split)
             && heads * head_dim == k
             && head_dim.is_multiple_of(4);
         let bytes = (k + WG + 2 * MERGE_MAX_PAIRS + MERGE_MAX_HEADS) * 4;
@@ -631,7 +636,7 @@ pub(crate) fn qmatmul_staged(
             heads,
             head_dim,
             n_split,
-        } => heads * n_split * (head_dim + 2),
+        } => split_len(1, heads, head_dim, n_split),
         _ => k,
     };
     let max_z = g.limits.max_compute_workgroups_per_dimension as usize;

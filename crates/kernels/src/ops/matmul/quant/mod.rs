@@ -27,7 +27,7 @@ pub mod cpu_int;
 #[cfg(target_arch = "x86_64")]
 mod cpu_vnni;
 pub(crate) mod gpu;
-pub(crate) use gpu::{GEMM_MIN_ROWS, MERGE_MAX_HEADS, MERGE_MAX_PAIRS};
+pub(crate) use gpu::{GEMM_MIN_ROWS, merge_takes};
 
 use std::ops::Range;
 
