@@ -46,7 +46,7 @@ use tinygpt_kernels::ops::fill::copy_rows;
 use tinygpt_kernels::ops::gelu::gelu;
 use tinygpt_kernels::ops::glu::{glu, glu_rows};
 use tinygpt_kernels::ops::matmul::RowMode;
-use tinygpt_kernels::ops::matmul::fused::{Input, Output};
+use tinygpt_kernels::ops::matmul::fused::{Input, Output, Residual};
 use tinygpt_kernels::ops::norm::{NormKind, NormShape, add_rms_norm, norm_forward};
 use tinygpt_kernels::ops::rope::{
     QkNorm, RopeCacheShape, RopeShape, rope, rope_into_cache, rope_table,
@@ -58,7 +58,9 @@ use tinygpt_kernels::{Backend, DType, PathId, PathSet, PendingRead, TMut, TRef, 
 use super::config::{LayerAttention, LlmConfig};
 use super::error::{LlmError, Result};
 use super::kv_cache::KvPool;
-use super::weights::{LayerWeights, Linear, LoadProgress, Norm, Rows, Slot, Weights, add_bias};
+use super::weights::{
+    Fused, LayerWeights, Linear, LoadProgress, Norm, Rows, Slot, Weights, add_bias,
+};
 
 /// How to set a model up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -121,6 +123,9 @@ struct Scratch {
     ones: Tensor,
     /// The residual stream [batch, d].
     x: Tensor,
+    /// Where a decode pass's product that lets a post-normed output join the residual stream writes
+    /// the new stream (then swapped with `x`) [batch, d].
+    x2: Tensor,
     /// A sublayer's normed input, or its post-normed output [batch, d].
     xn: Tensor,
     /// RMSNorm statistics of up to batch · heads rows.
@@ -155,6 +160,7 @@ impl Scratch {
             rows: be.zeros_typed(2 * batch, 2 * batch, DType::U32)?,
             ones: be.from_f32(&vec![1.0; batch], batch)?,
             x: z(batch, d)?,
+            x2: z(batch, d)?,
             xn: z(batch, d)?,
             stats: z(2, batch * heads)?,
             proj: z(batch, (qd + 2 * kvd).max(2 * ff))?,
@@ -176,6 +182,7 @@ impl Scratch {
             &self.rows,
             &self.ones,
             &self.x,
+            &self.x2,
             &self.xn,
             &self.stats,
             &self.proj,
@@ -1176,14 +1183,43 @@ impl Core {
             pos.get_rows(be, s.pos_ids.at(0), s.out.at_mut(0), m, 1.0)?;
             add_assign(be, s.x.at_mut(0), s.out.at(0), m * d, 1.0)?;
         }
+        // A post-normed sublayer output waiting in `s.out` to join the residual stream (Gemma 3): the
+        // next product takes it in (its post-norm weight).
+        let mut pending = None;
         for (l, lw) in w.layers.iter().enumerate() {
             let rope = layer_rope.get(l).map(|&i| &ropes[i]);
-            pass.decode_attention(lw, &cfg.layers[l], s, &mut pool.kv[l], &table, rope)?;
-            pass.decode_feed_forward(lw, s)?;
+            let kv = &mut pool.kv[l];
+            pending = pass.decode_attention(lw, &cfg.layers[l], s, kv, &table, rope, pending)?;
+            pending = pass.decode_feed_forward(lw, s, pending)?;
         }
-        let input = pass.normed(&w.output_norm, &s.x, &mut s.xn, &mut s.stats, &s.ones)?;
-        w.head()
-            .fused(be, pass.rows(), input, s.logits.at_mut(0), Output::Store)?;
+        let head = w.head();
+        let joined = match pending {
+            Some(post) if pass.rms_fusable(&w.output_norm) => {
+                let norms = (post.into(), (&w.output_norm.w).into(), cfg.norm_eps);
+                let xs = (s.x.at_mut(0), s.x2.at_mut(0));
+                let how = head.residual_norm(
+                    be,
+                    pass.rows(),
+                    xs,
+                    s.out.at(0),
+                    norms,
+                    s.logits.at_mut(0),
+                )?;
+                if how == Residual::Moved {
+                    std::mem::swap(&mut s.x, &mut s.x2);
+                }
+                true
+            }
+            Some(post) => {
+                pass.join(post, s)?;
+                false
+            }
+            None => false,
+        };
+        if !joined {
+            let input = pass.normed(&w.output_norm, &s.x, &mut s.xn, &mut s.stats, &s.ones)?;
+            head.fused(be, pass.rows(), input, s.logits.at_mut(0), Output::Store)?;
+        }
         for q in seqs.iter_mut() {
             q.pos += 1;
         }
@@ -1286,7 +1322,7 @@ impl Pass<'_> {
         stats: &mut Tensor,
         ones: &Tensor,
     ) -> Result<Input<'t>> {
-        if self.cfg.norm == NormKind::Rms && n.b.is_none() {
+        if self.rms_fusable(n) {
             return Ok(Input::RmsNorm {
                 x: x.at(0),
                 w: (&n.w).into(),
@@ -1296,6 +1332,57 @@ impl Pass<'_> {
         self.norm(x.at(0), n, xn, stats, self.m, ones)?;
         let xn: &'t Tensor = xn;
         Ok(Input::Rows(xn.at(0)))
+    }
+
+    /// Whether a product can take norm `n` in (an RMSNorm without a bias).
+    fn rms_fusable(&self, n: &Norm) -> bool {
+        self.cfg.norm == NormKind::Rms && n.b.is_none()
+    }
+
+    /// x += RMSNorm(s.out) · post: a post-normed sublayer output joins the residual stream.
+    fn join(&self, post: &Tensor, s: &mut Scratch) -> Result<()> {
+        let shape = NormShape {
+            rows: self.m,
+            cols: self.cfg.d_model,
+            eps: self.cfg.norm_eps,
+        };
+        Ok(add_rms_norm(
+            self.be,
+            s.x.at_mut(0),
+            s.out.at(0),
+            post.into(),
+            shape,
+        )?)
+    }
+
+    /// A decode sublayer's first products (`f`'s groups into `s.proj`) of norm(x) · n, after a
+    /// post-normed output waiting in `s.out` (`pending`: its post-norm weight) joins x: inside the first
+    /// product where the fused kernel takes it (the new x goes to `s.x2`, then is swapped in), else as
+    /// an op of its own.
+    fn first_products(
+        &self,
+        n: &Norm,
+        pending: Option<&Tensor>,
+        s: &mut Scratch,
+        f: &Fused,
+    ) -> Result<()> {
+        let (be, rows) = (self.be, self.rows());
+        if let Some(post) = pending {
+            if self.rms_fusable(n) {
+                let norms = (post.into(), (&n.w).into(), self.cfg.norm_eps);
+                let xs = (&mut s.x, &mut s.x2);
+                let (d, ones) = (s.out.at(0), s.ones.at(0));
+                let how =
+                    f.apply_residual_norm(be, rows, xs, d, norms, &mut s.proj, self.batch, ones)?;
+                if how == Residual::Moved {
+                    std::mem::swap(&mut s.x, &mut s.x2);
+                }
+                return Ok(());
+            }
+            self.join(post, s)?;
+        }
+        let input = self.normed(n, &s.x, &mut s.xn, &mut s.stats, &s.ones)?;
+        f.apply_fused(be, rows, input, &mut s.proj, self.batch, s.ones.at(0))
     }
 
     /// Rotates the pass's rows of `x` (`x` views its first row).
@@ -1314,24 +1401,30 @@ impl Pass<'_> {
     }
 
     /// x += [post_norm](input · Wᵀ + b): the addition rides inside the product when there is neither a
-    /// post-norm nor a bias.
-    fn residual_fused(
+    /// post-norm nor a bias. With `defer`, a post-normed output without a bias is left in `out` for the
+    /// next product to take in: the post-norm's weight comes back.
+    #[allow(clippy::too_many_arguments)]
+    fn residual_fused<'t>(
         &self,
         input: Input<'_>,
         lin: &Linear,
-        post_norm: Option<&Tensor>,
+        post_norm: Option<&'t Tensor>,
         x: &mut Tensor,
         out: &mut Tensor,
         ones: &Tensor,
-    ) -> Result<()> {
+        defer: bool,
+    ) -> Result<Option<&'t Tensor>> {
         let (be, m, d) = (self.be, self.m, self.cfg.d_model);
         if post_norm.is_none() && lin.b.is_none() {
-            return lin
-                .w
-                .fused(be, self.rows(), input, x.at_mut(0), Output::Accumulate);
+            lin.w
+                .fused(be, self.rows(), input, x.at_mut(0), Output::Accumulate)?;
+            return Ok(None);
         }
         lin.w
             .fused(be, self.rows(), input, out.at_mut(0), Output::Store)?;
+        if defer && lin.b.is_none() {
+            return Ok(post_norm);
+        }
         if let Some(b) = &lin.b {
             add_bias(be, ones.at(0), b, out.at_mut(0), m, d)?;
         }
@@ -1344,7 +1437,7 @@ impl Pass<'_> {
             Some(w) => add_rms_norm(be, x.at_mut(0), out.at(0), w.into(), shape)?,
             None => add_assign(be, x.at_mut(0), out.at(0), m * d, 1.0)?,
         }
-        Ok(())
+        Ok(None)
     }
 
     /// A prompt pass's attention sublayer; `cache` views the sequence's position 0, `table` (in
@@ -1457,19 +1550,23 @@ impl Pass<'_> {
         let (keys, values) = (cache.as_ref(), cache.as_ref().shift(kvd));
         let query = q_src.at(q_slot.offset);
         attend(be, query, keys, values, s.att.at_mut(0), shape)?;
-        self.attention_output(lw, s, None)
+        self.attention_output(lw, s, None, false)?;
+        Ok(())
     }
 
     /// x += [post_attn_norm](att · Woᵀ): the attention sublayer's output product and residual, the
     /// same for prompt and decode passes.
     /// The output product with its post-norm and the residual addition, of the attention's rows in
     /// `s.att` or, given `splits` (a lone row's partial results and their count), of their merge.
-    fn attention_output(
+    /// With `defer`, a post-normed output is left in `s.out` for the next product (its weight comes
+    /// back).
+    fn attention_output<'t>(
         &self,
-        lw: &LayerWeights,
+        lw: &'t LayerWeights,
         s: &mut Scratch,
         splits: Option<(&Tensor, usize)>,
-    ) -> Result<()> {
+        defer: bool,
+    ) -> Result<Option<&'t Tensor>> {
         let Scratch {
             att, x, out, ones, ..
         } = s;
@@ -1482,7 +1579,8 @@ impl Pass<'_> {
             },
             None => Input::Rows(att.at(0)),
         };
-        self.residual_fused(input, &lw.wo, lw.post_attn_norm.as_ref(), x, out, ones)
+        let post = lw.post_attn_norm.as_ref();
+        self.residual_fused(input, &lw.wo, post, x, out, ones, defer)
     }
 
     fn feed_forward(&self, lw: &LayerWeights, s: &mut Scratch) -> Result<()> {
@@ -1519,14 +1617,9 @@ impl Pass<'_> {
         let Scratch {
             act, x, out, ones, ..
         } = s;
-        self.residual_fused(
-            Input::Rows(act.at(0)),
-            &lw.down,
-            lw.post_ffn_norm.as_ref(),
-            x,
-            out,
-            ones,
-        )
+        let post = lw.post_ffn_norm.as_ref();
+        self.residual_fused(Input::Rows(act.at(0)), &lw.down, post, x, out, ones, false)?;
+        Ok(())
     }
 
     /// The step between the Q/K/V product and attention, as one op: Gemma's Q/K norms, RoPE, the queries
@@ -1627,26 +1720,20 @@ impl Pass<'_> {
     /// writes and attention over every row's sequence in one op (two where the rows' q, k and v lie in
     /// products of different widths); the output product with the residual addition (and, for a lone
     /// row, the attention's merge in front).
-    fn decode_attention(
+    #[allow(clippy::too_many_arguments)]
+    fn decode_attention<'t>(
         &self,
-        lw: &LayerWeights,
+        lw: &'t LayerWeights,
         la: &LayerAttention,
         s: &mut Scratch,
         cache: &mut Tensor,
         table: &[[u32; 2]],
         rope: Option<&Tensor>,
-    ) -> Result<()> {
+        pending: Option<&Tensor>,
+    ) -> Result<Option<&'t Tensor>> {
         let (be, cfg) = (self.be, self.cfg);
         let (hd, qd, kvd) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
-        let input = self.normed(&lw.attn_norm, &s.x, &mut s.xn, &mut s.stats, &s.ones)?;
-        lw.qkv.apply_fused(
-            be,
-            self.rows(),
-            input,
-            &mut s.proj,
-            self.batch,
-            s.ones.at(0),
-        )?;
+        self.first_products(&lw.attn_norm, pending, s, &lw.qkv)?;
         let all = CacheRows {
             table: s.rows.at(0),
             host: table,
@@ -1701,23 +1788,20 @@ impl Pass<'_> {
             Attended::Splits { part, n_split } => Some((part, *n_split)),
             Attended::Written => None,
         };
-        self.attention_output(lw, s, splits)
+        self.attention_output(lw, s, splits, true)
     }
 
     /// A decode pass's feed-forward sublayer: gate and up (norm fused in), then down with the GLU fused
     /// in front and the residual addition behind.
-    fn decode_feed_forward(&self, lw: &LayerWeights, s: &mut Scratch) -> Result<()> {
+    fn decode_feed_forward<'t>(
+        &self,
+        lw: &'t LayerWeights,
+        s: &mut Scratch,
+        pending: Option<&Tensor>,
+    ) -> Result<Option<&'t Tensor>> {
         let (be, cfg, m) = (self.be, self.cfg, self.m);
         let ff = cfg.n_ff;
-        let input = self.normed(&lw.ffn_norm, &s.x, &mut s.xn, &mut s.stats, &s.ones)?;
-        lw.gate_up.apply_fused(
-            be,
-            self.rows(),
-            input,
-            &mut s.proj,
-            self.batch,
-            s.ones.at(0),
-        )?;
+        self.first_products(&lw.ffn_norm, pending, s, &lw.gate_up)?;
         let Scratch {
             proj,
             split_a,
@@ -1756,7 +1840,8 @@ impl Pass<'_> {
             gelu(be, proj.at(up.offset), act.at_mut(0), m * ff)?;
             Input::Rows(act.at(0))
         };
-        self.residual_fused(input, &lw.down, lw.post_ffn_norm.as_ref(), x, out, ones)
+        let post = lw.post_ffn_norm.as_ref();
+        self.residual_fused(input, &lw.down, post, x, out, ones, true)
     }
 }
 

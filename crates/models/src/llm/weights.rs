@@ -13,7 +13,9 @@ use std::collections::HashSet;
 
 use tinygpt_formats::{GgmlType, GgufFile, KernelWeights};
 use tinygpt_kernels::ops::embedding::{EmbedShape, embedding};
-use tinygpt_kernels::ops::matmul::fused::{Input, Output, matmul_fused};
+use tinygpt_kernels::ops::matmul::fused::{
+    Input, Output, Residual, matmul_fused, matmul_residual_norm,
+};
 use tinygpt_kernels::ops::matmul::{Gemm, QKind, QMatrix, RowMode, get_rows, matmul};
 use tinygpt_kernels::{Backend, PathSet, TMut, TRef, Tensor};
 
@@ -80,6 +82,29 @@ impl Matrix {
             Matrix::Dense { t, .. } => matmul_fused(be, r.paths, r.mode, input, t, y, shape, out)?,
         }
         Ok(())
+    }
+
+    /// y = RMSNorm(x') · w · Wᵀ after x' = x + RMSNorm(d) · post joins the residual stream, in one
+    /// dispatch where the fused kernel applies (see [`matmul_residual_norm`]: x' goes to `next`).
+    pub fn residual_norm(
+        &self,
+        be: &Backend,
+        r: Rows,
+        x: (TMut<'_>, TMut<'_>),
+        d: TRef<'_>,
+        norms: (TRef<'_>, TRef<'_>, f32),
+        y: TMut<'_>,
+    ) -> Result<Residual> {
+        let shape = [r.m, self.rows(), self.cols()];
+        let out = Output::Store;
+        Ok(match self {
+            Matrix::Quant(q) => {
+                matmul_residual_norm(be, r.paths, r.mode, x, d, norms, q, y, shape, out)?
+            }
+            Matrix::Dense { t, .. } => {
+                matmul_residual_norm(be, r.paths, r.mode, x, d, norms, t, y, shape, out)?
+            }
+        })
     }
 
     /// Bytes held on the backend.
@@ -370,6 +395,44 @@ impl Fused {
             base += batch * g.rows();
         }
         Ok(())
+    }
+
+    /// [`Fused::apply_fused`] of RMSNorm(x') · w with x' = x + RMSNorm(d) · post (a post-normed sublayer
+    /// output joining the residual stream first): the first group takes the addition in where its
+    /// kernel does, writing x' to `next`, the others read it from there; says where x' is.
+    #[allow(clippy::too_many_arguments)]
+    pub fn apply_residual_norm(
+        &self,
+        be: &Backend,
+        r: Rows,
+        (x, next): (&mut Tensor, &mut Tensor),
+        d: TRef<'_>,
+        (post, w, eps): (TRef<'_>, TRef<'_>, f32),
+        out: &mut Tensor,
+        batch: usize,
+        ones: TRef<'_>,
+    ) -> Result<Residual> {
+        let mut base = 0;
+        let mut how = None;
+        for (g, bias) in self.groups.iter().zip(&self.biases) {
+            match how {
+                None => {
+                    let xs = (x.at_mut(0), next.at_mut(0));
+                    let y = out.at_mut(base);
+                    how = Some(g.residual_norm(be, r, xs, d, (post, w, eps), y)?);
+                }
+                Some(h) => {
+                    let x = if h == Residual::Moved { &*next } else { &*x };
+                    let input = Input::RmsNorm { x: x.at(0), w, eps };
+                    g.fused(be, r, input, out.at_mut(base), Output::Store)?;
+                }
+            }
+            if let Some(b) = bias {
+                add_bias(be, ones, b, out.at_mut(base), r.m, g.rows())?;
+            }
+            base += batch * g.rows();
+        }
+        Ok(how.unwrap_or(Residual::InPlace))
     }
 
     /// Where member `i`'s output lies after [`Fused::apply`].

@@ -23,7 +23,7 @@ use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Result, shape};
 use crate::ops::add::add_assign;
 use crate::ops::glu::{Activation, glu, glu_rows};
-use crate::ops::norm::{NormKind, NormShape, norm_forward};
+use crate::ops::norm::{NormKind, NormShape, add_rms_norm, norm_forward};
 use crate::path::{PathId, PathSet};
 
 pub use super::quant::gpu::Output;
@@ -181,6 +181,99 @@ pub fn matmul_fused<'w>(
             add_assign(be, y, t.at(0), m * n, 1.0)
         }
     }
+}
+
+/// Where [`matmul_residual_norm`] left the new residual stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Residual {
+    /// In `next` (x is unchanged): the product took the addition in.
+    Moved,
+    /// In x (the ops ran one by one).
+    InPlace,
+}
+
+/// y (+)= RMSNorm(x') · w_norm · Wᵀ with x' = x + RMSNorm(d) · post: a post-normed sublayer output
+/// joining the residual stream (Gemma 3), then the next sublayer's norm and its first product. For one
+/// row with the fused kernel at hand, in one dispatch that writes x' to `next` (x must not be read after
+/// it: the caller swaps the two); otherwise `add_rms_norm` into x, then [`matmul_fused`] with the norm.
+/// Either way the numbers are those of the ops one by one.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_residual_norm<'w>(
+    be: &Backend,
+    paths: PathSet,
+    mode: RowMode,
+    (mut x, next): (TMut<'_>, TMut<'_>),
+    d: TRef<'_>,
+    (post, w_norm, eps): (TRef<'_>, TRef<'_>, f32),
+    w: impl Into<Weights<'w>>,
+    mut y: TMut<'_>,
+    [m, n, k]: [usize; 3],
+    out: Output,
+) -> Result<Residual> {
+    let w = w.into();
+    if m == 0 {
+        return Ok(Residual::InPlace);
+    }
+    if m == 1
+        && let (Backend::Gpu(g), Weights::Quant(q)) = (be, w)
+        && let Some(parts) = q.gpu_parts()
+        && paths.has(PathId::QuantMatmul)
+        && q.rows() == n
+        && q.cols() == k
+        && staged_fits(g, q.kind(), m, k, Stage::ResidualNorm { eps })
+    {
+        fn span(
+            t: &crate::backend::Tensor,
+            at: usize,
+            len: usize,
+        ) -> Option<(&wgpu::Buffer, usize)> {
+            t.gpu().and_then(|g| g.span(at, len))
+        }
+        let places = (
+            span(x.tensor(), x.offset(), k),
+            span(d.tensor(), d.offset(), k),
+            span(post.tensor(), post.offset(), k),
+            span(w_norm.tensor(), w_norm.offset(), k),
+            span(next.tensor(), next.offset(), k),
+            span(y.tensor(), y.offset(), n),
+        );
+        if let (Some(xp), Some(dp), Some(pp), Some(wp), Some(np), Some(yp)) = places {
+            if std::ptr::eq(xp.0, np.0) && xp.1.abs_diff(np.1) < k {
+                return Err(shape(
+                    "matmul_residual_norm",
+                    "the new residual stream overlaps the one it is computed from",
+                ));
+            }
+            qmatmul_staged(
+                g,
+                xp,
+                yp,
+                &[wp, dp, pp, np],
+                parts,
+                q.kind(),
+                Stage::ResidualNorm { eps },
+                out,
+                [m, n, k, n],
+                mode == RowMode::Independent,
+                paths.fault(),
+                paths.has(PathId::CoopQuant),
+            )?;
+            return Ok(Residual::Moved);
+        }
+    }
+    let s = NormShape {
+        rows: m,
+        cols: k,
+        eps,
+    };
+    add_rms_norm(be, x.reborrow(), d, post, s)?;
+    let input = Input::RmsNorm {
+        x: x.as_ref(),
+        w: w_norm,
+        eps,
+    };
+    matmul_fused(be, paths, mode, input, w, y.reborrow(), [m, n, k], out)?;
+    Ok(Residual::InPlace)
 }
 
 /// The fused kernel, when one applies: quantized blocks on the GPU with the quantized path held, rows
@@ -573,6 +666,100 @@ mod tests {
                     got[0], got[1],
                     "{name}: merged in the product vs merge then product"
                 );
+            }
+        }
+    }
+
+    /// A post-normed output joining the residual stream, the next norm and the product in one
+    /// dispatch (one row, x' into a tensor of its own) against add_rms_norm then the normed product on
+    /// the same backend, bit for bit; rows of a batch take the ops; the GPU against the CPU twin.
+    #[test]
+    fn residual_norm_product_matches_the_ops_one_by_one() {
+        use crate::ops::matmul::quant::QKind;
+        use crate::testing::{cpu_backend, poisoned};
+        let mut rng = SeedRng::new(43);
+        let paths = PathSet::of(&[PathId::QuantMatmul]);
+        let gpu = gpu_backend(None);
+        for (n, k, m) in [(96, 640, 1), (33, 576, 1), (40, 1536, 2), (17, 2048, 1)] {
+            let x = rng.normal_vec(m * k, 1.0);
+            let d = rng.normal_vec(m * k, 3.0);
+            let post = rng.vec(k, 0.5, 1.5);
+            let nw = rng.vec(k, 0.5, 1.5);
+            for src in matrices(&mut rng, n, k) {
+                for out in [Output::Store, Output::Accumulate] {
+                    let y0 = rng.vec(m * n, -1.0, 1.0);
+                    let mut results = Vec::new();
+                    for be in gpu.iter().chain([&cpu_backend()]) {
+                        let w = QMatrix::upload(be, src.clone(), paths).unwrap();
+                        let mut tx = be.from_f32(&x, k).unwrap();
+                        let mut tn = poisoned(be, m * k, k).unwrap();
+                        let (td, tp, tw) = (
+                            be.from_f32(&d, k).unwrap(),
+                            be.from_f32(&post, k).unwrap(),
+                            be.from_f32(&nw, k).unwrap(),
+                        );
+                        let mut ty = be.from_f32(&y0, n).unwrap();
+                        let how = matmul_residual_norm(
+                            be,
+                            paths,
+                            RowMode::Independent,
+                            (tx.at_mut(0), tn.at_mut(0)),
+                            td.at(0),
+                            (tp.at(0), tw.at(0), 1e-6),
+                            &w,
+                            ty.at_mut(0),
+                            [m, n, k],
+                            out,
+                        )
+                        .unwrap();
+                        let what =
+                            format!("n={n} k={k} m={m} {:?} {out:?} on {}", w.kind(), be.kind());
+                        // Q4 takes nine storage bindings: past WebGPU's default eight.
+                        let fused = m == 1
+                            && match be {
+                                Backend::Gpu(g) => {
+                                    w.kind() != QKind::Q4
+                                        || g.limits.max_storage_buffers_per_shader_stage >= 9
+                                }
+                                Backend::Cpu(_) => false,
+                            };
+                        assert_eq!(how == Residual::Moved, fused, "{what}: where x' went");
+                        let x1 = be.to_vec(if fused { &tn } else { &tx }).unwrap();
+                        if fused {
+                            assert_eq!(
+                                be.to_vec(&tx).unwrap(),
+                                x,
+                                "{what}: x is read, not written"
+                            );
+                        }
+                        // The ops one by one on the same backend.
+                        let mut rx = be.from_f32(&x, k).unwrap();
+                        let mut ry = be.from_f32(&y0, n).unwrap();
+                        let shape = NormShape {
+                            rows: m,
+                            cols: k,
+                            eps: 1e-6,
+                        };
+                        add_rms_norm(be, rx.at_mut(0), td.at(0), tp.at(0), shape).unwrap();
+                        let input = Input::RmsNorm {
+                            x: rx.at(0),
+                            w: tw.at(0),
+                            eps: 1e-6,
+                        };
+                        let mode = RowMode::Independent;
+                        matmul_fused(be, paths, mode, input, &w, ry.at_mut(0), [m, n, k], out)
+                            .unwrap();
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        let y1 = be.to_vec(&ty).unwrap();
+                        assert_eq!(bits(&x1), bits(&be.to_vec(&rx).unwrap()), "{what}: x'");
+                        assert_eq!(bits(&y1), bits(&be.to_vec(&ry).unwrap()), "{what}: y");
+                        results.push((x1, y1));
+                    }
+                    if let [(gx, gy), (cx, cy)] = &results[..] {
+                        assert_nmse("x' GPU vs CPU", cx, gx, 1e-11);
+                        assert_nmse("y GPU vs CPU", cy, gy, 1e-9);
+                    }
+                }
             }
         }
     }

@@ -4,7 +4,7 @@
 // scale · Σ q·x + min · Σ x. A block's word c holds values 4c..4c+3 in its low nibbles and 16+4c..16+4c+3
 // in its high nibbles (GGUF's Q4_0 order, see q4.wgsl).
 struct Params { n: u32, kw4: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, o_s: u32, o_q: u32, o_m: u32,
-                e0: u32, e1: u32, e2: u32 }
+                e0: u32, e1: u32, e2: u32, e3: u32, e4: u32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<XT>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
@@ -48,7 +48,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   var s$i = 0.0;
   var m$i = 0.0;
   if (on$i) { q$i = quants[qrow + w$i]; s$i = scales[p.o_s + srow + w$i]; m$i = mins[p.o_m + srow + w$i]; }
-  prologue(lid, i0);
+  prologue(lid, i0, group_index(wid, nwg));
   var acc$r = 0.0;
   let x$r = xrow($r, i0);
   if (on$i) { acc$r = acc$r + block(q$i, s$i, m$i, x$r + 32u * w$i); }

@@ -11,7 +11,7 @@
 // prologue stages x; then it multiplies them with x and the row's TPR lanes sum their partials (a tree in
 // workgroup memory). Vector w holds values 16w .. 16w + 15, inside one block (16 or 32 values).
 struct Params { n: u32, kw4: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, o_s: u32, o_q: u32,
-                e0: u32, e1: u32, e2: u32 }
+                e0: u32, e1: u32, e2: u32, e3: u32, e4: u32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<XT>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
@@ -41,7 +41,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   var q$i = vec4<u32>(0u);
   var s$i = 0.0;
   if (on$i) { q$i = quants[qrow + w$i]; s$i = scales[srow + w$i / VPB]; }
-  prologue(lid, i0);
+  prologue(lid, i0, group_index(wid, nwg));
   var acc$r = 0.0;
   let x$r = xrow($r, i0);
   if (on$i) { acc$r = acc$r + s$i * (dot(sext(q$i.x), xget(x$r + 16u * w$i)) + dot(sext(q$i.y), xget(x$r + 16u * w$i + 4u)) + dot(sext(q$i.z), xget(x$r + 16u * w$i + 8u)) + dot(sext(q$i.w), xget(x$r + 16u * w$i + 12u))); }

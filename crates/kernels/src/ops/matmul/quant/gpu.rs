@@ -98,6 +98,10 @@ pub(crate) enum Stage {
         head_dim: usize,
         n_split: usize,
     },
+    /// x' = x + RMSNorm(d) · pw (a post-normed sublayer output joining the residual stream, as
+    /// add_norm.wgsl adds it), written to a buffer of its own by each pass's first workgroup; then
+    /// x = RMSNorm(x') · w as [`Stage::RmsNorm`] computes it. Its own bindings: w, d, pw, x'.
+    ResidualNorm { eps: f32 },
 }
 
 /// Most heads, and most (head, split) pairs, a merging stage takes (their statistics live in workgroup
@@ -117,6 +121,7 @@ impl Stage {
             Stage::RmsNorm { .. } => "_rms".into(),
             Stage::Glu { act, .. } => format!("_glu{act:?}"),
             Stage::Merge { .. } => "_merge".into(),
+            Stage::ResidualNorm { .. } => "_resnorm".into(),
         }
     }
 }
@@ -136,7 +141,7 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
         Output::Accumulate => "fn store(i: u32, v: f32) { y[i] = y[i] + v; }",
     };
     let body = match stage {
-        Stage::Plain => "fn prologue(lid: u32, i0: u32) {}\n\
+        Stage::Plain => "fn prologue(lid: u32, i0: u32, wg: u32) {}\n\
              fn xrow(r: u32, i0: u32) -> u32 { return p.o_x + min(i0 + r, p.m - 1u) * p.k; }\n\
              fn xget(i: u32) -> vec4<f32> { return xload(i); }"
             .to_string(),
@@ -149,7 +154,7 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
              // takes columns t, t + 256, ...) reduced by a tree; with 128 threads, thread t holds partials\n\
              // t and t + 128, whose sum is the tree's first level. e0: the weight's offset, e1: eps bits.\n\
              // The R rows' trees run side by side (red holds R x WG), so R rows cost one tree's barriers.\n\
-             fn prologue(lid: u32, i0: u32) {{\n\
+             fn prologue(lid: u32, i0: u32, wg: u32) {{\n\
                let inv = 1.0 / f32(p.k);\n\
                let k4 = p.k / 4u;\n\
                for (var r = 0u; r < R; r = r + 1u) {{\n\
@@ -179,6 +184,7 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
              }}",
             xs = r * k / 4
         ),
+        Stage::ResidualNorm { .. } => residual_hooks(r, k, nw),
         Stage::Glu { act, .. } => format!(
             "var<workgroup> xs: array<vec4<f32>, {xs}>;\n\
              fn xrow(r: u32, i0: u32) -> u32 {{ return r * p.k; }}\n\
@@ -186,7 +192,7 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
              // The activation as the GLU kernel computes it.\n\
              fn act(x: f32) -> f32 {{ {act} }}\n\
              // act(gate) · up for the R rows; gate row i from p.o_x + i · e1, up row i from e0 + i · e1.\n\
-             fn prologue(lid: u32, i0: u32) {{\n\
+             fn prologue(lid: u32, i0: u32, wg: u32) {{\n\
                let k4 = p.k / 4u;\n\
                for (var i = lid; i < R * k4; i = i + WG) {{\n\
                  let row = min(i0 + i / k4, p.m - 1u);\n\
@@ -219,7 +225,7 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
              // merges them: M the largest maximum of a non-empty split, weights e^(m_s − M) (0 for an\n\
              // empty split), Σ_s w_s o_s / Σ_s w_s l_s, each sum in split order. The pairs' statistics\n\
              // are loaded at once, one thread per head weighs its splits, then every output.\n\
-             fn prologue(lid: u32, i0: u32) {{\n\
+             fn prologue(lid: u32, i0: u32, wg: u32) {{\n\
                let ns = p.e0;\n\
                let nh = p.e1;\n\
                let hd = p.e2;\n\
@@ -266,6 +272,74 @@ fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize) -> String {
         ),
     };
     format!("{body}\n{store}\n")
+}
+
+/// The residual-norm stage's hooks (see [`Stage::ResidualNorm`]): bindings nw (the next norm's weight),
+/// dd (the sublayer output), pw (its post-norm weight), xn (x'); e0: nw's offset, e1: eps bits, e2: d's
+/// offset, e3: pw's offset, e4: x''s offset (rows of k). Both norms take add_norm.wgsl's and
+/// norm_forward's sums in their order (256 partials, thread t holding t and t + 128, then a tree), and
+/// x' + the norm's arithmetic is theirs, so the product equals add_rms_norm, then the normed product, bit
+/// for bit on adapters that round alike.
+fn residual_hooks(r: usize, k: usize, nw: usize) -> String {
+    format!(
+        "@group(0) @binding({nw}) var<storage, read> nw: array<f32>;\n\
+         @group(0) @binding({b1}) var<storage, read> dd: array<f32>;\n\
+         @group(0) @binding({b2}) var<storage, read> pw: array<f32>;\n\
+         @group(0) @binding({b3}) var<storage, read_write> xn: array<f32>;\n\
+         var<workgroup> xs: array<vec4<f32>, {xs}>;\n\
+         fn xrow(r: u32, i0: u32) -> u32 {{ return r * p.k; }}\n\
+         fn xget(i: u32) -> vec4<f32> {{ return xs[i >> 2u]; }}\n\
+         fn tree(qa: f32, qb: f32, lid: u32) -> f32 {{\n\
+           red[lid] = qa + qb;\n\
+           workgroupBarrier();\n\
+           for (var s = 64u; s > 0u; s = s >> 1u) {{\n\
+             if (lid < s) {{ red[lid] = red[lid] + red[lid + s]; }}\n\
+             workgroupBarrier();\n\
+           }}\n\
+           let t = red[0];\n\
+           workgroupBarrier();\n\
+           return t;\n\
+         }}\n\
+         fn staged(r: u32, c: u32) -> f32 {{ return xs[r * (p.k / 4u) + c / 4u][c % 4u]; }}\n\
+         fn prologue(lid: u32, i0: u32, wg: u32) {{\n\
+           let inv = 1.0 / f32(p.k);\n\
+           let k4 = p.k / 4u;\n\
+           let eps = bitcast<f32>(p.e1);\n\
+           for (var r = 0u; r < R; r = r + 1u) {{\n\
+             let row = min(i0 + r, p.m - 1u);\n\
+             let b = p.o_x + row * p.k;\n\
+             let db = p.e2 + row * p.k;\n\
+             var qa = 0.0;\n\
+             var qb = 0.0;\n\
+             for (var c = lid; c < p.k; c = c + 256u) {{ let v = dd[db + c]; qa = qa + v * v; }}\n\
+             for (var c = lid + 128u; c < p.k; c = c + 256u) {{ let v = dd[db + c]; qb = qb + v * v; }}\n\
+             let r1 = 1.0 / sqrt(tree(qa, qb, lid) * inv + eps);\n\
+             for (var c = lid; c < k4; c = c + WG) {{\n\
+               let dv = vec4<f32>(dd[db + 4u * c], dd[db + 4u * c + 1u], dd[db + 4u * c + 2u], dd[db + 4u * c + 3u]);\n\
+               let w = vec4<f32>(pw[p.e3 + 4u * c], pw[p.e3 + 4u * c + 1u], pw[p.e3 + 4u * c + 2u], pw[p.e3 + 4u * c + 3u]);\n\
+               xs[r * k4 + c] = xload(b + 4u * c) + dv * r1 * w;\n\
+             }}\n\
+             workgroupBarrier();\n\
+             if (wg == 0u && i0 + r < p.m) {{\n\
+               for (var c = lid; c < p.k; c = c + WG) {{ xn[p.e4 + row * p.k + c] = staged(r, c); }}\n\
+             }}\n\
+             qa = 0.0;\n\
+             qb = 0.0;\n\
+             for (var c = lid; c < p.k; c = c + 256u) {{ let v = staged(r, c); qa = qa + v * v; }}\n\
+             for (var c = lid + 128u; c < p.k; c = c + 256u) {{ let v = staged(r, c); qb = qb + v * v; }}\n\
+             let r2 = 1.0 / sqrt(tree(qa, qb, lid) * inv + eps);\n\
+             for (var c = lid; c < k4; c = c + WG) {{\n\
+               let w = vec4<f32>(nw[p.e0 + 4u * c], nw[p.e0 + 4u * c + 1u], nw[p.e0 + 4u * c + 2u], nw[p.e0 + 4u * c + 3u]);\n\
+               xs[r * k4 + c] = xs[r * k4 + c] * r2 * w;\n\
+             }}\n\
+             workgroupBarrier();\n\
+           }}\n\
+         }}",
+        xs = r * k / 4,
+        b1 = nw + 1,
+        b2 = nw + 2,
+        b3 = nw + 3
+    )
 }
 
 /// The matmul pipeline for one variant; the WGSL file gets its constants, `xload` and the hooks prepended.
@@ -320,8 +394,12 @@ fn matmul_pipeline(
     let staged = stage != Stage::Plain;
     // The stage's own bindings follow the kernel's (storage bindings are numbered from 1).
     let nw = bindings.len() + 1;
-    if let Stage::RmsNorm { .. } = stage {
-        bindings.push(Access::Read);
+    match stage {
+        Stage::RmsNorm { .. } => bindings.push(Access::Read),
+        Stage::ResidualNorm { .. } => {
+            bindings.extend([Access::Read, Access::Read, Access::Read, Access::ReadWrite])
+        }
+        _ => {}
     }
     let key = format!(
         "{name}_t{tpr}_r{r}_{}{}{}{}{}",
@@ -579,15 +657,24 @@ fn staged_rows(g: &GpuBackend, m: usize, k: usize, stage: Stage) -> Option<usize
 /// Whether [`qmatmul_staged`] can run `m` rows of `k` of this layout: the gemv family takes the rows, and
 /// at least one row's workgroup copy fits.
 pub(crate) fn staged_fits(g: &GpuBackend, kind: QKind, m: usize, k: usize, stage: Stage) -> bool {
+    // x, y, the quants' scales and words (and Q4's minimums), and the stage's own.
+    let own = match stage {
+        Stage::RmsNorm { .. } => 1,
+        Stage::ResidualNorm { .. } => 4,
+        _ => 0,
+    };
+    let bindings = 4 + usize::from(kind == QKind::Q4) + own;
     m > 0
         && k.is_multiple_of(4)
         && gemv_shape(kind, k).is_some()
         && staged_rows(g, m, k, stage).is_some()
+        && bindings <= g.limits.max_storage_buffers_per_shader_stage as usize
 }
 
 /// y (+)= stage(x) · Wᵀ for `m` rows on the gemv family ([`staged_fits`] must hold; plain rows added
 /// to y that are not `independent` take the GEMM from [`GEMM_MIN_ROWS`] on): x, y and the stage's own
-/// bindings (`extra`: an RMSNorm's weight) each in one buffer (views: buffer and element offset), y rows
+/// bindings (`extra`: an RMSNorm's weight; a residual norm's w, d, pw and x', the last three advancing
+/// by rows as x does) each in one buffer (views: buffer and element offset), y rows
 /// `ldy` apart.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn qmatmul_staged(
@@ -653,8 +740,17 @@ pub(crate) fn qmatmul_staged(
             },
             _ => Variant { ..v },
         };
+        let mut ex: Vec<(&wgpu::Buffer, usize)> = extra.to_vec();
+        if let Stage::ResidualNorm { .. } = stage {
+            // d and x' advance by rows as x does; w and pw are one row each.
+            for i in [1, 3] {
+                if let Some(e) = ex.get_mut(i) {
+                    e.1 += i0 * k;
+                }
+            }
+        }
         let (x, y) = ((xb, x0 + i0 * x_rows), (yb, y0 + i0 * ldy));
-        dispatch(g, &v, x, y, extra, w, [part, n, k, ldy], z)?;
+        dispatch(g, &v, x, y, &ex, w, [part, n, k, ldy], z)?;
     }
     Ok(())
 }
@@ -700,14 +796,15 @@ fn dispatch(
     let pipe = matmul_pipeline(g, v.kind, tpr, v.r, v.ni, xvec, v.stage, v.out, k, v.fault)?;
     let off = |i: usize| extra.get(i).map_or(0, |e| e.1 as u32);
     let params_extra = match v.stage {
-        Stage::Plain => [0; 3],
-        Stage::RmsNorm { eps } => [off(0), eps.to_bits(), 0],
-        Stage::Glu { up, ld, .. } => [up as u32, ld as u32, 0],
+        Stage::Plain => [0; 5],
+        Stage::RmsNorm { eps } => [off(0), eps.to_bits(), 0, 0, 0],
+        Stage::ResidualNorm { eps } => [off(0), eps.to_bits(), off(1), off(2), off(3)],
+        Stage::Glu { up, ld, .. } => [up as u32, ld as u32, 0, 0, 0],
         Stage::Merge {
             heads,
             head_dim,
             n_split,
-        } => [n_split as u32, heads as u32, head_dim as u32],
+        } => [n_split as u32, heads as u32, head_dim as u32, 0, 0],
     };
     for ws in &w.segs {
         let nseg = ws.len();

@@ -7,7 +7,7 @@
 // j + 16 in its high nibble, so word c (0..4) of a block holds values 4c..4c+3 (low nibbles) and
 // 16+4c..16+4c+3 (high nibbles): two vec4 reads of x, 64 bytes apart.
 struct Params { n: u32, kw: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, o_s: u32, o_q: u32, o_m: u32,
-                e0: u32, e1: u32, e2: u32 }
+                e0: u32, e1: u32, e2: u32, e3: u32, e4: u32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<XT>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
@@ -23,7 +23,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let lane = lid % TPR;
   let row = group_index(wid, nwg) * (WG / TPR) + lid / TPR;
   let i0 = wid.z * R;
-  prologue(lid, i0);
+  prologue(lid, i0, group_index(wid, nwg));
   var acc$r = 0.0;
   if (row < p.n) {
     let x$r = xrow($r, i0);

@@ -21,12 +21,13 @@
 // Workgroup z takes rows z·R .. z·R + R of x; rows past p.m repeat the last one and are not written.
 //
 // gpu.rs also prepends the hooks that let a decode product take in its neighbours: `prologue` (run first
-// by every thread), `xrow`/`xget` (where row $r of x starts, and x[i..i + 4]) and `store` (write or
+// by every thread, given its workgroup's index), `xrow`/`xget` (where row $r of x starts, and x[i..i + 4]) and `store` (write or
 // accumulate an output). The plain variant reads x from its binding; the staged variants fill a
-// workgroup copy of the R rows first (RMSNorm of x, or act(gate) · up), so the neighbour op needs no
-// dispatch of its own. e0..e2 are the staged variants' parameters.
+// workgroup copy of the R rows first (RMSNorm of x, act(gate) · up, the merge of attention splits, or a
+// post-normed output joining x before the norm), so the neighbour op needs no
+// dispatch of its own. e0..e4 are the staged variants' parameters.
 struct Params { n: u32, kw: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, o_s: u32, o_q: u32,
-                e0: u32, e1: u32, e2: u32 }
+                e0: u32, e1: u32, e2: u32, e3: u32, e4: u32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<XT>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
@@ -50,7 +51,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let lane = lid % TPR;
   let row = group_index(wid, nwg) * (WG / TPR) + lid / TPR;
   let i0 = wid.z * R;
-  prologue(lid, i0);
+  prologue(lid, i0, group_index(wid, nwg));
   var acc$r = 0.0;
   if (row < p.n) {
     let x$r = xrow($r, i0);
