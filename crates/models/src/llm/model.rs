@@ -46,7 +46,7 @@ use tinygpt_kernels::ops::fill::copy_rows;
 use tinygpt_kernels::ops::gelu::gelu;
 use tinygpt_kernels::ops::glu::{glu, glu_rows};
 use tinygpt_kernels::ops::matmul::RowMode;
-use tinygpt_kernels::ops::matmul::fused::{Input, Output, Residual};
+use tinygpt_kernels::ops::matmul::fused::{Input, Output, Residual, residual_norm_pays};
 use tinygpt_kernels::ops::norm::{NormKind, NormShape, add_rms_norm, norm_forward};
 use tinygpt_kernels::ops::rope::{
     QkNorm, RopeCacheShape, RopeShape, rope, rope_into_cache, rope_table,
@@ -1788,7 +1788,7 @@ impl Pass<'_> {
             Attended::Splits { part, n_split } => Some((part, *n_split)),
             Attended::Written => None,
         };
-        self.attention_output(lw, s, splits, true)
+        self.attention_output(lw, s, splits, residual_norm_pays(be))
     }
 
     /// A decode pass's feed-forward sublayer: gate and up (norm fused in), then down with the GLU fused
@@ -1841,7 +1841,7 @@ impl Pass<'_> {
             Input::Rows(act.at(0))
         };
         let post = lw.post_ffn_norm.as_ref();
-        self.residual_fused(input, &lw.down, post, x, out, ones, true)
+        self.residual_fused(input, &lw.down, post, x, out, ones, residual_norm_pays(be))
     }
 }
 

@@ -192,6 +192,15 @@ pub enum Residual {
     InPlace,
 }
 
+/// Whether a post-normed output should wait for the next product to take it in
+/// ([`matmul_residual_norm`]) rather than join x by a dispatch of its own: on a GPU, yes; on a software
+/// adapter (lavapipe) no, since every workgroup's repeated norms cost CPU time there (Gemma-3-270M's
+/// low-end decode on lavapipe fell from 1.2 to 0.8 tok/s with them), and on the CPU backend there is
+/// nothing to fuse.
+pub fn residual_norm_pays(be: &Backend) -> bool {
+    be.as_gpu().is_some_and(|g| g.info().device_type != "Cpu")
+}
+
 /// y (+)= RMSNorm(x') · w_norm · Wᵀ with x' = x + RMSNorm(d) · post: a post-normed sublayer output
 /// joining the residual stream (Gemma 3), then the next sublayer's norm and its first product. For one
 /// row with the fused kernel at hand, in one dispatch that writes x' to `next` (x must not be read after
