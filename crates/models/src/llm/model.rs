@@ -292,6 +292,9 @@ struct Core {
     last_rows: usize,
     /// Rows whose device-sampling settings [`Llm::set_sampling`] stored last.
     sampling_rows: usize,
+    /// Whether a decode pass's post-normed outputs join the residual stream inside the next product
+    /// ([`Llm::set_fold_post_norms`]).
+    fold_post_norms: bool,
 }
 
 /// A GGUF model loaded on a backend, with its own sequence's KV cache.
@@ -395,6 +398,7 @@ impl Llm {
                 pool,
                 last_rows: 0,
                 sampling_rows: 0,
+                fold_post_norms: residual_norm_pays(be),
             },
             seq: Sequence {
                 slot: 0,
@@ -734,6 +738,14 @@ impl Llm {
         self.pick_set(be)
     }
 
+    /// Whether a decode pass's post-normed sublayer outputs (Gemma 3) join the residual stream inside
+    /// the next product or by a dispatch of their own. The numbers are the same either way; the default
+    /// is what is faster on the backend (folded on a GPU, not on a software adapter, where every
+    /// workgroup's repeated norms are CPU time). Tests turn it on to run the folded form on lavapipe.
+    pub fn set_fold_post_norms(&mut self, on: bool) {
+        self.core.fold_post_norms = on;
+    }
+
     /// The first half of [`Llm::pick_sampled`]: stores the settings of the rows of the pass about to
     /// be recorded. Writing them before that pass, not after it, keeps a decode step to one submit
     /// (a write flushes the work recorded before it).
@@ -1061,6 +1073,7 @@ impl Core {
             context: *context,
             mode: RowMode::Shared,
             pos0: seq.pos,
+            fold_post_norms: false,
         };
         let d = cfg.d_model;
         // The pass's inputs, all written before its first op is recorded (a write flushes the work
@@ -1150,6 +1163,7 @@ impl Core {
             context,
             paths,
             pool,
+            fold_post_norms,
             ..
         } = self;
         let table: Vec<[u32; 2]> = seqs
@@ -1165,6 +1179,7 @@ impl Core {
             context: *context,
             mode: RowMode::Independent,
             pos0: 0,
+            fold_post_norms: *fold_post_norms,
         };
         let d = cfg.d_model;
         if let Feed::Ids(ids) = feed {
@@ -1244,6 +1259,8 @@ struct Pass<'a> {
     mode: RowMode,
     /// A prompt pass's first position (its rows follow on).
     pos0: usize,
+    /// Whether a post-normed output waits for the next product to take it in (decode passes).
+    fold_post_norms: bool,
 }
 
 impl Pass<'_> {
@@ -1788,7 +1805,7 @@ impl Pass<'_> {
             Attended::Splits { part, n_split } => Some((part, *n_split)),
             Attended::Written => None,
         };
-        self.attention_output(lw, s, splits, residual_norm_pays(be))
+        self.attention_output(lw, s, splits, self.fold_post_norms)
     }
 
     /// A decode pass's feed-forward sublayer: gate and up (norm fused in), then down with the GLU fused
@@ -1841,7 +1858,7 @@ impl Pass<'_> {
             Input::Rows(act.at(0))
         };
         let post = lw.post_ffn_norm.as_ref();
-        self.residual_fused(input, &lw.down, post, x, out, ones, residual_norm_pays(be))
+        self.residual_fused(input, &lw.down, post, x, out, ones, self.fold_post_norms)
     }
 }
 
