@@ -25,7 +25,7 @@ pub const TOKEN_GATE_TOKENS_CPU: usize = 32;
 /// How many greedy tokens the token gate compares on `be`.
 pub fn token_budget(be: &Backend) -> usize {
     match be.as_gpu() {
-        Some(g) if g.info().device_type == "Cpu" => TOKEN_GATE_TOKENS_SOFTWARE,
+        Some(g) if g.is_software() => TOKEN_GATE_TOKENS_SOFTWARE,
         Some(_) => TOKEN_GATE_TOKENS,
         None => TOKEN_GATE_TOKENS_CPU,
     }

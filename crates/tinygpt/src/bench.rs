@@ -185,7 +185,7 @@ fn time<F: FnMut() -> Result<()>>(be: &Backend, reps: usize, mut f: F) -> Result
 fn slow_device(be: &Backend) -> bool {
     match be {
         Backend::Cpu(_) => true,
-        Backend::Gpu(g) => g.info().device_type == "Cpu",
+        Backend::Gpu(g) => g.is_software(),
     }
 }
 

@@ -311,7 +311,7 @@ pub fn check_cache_memory(
 /// SwiftShader). There, what does not fit the free memory is refused before allocating (else the
 /// process dies of it); a GPU's own memory is not known here, and its allocations fail with an error.
 pub fn memory_is_the_hosts(be: &Backend) -> bool {
-    be.as_gpu().is_none_or(|g| g.info().device_type == "Cpu")
+    be.as_gpu().is_none_or(|g| g.is_software())
 }
 
 /// Free memory (Linux's MemAvailable), where the system says.

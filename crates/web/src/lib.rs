@@ -183,20 +183,15 @@ pub fn open_session(choice: String, verdicts: String) -> Promise {
                 ..DeviceOptions::default()
             };
             match tinygpt_kernels::device::open(&opts).await {
-                Ok((be, _))
-                    if choice == "auto"
-                        && be.as_gpu().is_some_and(|g| g.info().device_type == "Cpu") =>
-                {
-                    (
-                        cpu(),
-                        Some(
-                            "the only WebGPU adapter is a software one (SwiftShader), which runs the \
+                Ok((be, _)) if choice == "auto" && be.as_gpu().is_some_and(|g| g.is_software()) => (
+                    cpu(),
+                    Some(
+                        "the only WebGPU adapter is a software one (SwiftShader), which runs the \
                              kernels far slower than the CPU backend: using the CPU (wasm); \
                              ?backend=gpu uses WebGPU anyway"
-                                .to_string(),
-                        ),
-                    )
-                }
+                            .to_string(),
+                    ),
+                ),
                 Ok((be, _)) => (be, None),
                 Err(e) if choice == "auto" => (cpu(), Some(format!("no WebGPU device ({e})"))),
                 Err(e) => return Err(js_err(format!("WebGPU was asked for (?backend=gpu): {e}"))),

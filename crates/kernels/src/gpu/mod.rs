@@ -345,6 +345,12 @@ impl GpuBackend {
         &self.info
     }
 
+    /// Whether the adapter is a software one (a CPU-type adapter: lavapipe, SwiftShader, WARP), whose
+    /// workgroups run as SIMD lanes of CPU threads.
+    pub fn is_software(&self) -> bool {
+        self.info.device_type == "Cpu"
+    }
+
     /// The options this device was opened with ([`crate::device::open_gpu`]): another device on the
     /// same adapter, for work on a thread of its own (gating in the background), opens with them.
     pub fn opened_with(&self) -> Option<&crate::device::DeviceOptions> {

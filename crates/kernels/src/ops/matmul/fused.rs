@@ -198,7 +198,7 @@ pub enum Residual {
 /// low-end decode on lavapipe fell from 1.2 to 0.8 tok/s with them), and on the CPU backend there is
 /// nothing to fuse.
 pub fn residual_norm_pays(be: &Backend) -> bool {
-    be.as_gpu().is_some_and(|g| g.info().device_type != "Cpu")
+    be.as_gpu().is_some_and(|g| !g.is_software())
 }
 
 /// y (+)= RMSNorm(x') · w_norm · Wᵀ with x' = x + RMSNorm(d) · post: a post-normed sublayer output

@@ -396,7 +396,7 @@ pub fn choose(
                     splits,
                     mixed: false,
                 }
-            } else if gb.info().device_type == "Cpu" && !shader_f16 {
+            } else if gb.is_software() && !shader_f16 {
                 // A software adapter: the barrier-free form, on small tiles (it has few cores to fill).
                 Kernel::Tiled {
                     tile: TILE_SMALL,
@@ -606,7 +606,7 @@ fn choose_tile(g: &Gemm) -> Tile {
 /// of 4096 or more, the fewest (a power of two) that give 512, each slice still at least 512 long and
 /// all slices' partial products within 64 MiB and one binding. Not on CPU-type adapters (few cores).
 fn split_k(gb: &GpuBackend, g: &Gemm) -> Option<usize> {
-    if gb.info().device_type == "Cpu" {
+    if gb.is_software() {
         return None;
     }
     split_slices(g, ((gb.max_chunk_bytes() / 4) as usize).min(16 << 20))

@@ -264,7 +264,7 @@ const MERGE_FOUR: &str = "for (; s + 4u <= ns; s = s + 4u) {
 /// SmolLM2-135M decode 4.4 -> 3.4 tok/s). This crate's tests take it everywhere, so the form GPUs run is
 /// checked bit for bit on lavapipe too.
 fn hoist_loads(g: &GpuBackend) -> bool {
-    cfg!(test) || g.info().device_type != "Cpu"
+    cfg!(test) || !g.is_software()
 }
 
 /// Most values one thread loads up front in the norm prologues (beyond it they loop, loading as they go).
