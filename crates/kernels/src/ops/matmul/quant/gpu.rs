@@ -115,6 +115,17 @@ pub(crate) fn merge_takes(heads: usize, n_split: usize) -> bool {
 }
 
 impl Stage {
+    /// The stage's own storage bindings, after the kernel's (see the hooks).
+    fn bindings(self) -> &'static [Access] {
+        match self {
+            Stage::RmsNorm { .. } => &[Access::Read],
+            Stage::ResidualNorm { .. } => {
+                &[Access::Read, Access::Read, Access::Read, Access::ReadWrite]
+            }
+            Stage::Plain | Stage::Glu { .. } | Stage::Merge { .. } => &[],
+        }
+    }
+
     fn key(self) -> String {
         match self {
             Stage::Plain => String::new(),
@@ -267,6 +278,11 @@ fn hoist_loads(g: &GpuBackend) -> bool {
     cfg!(test) || !g.is_software()
 }
 
+/// WGSL for the vec4 of `array` from element `at` on (four scalar loads: the arrays are f32).
+fn vec4_at(array: &str, at: &str) -> String {
+    format!("vec4<f32>({array}[{at}], {array}[{at} + 1u], {array}[{at} + 2u], {array}[{at} + 3u])")
+}
+
 /// Most values one thread loads up front in the norm prologues (beyond it they loop, loading as they go).
 const HOIST_MAX: usize = 16;
 
@@ -321,10 +337,11 @@ fn rms_hooks(r: usize, k: usize, nw: usize, hoist: bool) -> String {
             pre += &format!(
                 "let e{j} = min(lid + {at}u, {last}u);\n\
                  let c{j} = e{j} % {k4}u;\n\
-                 let w{j} = vec4<f32>(nw[p.e0 + 4u * c{j}], nw[p.e0 + 4u * c{j} + 1u], nw[p.e0 + 4u * c{j} + 2u], nw[p.e0 + 4u * c{j} + 3u]);\n\
+                 let w{j} = {w};\n\
                  let xv{j} = xload(p.o_x + min(i0 + e{j} / {k4}u, p.m - 1u) * p.k + 4u * c{j});\n",
                 at = j * WG,
-                last = r * k4 - 1
+                last = r * k4 - 1,
+                w = vec4_at("nw", &format!("p.e0 + 4u * c{j}"))
             );
             stage += &format!(
                 "if (lid + {at}u < {n}u) {{\n\
@@ -342,10 +359,11 @@ fn rms_hooks(r: usize, k: usize, nw: usize, hoist: bool) -> String {
                let c = i % {k4}u;\n\
                let b = p.o_x + min(i0 + r, p.m - 1u) * p.k;\n\
                let rstd = 1.0 / sqrt(red[r * WG] * inv + bitcast<f32>(p.e1));\n\
-               let w = vec4<f32>(nw[p.e0 + 4u * c], nw[p.e0 + 4u * c + 1u], nw[p.e0 + 4u * c + 2u], nw[p.e0 + 4u * c + 3u]);\n\
+               let w = {w};\n\
                xs[i] = xload(b + 4u * c) * rstd * w;\n\
              }}\n",
-            n = r * k4
+            n = r * k4,
+            w = vec4_at("nw", "p.e0 + 4u * c")
         );
     }
     format!(
@@ -394,13 +412,16 @@ fn residual_hooks(r: usize, k: usize, nw: usize, hoist: bool) -> String {
             let at = j * WG;
             pre += &format!(
                 "let c{j} = min(lid + {at}u, {last}u);\n\
-                 let pw{j} = vec4<f32>(pw[p.e3 + 4u * c{j}], pw[p.e3 + 4u * c{j} + 1u], pw[p.e3 + 4u * c{j} + 2u], pw[p.e3 + 4u * c{j} + 3u]);\n\
-                 let nw{j} = vec4<f32>(nw[p.e0 + 4u * c{j}], nw[p.e0 + 4u * c{j} + 1u], nw[p.e0 + 4u * c{j} + 2u], nw[p.e0 + 4u * c{j} + 3u]);\n",
-                last = k4 - 1
+                 let pw{j} = {pw};\n\
+                 let nw{j} = {nw};\n",
+                last = k4 - 1,
+                pw = vec4_at("pw", &format!("p.e3 + 4u * c{j}")),
+                nw = vec4_at("nw", &format!("p.e0 + 4u * c{j}"))
             );
             loads += &format!(
                 "let xv{j} = xload(b + 4u * c{j});\n\
-                 let dv{j} = vec4<f32>(dd[db + 4u * c{j}], dd[db + 4u * c{j} + 1u], dd[db + 4u * c{j} + 2u], dd[db + 4u * c{j} + 3u]);\n"
+                 let dv{j} = {dv};\n",
+                dv = vec4_at("dd", &format!("db + 4u * c{j}"))
             );
             join += &format!(
                 "if (lid + {at}u < {k4}u) {{ xs[r * {k4}u + c{j}] = xv{j} + dv{j} * r1 * pw{j}; }}\n"
@@ -412,16 +433,19 @@ fn residual_hooks(r: usize, k: usize, nw: usize, hoist: bool) -> String {
     } else {
         join = format!(
             "for (var c = lid; c < {k4}u; c = c + WG) {{\n\
-               let dv = vec4<f32>(dd[db + 4u * c], dd[db + 4u * c + 1u], dd[db + 4u * c + 2u], dd[db + 4u * c + 3u]);\n\
-               let w = vec4<f32>(pw[p.e3 + 4u * c], pw[p.e3 + 4u * c + 1u], pw[p.e3 + 4u * c + 2u], pw[p.e3 + 4u * c + 3u]);\n\
+               let dv = {dv};\n\
+               let w = {pw};\n\
                xs[r * {k4}u + c] = xload(b + 4u * c) + dv * r1 * w;\n\
-             }}\n"
+             }}\n",
+            dv = vec4_at("dd", "db + 4u * c"),
+            pw = vec4_at("pw", "p.e3 + 4u * c")
         );
         norm = format!(
             "for (var c = lid; c < {k4}u; c = c + WG) {{\n\
-               let w = vec4<f32>(nw[p.e0 + 4u * c], nw[p.e0 + 4u * c + 1u], nw[p.e0 + 4u * c + 2u], nw[p.e0 + 4u * c + 3u]);\n\
+               let w = {nw};\n\
                xs[r * {k4}u + c] = xs[r * {k4}u + c] * r2 * w;\n\
-             }}\n"
+             }}\n",
+            nw = vec4_at("nw", "p.e0 + 4u * c")
         );
     }
     format!(
@@ -533,13 +557,7 @@ fn matmul_pipeline(
     let staged = stage != Stage::Plain;
     // The stage's own bindings follow the kernel's (storage bindings are numbered from 1).
     let nw = bindings.len() + 1;
-    match stage {
-        Stage::RmsNorm { .. } => bindings.push(Access::Read),
-        Stage::ResidualNorm { .. } => {
-            bindings.extend([Access::Read, Access::Read, Access::Read, Access::ReadWrite])
-        }
-        _ => {}
-    }
+    bindings.extend_from_slice(stage.bindings());
     let key = format!(
         "{name}_t{tpr}_r{r}_{}{}{}{}{}",
         if xvec { "xv4" } else { "xf32" },
@@ -556,7 +574,6 @@ fn matmul_pipeline(
         },
         fault.map_or(String::new(), |f| format!("_fault{f:?}"))
     );
-    let hoist = hoist_loads(g);
     g.pipeline(&key, &bindings, PipelineOptions::default(), || {
         // x[i..i + 4] for i a multiple of 4: one 16-byte load when the view is 16-byte aligned, else four.
         let (xt, xload, x1) = if xvec {
@@ -585,7 +602,7 @@ fn matmul_pipeline(
              const BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n\
              fn x1(i: u32) -> f32 {{ {x1} }}\n{}\n{}",
             kind.block(),
-            hooks(stage, out, r, k, nw, hoist),
+            hooks(stage, out, r, k, nw, hoist_loads(g)),
             repeat_lines(&repeat_lines(&body, "$i", ni.unwrap_or(1)), "$r", r)
         );
         plant(src, fault)
@@ -798,12 +815,7 @@ fn staged_rows(g: &GpuBackend, m: usize, k: usize, stage: Stage) -> Option<usize
 /// at least one row's workgroup copy fits.
 pub(crate) fn staged_fits(g: &GpuBackend, kind: QKind, m: usize, k: usize, stage: Stage) -> bool {
     // x, y, the quants' scales and words (and Q4's minimums), and the stage's own.
-    let own = match stage {
-        Stage::RmsNorm { .. } => 1,
-        Stage::ResidualNorm { .. } => 4,
-        _ => 0,
-    };
-    let bindings = 4 + usize::from(kind == QKind::Q4) + own;
+    let bindings = 4 + usize::from(kind == QKind::Q4) + stage.bindings().len();
     m > 0
         && k.is_multiple_of(4)
         && gemv_shape(kind, k).is_some()
