@@ -59,7 +59,7 @@ use super::config::{LayerAttention, LlmConfig};
 use super::error::{LlmError, Result};
 use super::kv_cache::KvPool;
 use super::weights::{
-    Fused, LayerWeights, Linear, LoadProgress, Norm, Rows, Slot, Weights, add_bias,
+    Fused, LayerWeights, Linear, LoadProgress, Matrix, Norm, Rows, Slot, Weights, add_bias,
 };
 
 /// How to set a model up.
@@ -1207,40 +1207,20 @@ impl Core {
             pending = pass.decode_attention(lw, &cfg.layers[l], s, kv, &table, rope, pending)?;
             pending = pass.decode_feed_forward(lw, s, pending)?;
         }
-        let head = w.head();
-        let joined = match pending {
-            Some(post) if pass.rms_fusable(&w.output_norm) => {
-                let norms = (post.into(), (&w.output_norm.w).into(), cfg.norm_eps);
-                let xs = (s.x.at_mut(0), s.x2.at_mut(0));
-                let how = head.residual_norm(
-                    be,
-                    pass.rows(),
-                    xs,
-                    s.out.at(0),
-                    norms,
-                    s.logits.at_mut(0),
-                )?;
-                if how == Residual::Moved {
-                    std::mem::swap(&mut s.x, &mut s.x2);
-                }
-                true
-            }
-            Some(post) => {
-                pass.join(post, s)?;
-                false
-            }
-            None => false,
-        };
-        if !joined {
-            let input = pass.normed(&w.output_norm, &s.x, &mut s.xn, &mut s.stats, &s.ones)?;
-            head.fused(be, pass.rows(), input, s.logits.at_mut(0), Output::Store)?;
-        }
+        pass.first_products(&w.output_norm, pending, s, First::Head(w.head()))?;
         for q in seqs.iter_mut() {
             q.pos += 1;
         }
         self.last_rows = m;
         Ok(())
     }
+}
+
+/// What reads a decode pass's normed residual stream first: a sublayer's fused group, or the head.
+#[derive(Clone, Copy)]
+enum First<'w> {
+    Group(&'w Fused),
+    Head(&'w Matrix),
 }
 
 /// The fixed inputs of one forward pass.
@@ -1372,25 +1352,41 @@ impl Pass<'_> {
         )?)
     }
 
-    /// A decode sublayer's first products (`f`'s groups into `s.proj`) of norm(x) · n, after a
-    /// post-normed output waiting in `s.out` (`pending`: its post-norm weight) joins x: inside the first
-    /// product where the fused kernel takes it (the new x goes to `s.x2`, then is swapped in), else as
-    /// an op of its own.
+    /// A decode pass's first products of norm(x) · n (a sublayer's group into `s.proj`, or the head into
+    /// `s.logits`), after a post-normed output waiting in `s.out` (`pending`: its post-norm weight)
+    /// joins x: inside the first product where the fused kernel takes it (the new x goes to `s.x2`, then
+    /// is swapped in), else as an op of its own.
     fn first_products(
         &self,
         n: &Norm,
         pending: Option<&Tensor>,
         s: &mut Scratch,
-        f: &Fused,
+        first: First<'_>,
     ) -> Result<()> {
         let (be, rows) = (self.be, self.rows());
         if let Some(post) = pending {
             if self.rms_fusable(n) {
                 let norms = (post.into(), (&n.w).into(), self.cfg.norm_eps);
-                let xs = (&mut s.x, &mut s.x2);
                 let (d, ones) = (s.out.at(0), s.ones.at(0));
-                let how =
-                    f.apply_residual_norm(be, rows, xs, d, norms, &mut s.proj, self.batch, ones)?;
+                let how = match first {
+                    First::Group(f) => {
+                        let xs = (&mut s.x, &mut s.x2);
+                        f.apply_residual_norm(
+                            be,
+                            rows,
+                            xs,
+                            d,
+                            norms,
+                            &mut s.proj,
+                            self.batch,
+                            ones,
+                        )?
+                    }
+                    First::Head(h) => {
+                        let xs = (s.x.at_mut(0), s.x2.at_mut(0));
+                        h.residual_norm(be, rows, xs, d, norms, s.logits.at_mut(0))?
+                    }
+                };
                 if how == Residual::Moved {
                     std::mem::swap(&mut s.x, &mut s.x2);
                 }
@@ -1399,7 +1395,12 @@ impl Pass<'_> {
             self.join(post, s)?;
         }
         let input = self.normed(n, &s.x, &mut s.xn, &mut s.stats, &s.ones)?;
-        f.apply_fused(be, rows, input, &mut s.proj, self.batch, s.ones.at(0))
+        match first {
+            First::Group(f) => {
+                f.apply_fused(be, rows, input, &mut s.proj, self.batch, s.ones.at(0))
+            }
+            First::Head(h) => h.fused(be, rows, input, s.logits.at_mut(0), Output::Store),
+        }
     }
 
     /// Rotates the pass's rows of `x` (`x` views its first row).
@@ -1750,7 +1751,7 @@ impl Pass<'_> {
     ) -> Result<Option<&'t Tensor>> {
         let (be, cfg) = (self.be, self.cfg);
         let (hd, qd, kvd) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
-        self.first_products(&lw.attn_norm, pending, s, &lw.qkv)?;
+        self.first_products(&lw.attn_norm, pending, s, First::Group(&lw.qkv))?;
         let all = CacheRows {
             table: s.rows.at(0),
             host: table,
@@ -1818,7 +1819,7 @@ impl Pass<'_> {
     ) -> Result<Option<&'t Tensor>> {
         let (be, cfg, m) = (self.be, self.cfg, self.m);
         let ff = cfg.n_ff;
-        self.first_products(&lw.ffn_norm, pending, s, &lw.gate_up)?;
+        self.first_products(&lw.ffn_norm, pending, s, First::Group(&lw.gate_up))?;
         let Scratch {
             proj,
             split_a,
