@@ -490,6 +490,8 @@ mod tests {
     #[test]
     fn fused_products_match_the_ops_one_by_one() {
         let mut rng = SeedRng::new(41);
+        // One device for every case (one opened per case exhausted an H100's driver).
+        let gpu = gpu_backend(None);
         for (n, k) in [(33, 576), (65, 640), (40, 1536), (9, 4096)] {
             let srcs = matrices(&mut rng, n, k);
             for which in 0..4 {
@@ -530,7 +532,7 @@ mod tests {
                         });
                         // On the GPU: fused (rows sharing a pass, and rows of a decode batch,
                         // whose norm runs apart) against one by one, on the quantized kernels.
-                        let Some(g) = gpu_backend(None) else { continue };
+                        let Some(g) = gpu.as_ref() else { continue };
                         let mut got = Vec::new();
                         for (one, mode) in [
                             (false, RowMode::Shared),
@@ -543,12 +545,12 @@ mod tests {
                                 .collect();
                             for src in &srcs {
                                 let w = QMatrix::upload(
-                                    &g,
+                                    g,
                                     src.clone(),
                                     PathSet::of(&[PathId::QuantMatmul]),
                                 )
                                 .unwrap();
-                                run_case(&g, &mut t, &w, which, out, m, one, mode).unwrap();
+                                run_case(g, &mut t, &w, which, out, m, one, mode).unwrap();
                             }
                             got.push(g.to_vec(&t[2]).unwrap());
                         }
@@ -587,6 +589,7 @@ mod tests {
         use crate::ops::attention::merge_splits;
         let mut rng = SeedRng::new(42);
         let paths = PathSet::of(&[PathId::QuantMatmul]);
+        let gpu = gpu_backend(None);
         for (heads, hd, n_split) in [
             (9, 64, 2),
             (9, 64, 20),
@@ -655,7 +658,7 @@ mod tests {
                     )
                 };
                 check_twin(&name, 1e-11, &args, None, |be, t| run(be, t, false));
-                let Some(g) = gpu_backend(None) else { continue };
+                let Some(g) = gpu.as_ref() else { continue };
                 let got: Vec<Vec<u32>> = [false, true]
                     .iter()
                     .map(|&one| {
@@ -663,7 +666,7 @@ mod tests {
                             .iter()
                             .map(|a| g.from_f32(a.data.as_ref().unwrap(), a.unit).unwrap())
                             .collect();
-                        run(&g, &mut t, one).unwrap();
+                        run(g, &mut t, one).unwrap();
                         g.to_vec(&t[1])
                             .unwrap()
                             .iter()
