@@ -5,7 +5,9 @@
 //! - **gemv** (gemv_q8.wgsl, gemv_q4.wgsl): a few rows of x, built for latency (each lane loads 16-byte
 //!   quant vectors ahead of everything else). Decode passes run on it, with the ops around a product
 //!   folded in ([`Stage`], [`Output`]); it computes every row alone, so batched decoding gives each
-//!   sequence the numbers it would get alone.
+//!   sequence the numbers it would get alone. Several rows of plain x (a decode batch's products) take
+//!   its batch kernel (gemv_rows_q8.wgsl, gemv_rows_q4.wgsl): the same lane sums and tree, each lane
+//!   holding its share of one row of x and walking a few weight rows.
 //! - **tiled rows** (q8.wgsl, q4.wgsl): up to 8 rows of x per pass over the weights, for short prompts.
 //! - **GEMM** (qgemm.wgsl): 64 x 64 output tiles, the weights dequantised into workgroup memory one
 //!   block of K at a time, for prompts of [`GEMM_MIN_ROWS`] rows or more; where the `tc-prompt` path
@@ -41,6 +43,24 @@ const WORDS_PER_LANE: usize = 16;
 const GEMV_VECTORS_PER_LANE: usize = 3;
 /// Most quant vectors one gemv lane holds (longer rows take the tiled kernel).
 const GEMV_MAX_VECTORS: usize = 8;
+/// Most threads per workgroup of the batch kernels (gemv_rows_*.wgsl: XR rows of x × TPR lanes).
+const ROWS_WG: usize = 256;
+
+/// Weight rows per workgroup of the batch kernels: at most the fewest threads per row (MAX_R = 8), so
+/// that lane b of a row of x exists to write weight row b's output. Q4 lanes hold twice the x (32
+/// values a vector), so they take half the weight rows.
+fn rows_nb(kind: QKind) -> usize {
+    match kind {
+        QKind::Q8 { .. } => 8,
+        QKind::Q4 => 4,
+    }
+}
+
+/// Rows of x per workgroup of the batch kernel for `m` rows at `tpr` threads per row.
+fn rows_xr(m: usize, tpr: usize) -> usize {
+    (ROWS_WG / tpr).min(m.next_power_of_two()).max(1)
+}
+
 /// Rows of x from which a product takes the GEMM kernel (its tiles hold 64), and the tensor-core one
 /// where the `tc-prompt` path is held.
 pub(crate) const GEMM_MIN_ROWS: usize = 32;
@@ -144,13 +164,18 @@ pub enum Output {
     Accumulate,
 }
 
+/// The `store` hook: write an output, or add it to y.
+fn store_hook(out: Output) -> &'static str {
+    match out {
+        Output::Store => "fn store(i: u32, v: f32) { y[i] = v; }",
+        Output::Accumulate => "fn store(i: u32, v: f32) { y[i] = y[i] + v; }",
+    }
+}
+
 /// The hooks q8.wgsl and q4.wgsl call (see there). `k`: the row length (sizes the staged copy); `nw`:
 /// the binding of the norm weight.
 fn hooks(stage: Stage, out: Output, r: usize, k: usize, nw: usize, hoist: bool) -> String {
-    let store = match out {
-        Output::Store => "fn store(i: u32, v: f32) { y[i] = v; }",
-        Output::Accumulate => "fn store(i: u32, v: f32) { y[i] = y[i] + v; }",
-    };
+    let store = store_hook(out);
     let body = match stage {
         Stage::Plain => "fn prologue(lid: u32, i0: u32, wg: u32) {}\n\
              fn xrow(r: u32, i0: u32) -> u32 { return p.o_x + min(i0 + r, p.m - 1u) * p.k; }\n\
@@ -575,20 +600,7 @@ fn matmul_pipeline(
         fault.map_or(String::new(), |f| format!("_fault{f:?}"))
     );
     g.pipeline(&key, &bindings, PipelineOptions::default(), || {
-        // x[i..i + 4] for i a multiple of 4: one 16-byte load when the view is 16-byte aligned, else four.
-        let (xt, xload, x1) = if xvec {
-            (
-                "vec4<f32>",
-                "return x[i >> 2u];",
-                "return x[i >> 2u][i & 3u];",
-            )
-        } else {
-            (
-                "f32",
-                "return vec4<f32>(x[i], x[i + 1u], x[i + 2u], x[i + 3u]);",
-                "return x[i];",
-            )
-        };
+        let (xt, xload, x1) = x_access(xvec);
         // The K = 2048 fault of the gemv family (see `plant`), before its lines are repeated.
         let body = match fault {
             Some(Fault::BlockIndexAtK2048) => body.replace(
@@ -604,6 +616,87 @@ fn matmul_pipeline(
             kind.block(),
             hooks(stage, out, r, k, nw, hoist_loads(g)),
             repeat_lines(&repeat_lines(&body, "$i", ni.unwrap_or(1)), "$r", r)
+        );
+        plant(src, fault)
+    })
+}
+
+/// x's element type and the bodies of `xload(i)` (x[i..i + 4] for i a multiple of 4) and `x1(i)`: one
+/// 16-byte load when the view is 16-byte aligned (`xvec`), else four.
+fn x_access(xvec: bool) -> (&'static str, &'static str, &'static str) {
+    if xvec {
+        (
+            "vec4<f32>",
+            "return x[i >> 2u];",
+            "return x[i >> 2u][i & 3u];",
+        )
+    } else {
+        (
+            "f32",
+            "return vec4<f32>(x[i], x[i + 1u], x[i + 2u], x[i + 3u]);",
+            "return x[i];",
+        )
+    }
+}
+
+/// The batch kernel (gemv_rows_q8.wgsl, gemv_rows_q4.wgsl) for `xr` rows of x per workgroup.
+#[allow(clippy::too_many_arguments)]
+fn rows_pipeline(
+    g: &GpuBackend,
+    kind: QKind,
+    tpr: usize,
+    xr: usize,
+    ni: usize,
+    xvec: bool,
+    out: Output,
+    fault: Option<Fault>,
+) -> Result<Rc<Pipeline>> {
+    let (name, body, bindings): (String, &str, &[Access]) = match kind {
+        QKind::Q8 { block } => (
+            format!("gemv_rows_q8b{block}_i{ni}"),
+            include_str!("gemv_rows_q8.wgsl"),
+            &[Access::Read, Access::ReadWrite, Access::Read, Access::Read],
+        ),
+        QKind::Q4 => (
+            format!("gemv_rows_q4_i{ni}"),
+            include_str!("gemv_rows_q4.wgsl"),
+            &[
+                Access::Read,
+                Access::ReadWrite,
+                Access::Read,
+                Access::Read,
+                Access::Read,
+            ],
+        ),
+    };
+    let nb = rows_nb(kind);
+    let key = format!(
+        "{name}_t{tpr}_x{xr}_{}{}{}",
+        if xvec { "xv4" } else { "xf32" },
+        if out == Output::Accumulate {
+            "_acc"
+        } else {
+            ""
+        },
+        fault.map_or(String::new(), |f| format!("_fault{f:?}"))
+    );
+    g.pipeline(&key, bindings, PipelineOptions::default(), || {
+        let (xt, xload, _) = x_access(xvec);
+        let store = store_hook(out);
+        let body = match fault {
+            Some(Fault::BlockIndexAtK2048) => body.replace(
+                "scales[srow$b + w$i / VPB]",
+                "scales[srow$b + (w$i / VPB) % 64u]",
+            ),
+            _ => body.to_string(),
+        };
+        let src = format!(
+            "{PRELUDE}\nconst WG: u32 = {}u;\nconst TPR: u32 = {tpr}u;\nconst XR: u32 = {xr}u;\n\
+             const NB: u32 = {nb}u;\nconst BLOCK: u32 = {}u;\nalias XT = {xt};\n\
+             fn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{store}\n{}",
+            xr * tpr,
+            kind.block(),
+            repeat_lines(&repeat_lines(&body, "$i", ni), "$b", nb)
         );
         plant(src, fault)
     })
@@ -694,8 +787,10 @@ pub(super) fn qmatmul(
             )?;
             continue;
         }
-        if let Some((_, _, ni)) = gemv_shape(kind, k).filter(|_| rows <= MAX_R || independent) {
-            let r = rows.next_power_of_two().min(MAX_R);
+        if let Some((_, tpr, ni)) = gemv_shape(kind, k).filter(|_| rows <= MAX_R || independent) {
+            // Several rows: the batch kernel (each row's bits those of the one-row kernel).
+            let batch = rows > 1;
+            let r = if batch { rows_xr(rows, tpr) } else { 1 };
             let v = Variant {
                 kind,
                 r,
@@ -703,6 +798,7 @@ pub(super) fn qmatmul(
                 stage: Stage::Plain,
                 out: Output::Store,
                 fault,
+                batch,
             };
             for (i0, z) in passes(rows, r, max_z) {
                 let part = (rows - i0).min(z * r);
@@ -755,6 +851,7 @@ pub(super) fn qmatmul(
                 stage: Stage::Plain,
                 out: Output::Store,
                 fault,
+                batch: false,
             };
             let z = part.div_ceil(r);
             dispatch(
@@ -854,7 +951,17 @@ pub(crate) fn qmatmul_staged(
         let (shape, tile) = ([m, n, k], tensor_cores.then(|| tc_tile(g, m, n)));
         return qgemm(g, (xb, x0), (yb, y0), w, kind, shape, out, fault, tile);
     }
-    let (Some((_, _, ni)), Some(r)) = (gemv_shape(kind, k), staged_rows(g, m, k, stage)) else {
+    // Several plain rows (a decode batch's output and down products): the batch kernel.
+    let batch = stage == Stage::Plain && m > 1;
+    let fit = gemv_shape(kind, k).and_then(|(_, tpr, ni)| {
+        let r = if batch {
+            Some(rows_xr(m, tpr))
+        } else {
+            staged_rows(g, m, k, stage)
+        };
+        r.map(|r| (r, ni))
+    });
+    let Some((r, ni)) = fit else {
         return Err(shape(
             "qmatmul",
             format!("{m} rows of {k} do not fit a staged product"),
@@ -867,6 +974,7 @@ pub(crate) fn qmatmul_staged(
         stage,
         out,
         fault,
+        batch,
     };
     // A GLU input's rows are `ld` apart, a normed one's k, a merged one's its splits; y's ldy apart.
     let x_rows = match stage {
@@ -907,7 +1015,8 @@ pub(crate) fn qmatmul_staged(
     Ok(())
 }
 
-/// One kernel variant; `ni`: vectors per lane of the gemv family (None: the tiled family).
+/// One kernel variant; `ni`: vectors per lane of the gemv family (None: the tiled family); `batch`:
+/// the gemv family's batch kernel (gemv_rows_*.wgsl, plain x only), `r` its rows of x per workgroup.
 #[derive(Clone, Copy)]
 struct Variant {
     kind: QKind,
@@ -916,6 +1025,7 @@ struct Variant {
     stage: Stage,
     out: Output,
     fault: Option<Fault>,
+    batch: bool,
 }
 
 /// Records the product of `rows` rows of x (R per workgroup, `z` groups of R along z) with every weight
@@ -939,13 +1049,22 @@ fn dispatch(
             (kw, threads_per_row(kw), 1)
         }
     };
-    let rows_per_wg = WG / tpr;
     let xvec = x_off.is_multiple_of(4)
         && match v.stage {
             Stage::Glu { up, ld, .. } => up.is_multiple_of(4) && ld.is_multiple_of(4),
             _ => true,
         };
-    let pipe = matmul_pipeline(g, v.kind, tpr, v.r, v.ni, xvec, v.stage, v.out, k, v.fault)?;
+    // Weight rows per workgroup.
+    let (pipe, rows_per_wg) = match v.ni.filter(|_| v.batch) {
+        Some(ni) => (
+            rows_pipeline(g, v.kind, tpr, v.r, ni, xvec, v.out, v.fault)?,
+            rows_nb(v.kind),
+        ),
+        None => (
+            matmul_pipeline(g, v.kind, tpr, v.r, v.ni, xvec, v.stage, v.out, k, v.fault)?,
+            WG / tpr,
+        ),
+    };
     let off = |i: usize| extra.get(i).map_or(0, |e| e.1 as u32);
     let params_extra = match v.stage {
         Stage::Plain => [0; 5],

@@ -11,7 +11,8 @@
 //! single wrong scale or quant moves the NMSE by far more than 1e-6).
 
 use super::*;
-use crate::ops::matmul::{Gemm, matmul};
+use crate::ops::matmul::fused::{Input, Output, matmul_fused};
+use crate::ops::matmul::{Gemm, RowMode, matmul};
 use crate::rng::SeedRng;
 use crate::testing::{Arg, assert_nmse, check_twin, cpu_backend};
 
@@ -264,6 +265,54 @@ fn qget_rows_matches_twins() {
                     .map(|v| v * scale)
                     .collect();
                 assert_eq!(got, &want[..], "token {i} (id {id})");
+            }
+        }
+    }
+}
+
+/// A batch of independent rows (a decode batch: the batch kernel) gives every row the bits of the one-row
+/// product, for every layout, row lengths that take 1-3 vectors a lane and 8-64 lanes a row, batches
+/// that fill workgroups of rows and that do not, writing and adding, whole and split across buffers.
+#[test]
+fn independent_rows_have_the_bits_of_one_row() {
+    const SHAPES: [(usize, usize); 5] = [(33, 32), (129, 576), (65, 640), (17, 1536), (9, 2048)];
+    let mut rng = SeedRng::new(9);
+    for split in [None, Some(SPLIT)] {
+        let Some(be) = crate::testing::gpu_backend(split) else {
+            return;
+        };
+        for kind in [QKind::Q8 { block: 32 }, QKind::Q8 { block: 16 }, QKind::Q4] {
+            for (n, k) in SHAPES {
+                let w = QMatrix::upload(&be, source(&mut rng, kind, n, k), q()).expect("upload");
+                for (m, add) in [(2, false), (3, true), (16, false), (17, true), (40, false)] {
+                    let x = rng.normal_vec(m * k, 1.0);
+                    let y0 = rng.vec(m * n, -1.0, 1.0);
+                    let xt = be.from_f32(&x, k).unwrap();
+                    let mut batch = be.from_f32(&y0, n).unwrap();
+                    let mut alone = be.from_f32(&y0, n).unwrap();
+                    let out = if add {
+                        Output::Accumulate
+                    } else {
+                        Output::Store
+                    };
+                    let product = |x: TRef<'_>, y: TMut<'_>, m: usize| {
+                        let mode = RowMode::Independent;
+                        matmul_fused(&be, q(), mode, Input::Rows(x), &w, y, [m, n, k], out)
+                    };
+                    product(xt.at(0), batch.at_mut(0), m).expect("batch");
+                    for i in 0..m {
+                        product(xt.at(i * k), alone.at_mut(i * n), 1).expect("one row");
+                    }
+                    let (got, want) = (be.to_vec(&batch).unwrap(), be.to_vec(&alone).unwrap());
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{kind:?} {m} x {n} x {k} (adding: {add}, split: {split:?}): a batch's rows differ from the rows alone"
+                    );
+                }
             }
         }
     }
