@@ -5,7 +5,8 @@
 // vectors of x once (registers) and its NB weight rows' quant vectors (the rows of x share them: one fetch
 // from memory, the rest from cache). x has 4 bytes a value and the quants 1, so the caches move about a
 // quarter of the bytes that re-reading x for every weight row moves. Measured (docs/perf.md): on lavapipe
-// a 16-row batch decodes ~1.5x faster than on 8-row gemv passes; on an H100 both take ~26 µs a product.
+// a 16-row batch decodes ~1.5x faster than on 8-row gemv passes; on an H100 both take ~26 µs a product,
+// and below 5 rows (workgroups of 32 or 64 threads) the one-row kernel is faster, so it keeps them.
 //
 // gpu.rs prepends WG (= XR · TPR), TPR, XR, NB (≤ TPR: lane b writes weight row b's output), BLOCK,
 // XT/xload and `store`. Lines holding `$i` repeat NI times, then lines holding `$b` NB times.

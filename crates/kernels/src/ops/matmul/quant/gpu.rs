@@ -5,9 +5,9 @@
 //! - **gemv** (gemv_q8.wgsl, gemv_q4.wgsl): a few rows of x, built for latency (each lane loads 16-byte
 //!   quant vectors ahead of everything else). Decode passes run on it, with the ops around a product
 //!   folded in ([`Stage`], [`Output`]); it computes every row alone, so batched decoding gives each
-//!   sequence the numbers it would get alone. Several rows of plain x (a decode batch's products) take
-//!   its batch kernel (gemv_rows_q8.wgsl, gemv_rows_q4.wgsl): the same lane sums and tree, each lane
-//!   holding its share of one row of x and walking a few weight rows.
+//!   sequence the numbers it would get alone. Five rows of plain x or more (a decode batch's products)
+//!   take its batch kernel (gemv_rows_q8.wgsl, gemv_rows_q4.wgsl): the same lane sums and tree, each
+//!   lane holding its share of one row of x and walking a few weight rows.
 //! - **tiled rows** (q8.wgsl, q4.wgsl): up to 8 rows of x per pass over the weights, for short prompts.
 //! - **GEMM** (qgemm.wgsl): 64 x 64 output tiles, the weights dequantised into workgroup memory one
 //!   block of K at a time, for prompts of [`GEMM_MIN_ROWS`] rows or more; where the `tc-prompt` path
@@ -55,6 +55,12 @@ fn rows_nb(kind: QKind) -> usize {
         QKind::Q4 => 4,
     }
 }
+
+/// Rows of x from which a gemv-family product takes the batch kernel. Below it the one-row kernel's
+/// lanes take every row (H100, a pass of the SmolLM2-135M shape: its normed products 12.7 / 15.6 µs for
+/// 2 / 4 rows, the batch kernel's 17.9 / 18.5 with its workgroups of 2 or 4 rows; from 8 rows the batch
+/// kernel is ahead, 19.9 against 21.3 µs).
+const BATCH_MIN_ROWS: usize = 5;
 
 /// Rows of x per workgroup of the batch kernel for `m` rows at `tpr` threads per row.
 fn rows_xr(m: usize, tpr: usize) -> usize {
@@ -788,9 +794,13 @@ pub(super) fn qmatmul(
             continue;
         }
         if let Some((_, tpr, ni)) = gemv_shape(kind, k).filter(|_| rows <= MAX_R || independent) {
-            // Several rows: the batch kernel (each row's bits those of the one-row kernel).
-            let batch = rows > 1;
-            let r = if batch { rows_xr(rows, tpr) } else { 1 };
+            // Enough rows: the batch kernel (each row's bits those of the one-row kernel).
+            let batch = rows >= BATCH_MIN_ROWS;
+            let r = if batch {
+                rows_xr(rows, tpr)
+            } else {
+                rows.next_power_of_two().min(MAX_R)
+            };
             let v = Variant {
                 kind,
                 r,
@@ -951,8 +961,8 @@ pub(crate) fn qmatmul_staged(
         let (shape, tile) = ([m, n, k], tensor_cores.then(|| tc_tile(g, m, n)));
         return qgemm(g, (xb, x0), (yb, y0), w, kind, shape, out, fault, tile);
     }
-    // Several plain rows (a decode batch's output and down products): the batch kernel.
-    let batch = stage == Stage::Plain && m > 1;
+    // Enough plain rows (a decode batch's output and down products): the batch kernel.
+    let batch = stage == Stage::Plain && m >= BATCH_MIN_ROWS;
     let fit = gemv_shape(kind, k).and_then(|(_, tpr, ni)| {
         let r = if batch {
             Some(rows_xr(m, tpr))

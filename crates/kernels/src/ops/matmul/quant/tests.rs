@@ -270,9 +270,10 @@ fn qget_rows_matches_twins() {
     }
 }
 
-/// A batch of independent rows (a decode batch: the batch kernel) gives every row the bits of the one-row
-/// product, for every layout, row lengths that take 1-3 vectors a lane and 8-64 lanes a row, batches
-/// that fill workgroups of rows and that do not, writing and adding, whole and split across buffers.
+/// A batch of independent rows (a decode batch: 2 and 3 rows on the one-row kernel's lanes, 16, 17 and
+/// 40 on the batch kernel) gives every row the bits of the one-row product, for every layout, row
+/// lengths that take 1-3 vectors a lane and 8-64 lanes a row, batches that fill workgroups of rows and
+/// that do not, writing and adding, whole and split across buffers.
 #[test]
 fn independent_rows_have_the_bits_of_one_row() {
     const SHAPES: [(usize, usize); 5] = [(33, 32), (129, 576), (65, 640), (17, 1536), (9, 2048)];
