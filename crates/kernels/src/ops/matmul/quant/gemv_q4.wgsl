@@ -14,23 +14,10 @@ struct Params { n: u32, kw4: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, 
 
 var<workgroup> red: array<f32, R * WG>;
 
-// Σ over one word's 8 values of q · x: low nibbles against xa (values 4c..), high against xc (16 + 4c..).
-fn word(w: u32, xa: vec4<f32>, xc: vec4<f32>) -> f32 {
-  let u = vec4<u32>(w) >> vec4<u32>(0u, 8u, 16u, 24u);
-  return dot(vec4<f32>(u & vec4<u32>(15u)), xa) + dot(vec4<f32>((u >> vec4<u32>(4u)) & vec4<u32>(15u)), xc);
-}
-
+// gemv_sums.wgsl's q4_block with the block's x from the hooks.
 fn block(q: vec4<u32>, s: f32, mn: f32, b: u32) -> f32 {
-  let x0 = xget(b);
-  let x1 = xget(b + 4u);
-  let x2 = xget(b + 8u);
-  let x3 = xget(b + 12u);
-  let x4 = xget(b + 16u);
-  let x5 = xget(b + 20u);
-  let x6 = xget(b + 24u);
-  let x7 = xget(b + 28u);
-  let qx = word(q.x, x0, x4) + word(q.y, x1, x5) + word(q.z, x2, x6) + word(q.w, x3, x7);
-  return s * qx + mn * dot(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, vec4<f32>(1.0));
+  return q4_block(q, s, mn, xget(b), xget(b + 4u), xget(b + 8u), xget(b + 12u), xget(b + 16u), xget(b + 20u),
+                  xget(b + 24u), xget(b + 28u));
 }
 
 @compute @workgroup_size(WG)

@@ -22,11 +22,6 @@ struct Params { n: u32, kw4: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, 
 const VPB: u32 = BLOCK / 16u;
 var<workgroup> red: array<f32, R * WG>;
 
-// The four signed bytes of a little-endian word as f32 (see q8.wgsl).
-fn sext(w: u32) -> vec4<f32> {
-  return vec4<f32>((vec4<i32>(bitcast<i32>(w)) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));
-}
-
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
@@ -44,7 +39,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   prologue(lid, i0, group_index(wid, nwg));
   var acc$r = 0.0;
   let x$r = xrow($r, i0);
-  if (on$i) { acc$r = acc$r + s$i * (dot(sext(q$i.x), xget(x$r + 16u * w$i)) + dot(sext(q$i.y), xget(x$r + 16u * w$i + 4u)) + dot(sext(q$i.z), xget(x$r + 16u * w$i + 8u)) + dot(sext(q$i.w), xget(x$r + 16u * w$i + 12u))); }
+  if (on$i) { acc$r = acc$r + q8_vector(q$i, s$i, xget(x$r + 16u * w$i), xget(x$r + 16u * w$i + 4u), xget(x$r + 16u * w$i + 8u), xget(x$r + 16u * w$i + 12u)); }
   red[$r * WG + lid] = acc$r;
   workgroupBarrier();
   for (var h = TPR / 2u; h > 0u; h = h >> 1u) {

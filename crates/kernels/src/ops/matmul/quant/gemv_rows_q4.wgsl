@@ -1,6 +1,6 @@
 // gemv_q4.wgsl's product for a batch of rows of x, turned around as gemv_rows_q8.wgsl is (read both
 // first): XR rows of x and NB weight rows per workgroup, each lane holding its NI blocks of x (32 values
-// each) in registers and walking the NB weight rows' blocks; each block's sum is gemv_q4.wgsl's `block`,
+// each) in registers and walking the NB weight rows' blocks; each block's sum is gemv_sums.wgsl's `q4_block`,
 // and the lanes' partials go through the same tree, so every row gets the bits it gets alone.
 struct Params { n: u32, kw4: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, o_s: u32, o_q: u32, o_m: u32,
                 e0: u32, e1: u32, e2: u32, e3: u32, e4: u32 }
@@ -12,19 +12,6 @@ struct Params { n: u32, kw4: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, 
 @group(0) @binding(5) var<storage, read> quants: array<vec4<u32>>;
 
 var<workgroup> red: array<f32, NB * WG>;
-
-// Σ over one word's 8 values of q · x (see gemv_q4.wgsl).
-fn word(w: u32, xa: vec4<f32>, xc: vec4<f32>) -> f32 {
-  let u = vec4<u32>(w) >> vec4<u32>(0u, 8u, 16u, 24u);
-  return dot(vec4<f32>(u & vec4<u32>(15u)), xa) + dot(vec4<f32>((u >> vec4<u32>(4u)) & vec4<u32>(15u)), xc);
-}
-
-// gemv_q4.wgsl's `block`, given the block's x.
-fn block(q: vec4<u32>, s: f32, mn: f32, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f32>,
-         x4: vec4<f32>, x5: vec4<f32>, x6: vec4<f32>, x7: vec4<f32>) -> f32 {
-  let qx = word(q.x, x0, x4) + word(q.y, x1, x5) + word(q.z, x2, x6) + word(q.w, x3, x7);
-  return s * qx + mn * dot(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, vec4<f32>(1.0));
-}
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -54,7 +41,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   if (on$i) { x0_$i = xload(xo + 32u * w$i); x1_$i = xload(xo + 32u * w$i + 4u); x2_$i = xload(xo + 32u * w$i + 8u); x3_$i = xload(xo + 32u * w$i + 12u); }
   if (on$i) { x4_$i = xload(xo + 32u * w$i + 16u); x5_$i = xload(xo + 32u * w$i + 20u); x6_$i = xload(xo + 32u * w$i + 24u); x7_$i = xload(xo + 32u * w$i + 28u); }
   var acc$b = 0.0;
-  if (live$b && on$i) { acc$b = acc$b + block(q$b_$i, s$b_$i, m$b_$i, x0_$i, x1_$i, x2_$i, x3_$i, x4_$i, x5_$i, x6_$i, x7_$i); }
+  if (live$b && on$i) { acc$b = acc$b + q4_block(q$b_$i, s$b_$i, m$b_$i, x0_$i, x1_$i, x2_$i, x3_$i, x4_$i, x5_$i, x6_$i, x7_$i); }
   red[$b * WG + lid] = acc$b;
   workgroupBarrier();
   for (var h = TPR / 2u; h > 0u; h = h >> 1u) {

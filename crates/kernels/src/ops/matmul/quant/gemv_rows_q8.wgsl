@@ -23,11 +23,6 @@ struct Params { n: u32, kw4: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, 
 const VPB: u32 = BLOCK / 16u;
 var<workgroup> red: array<f32, NB * WG>;
 
-// The four signed bytes of a little-endian word as f32 (see q8.wgsl).
-fn sext(w: u32) -> vec4<f32> {
-  return vec4<f32>((vec4<i32>(bitcast<i32>(w)) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));
-}
-
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
@@ -50,7 +45,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   var xd$i = vec4<f32>(0.0);
   if (on$i) { xa$i = xload(xo + 16u * w$i); xb$i = xload(xo + 16u * w$i + 4u); xc$i = xload(xo + 16u * w$i + 8u); xd$i = xload(xo + 16u * w$i + 12u); }
   var acc$b = 0.0;
-  if (live$b && on$i) { acc$b = acc$b + s$b_$i * (dot(sext(q$b_$i.x), xa$i) + dot(sext(q$b_$i.y), xb$i) + dot(sext(q$b_$i.z), xc$i) + dot(sext(q$b_$i.w), xd$i)); }
+  if (live$b && on$i) { acc$b = acc$b + q8_vector(q$b_$i, s$b_$i, xa$i, xb$i, xc$i, xd$i); }
   red[$b * WG + lid] = acc$b;
   workgroupBarrier();
   for (var h = TPR / 2u; h > 0u; h = h >> 1u) {

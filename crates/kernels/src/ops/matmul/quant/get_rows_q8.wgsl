@@ -9,11 +9,6 @@ struct Params { n: u32, o_ids: u32, o_out: u32, words: u32, nb: u32, block: u32,
 @group(0) @binding(3) var<storage, read> scales: array<f32>;
 @group(0) @binding(4) var<storage, read> quants: array<u32>;
 
-// Two's-complement sign extension of the four bytes (see q8.wgsl).
-fn sext(w: u32) -> vec4<f32> {
-  return vec4<f32>((vec4<i32>(bitcast<i32>(w)) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));
-}
-
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {

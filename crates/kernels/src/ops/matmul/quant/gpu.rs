@@ -29,6 +29,12 @@ use crate::ops::common::{PRELUDE, repeat_lines};
 use crate::ops::glu::Activation;
 use crate::path::Fault;
 
+/// The sign extension of 8-bit quants (sext.wgsl), in front of every quantized kernel.
+const SEXT: &str = include_str!("sext.wgsl");
+/// A lane's sum over one quant vector (gemv_sums.wgsl), in front of the gemv family's kernels: the one
+/// definition the one-row and batch kernels share.
+const GEMV_SUMS: &str = include_str!("gemv_sums.wgsl");
+
 /// Threads per workgroup of the matmul kernels. With WORDS_PER_LANE = 16, 128 was the fastest of the
 /// configurations tried on an H200 (64, 128, 256 threads; 4, 8, 16 words per lane) for the large
 /// matrices, and within noise for the small ones; the reduction buffer (R · WG floats) stays at 4 KiB.
@@ -176,6 +182,30 @@ fn store_hook(out: Output) -> &'static str {
         Output::Store => "fn store(i: u32, v: f32) { y[i] = v; }",
         Output::Accumulate => "fn store(i: u32, v: f32) { y[i] = y[i] + v; }",
     }
+}
+
+/// The storage bindings of every quantized kernel, in order: x (or the ids), y, the scales, Q4's
+/// minimums, the quant words (a stage's own follow).
+fn quant_bindings(kind: QKind) -> &'static [Access] {
+    match kind {
+        QKind::Q8 { .. } => &[Access::Read, Access::ReadWrite, Access::Read, Access::Read],
+        QKind::Q4 => &[
+            Access::Read,
+            Access::ReadWrite,
+            Access::Read,
+            Access::Read,
+            Access::Read,
+        ],
+    }
+}
+
+/// The end of a quantized pipeline's cache key: whether it adds to y, and its planted fault.
+fn key_tail(acc: bool, fault: Option<Fault>) -> String {
+    format!(
+        "{}{}",
+        if acc { "_acc" } else { "" },
+        fault.map_or(String::new(), |f| format!("_fault{f:?}"))
+    )
 }
 
 /// The hooks q8.wgsl and q4.wgsl call (see there). `k`: the row length (sizes the staged copy); `nw`:
@@ -551,46 +581,22 @@ fn matmul_pipeline(
     k: usize,
     fault: Option<Fault>,
 ) -> Result<Rc<Pipeline>> {
-    let (name, body, mut bindings): (String, &str, Vec<Access>) = match (kind, ni) {
+    let (name, body): (String, &str) = match (kind, ni) {
         (QKind::Q8 { block }, Some(ni)) => (
             format!("gemv_q8b{block}_i{ni}"),
             include_str!("gemv_q8.wgsl"),
-            vec![Access::Read, Access::ReadWrite, Access::Read, Access::Read],
         ),
-        (QKind::Q4, Some(ni)) => (
-            format!("gemv_q4_i{ni}"),
-            include_str!("gemv_q4.wgsl"),
-            vec![
-                Access::Read,
-                Access::ReadWrite,
-                Access::Read,
-                Access::Read,
-                Access::Read,
-            ],
-        ),
-        (QKind::Q8 { block }, None) => (
-            format!("qmm_q8b{block}"),
-            include_str!("q8.wgsl"),
-            vec![Access::Read, Access::ReadWrite, Access::Read, Access::Read],
-        ),
-        (QKind::Q4, None) => (
-            "qmm_q4".to_string(),
-            include_str!("q4.wgsl"),
-            vec![
-                Access::Read,
-                Access::ReadWrite,
-                Access::Read,
-                Access::Read,
-                Access::Read,
-            ],
-        ),
+        (QKind::Q4, Some(ni)) => (format!("gemv_q4_i{ni}"), include_str!("gemv_q4.wgsl")),
+        (QKind::Q8 { block }, None) => (format!("qmm_q8b{block}"), include_str!("q8.wgsl")),
+        (QKind::Q4, None) => ("qmm_q4".to_string(), include_str!("q4.wgsl")),
     };
+    let mut bindings = quant_bindings(kind).to_vec();
     let staged = stage != Stage::Plain;
     // The stage's own bindings follow the kernel's (storage bindings are numbered from 1).
     let nw = bindings.len() + 1;
     bindings.extend_from_slice(stage.bindings());
     let key = format!(
-        "{name}_t{tpr}_r{r}_{}{}{}{}{}",
+        "{name}_t{tpr}_r{r}_{}{}{}{}",
         if xvec { "xv4" } else { "xf32" },
         stage.key(),
         if staged {
@@ -598,12 +604,7 @@ fn matmul_pipeline(
         } else {
             String::new()
         },
-        if out == Output::Accumulate {
-            "_acc"
-        } else {
-            ""
-        },
-        fault.map_or(String::new(), |f| format!("_fault{f:?}"))
+        key_tail(out == Output::Accumulate, fault)
     );
     g.pipeline(&key, &bindings, PipelineOptions::default(), || {
         let (xt, xload, x1) = x_access(xvec);
@@ -615,8 +616,9 @@ fn matmul_pipeline(
             ),
             _ => body.to_string(),
         };
+        let sums = if ni.is_some() { GEMV_SUMS } else { "" };
         let src = format!(
-            "{PRELUDE}\nconst WG: u32 = {WG}u;\nconst TPR: u32 = {tpr}u;\nconst R: u32 = {r}u;\n\
+            "{PRELUDE}{SEXT}{sums}\nconst WG: u32 = {WG}u;\nconst TPR: u32 = {tpr}u;\nconst R: u32 = {r}u;\n\
              const BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n\
              fn x1(i: u32) -> f32 {{ {x1} }}\n{}\n{}",
             kind.block(),
@@ -657,36 +659,23 @@ fn rows_pipeline(
     out: Output,
     fault: Option<Fault>,
 ) -> Result<Rc<Pipeline>> {
-    let (name, body, bindings): (String, &str, &[Access]) = match kind {
+    let (name, body) = match kind {
         QKind::Q8 { block } => (
             format!("gemv_rows_q8b{block}_i{ni}"),
             include_str!("gemv_rows_q8.wgsl"),
-            &[Access::Read, Access::ReadWrite, Access::Read, Access::Read],
         ),
         QKind::Q4 => (
             format!("gemv_rows_q4_i{ni}"),
             include_str!("gemv_rows_q4.wgsl"),
-            &[
-                Access::Read,
-                Access::ReadWrite,
-                Access::Read,
-                Access::Read,
-                Access::Read,
-            ],
         ),
     };
     let nb = rows_nb(kind);
     let key = format!(
-        "{name}_t{tpr}_x{xr}_{}{}{}",
+        "{name}_t{tpr}_x{xr}_{}{}",
         if xvec { "xv4" } else { "xf32" },
-        if out == Output::Accumulate {
-            "_acc"
-        } else {
-            ""
-        },
-        fault.map_or(String::new(), |f| format!("_fault{f:?}"))
+        key_tail(out == Output::Accumulate, fault)
     );
-    g.pipeline(&key, bindings, PipelineOptions::default(), || {
+    g.pipeline(&key, quant_bindings(kind), PipelineOptions::default(), || {
         let (xt, xload, _) = x_access(xvec);
         let store = store_hook(out);
         let body = match fault {
@@ -697,7 +686,7 @@ fn rows_pipeline(
             _ => body.to_string(),
         };
         let src = format!(
-            "{PRELUDE}\nconst WG: u32 = {}u;\nconst TPR: u32 = {tpr}u;\nconst XR: u32 = {xr}u;\n\
+            "{PRELUDE}{SEXT}{GEMV_SUMS}\nconst WG: u32 = {}u;\nconst TPR: u32 = {tpr}u;\nconst XR: u32 = {xr}u;\n\
              const NB: u32 = {nb}u;\nconst BLOCK: u32 = {}u;\nalias XT = {xt};\n\
              fn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{store}\n{}",
             xr * tpr,
@@ -921,8 +910,7 @@ fn staged_rows(g: &GpuBackend, m: usize, k: usize, stage: Stage) -> Option<usize
 /// Whether [`qmatmul_staged`] can run `m` rows of `k` of this layout: the gemv family takes the rows, and
 /// at least one row's workgroup copy fits.
 pub(crate) fn staged_fits(g: &GpuBackend, kind: QKind, m: usize, k: usize, stage: Stage) -> bool {
-    // x, y, the quants' scales and words (and Q4's minimums), and the stage's own.
-    let bindings = 4 + usize::from(kind == QKind::Q4) + stage.bindings().len();
+    let bindings = quant_bindings(kind).len() + stage.bindings().len();
     m > 0
         && k.is_multiple_of(4)
         && gemv_shape(kind, k).is_some()
@@ -1200,7 +1188,7 @@ fn qgemm(
     let tensor_cores = tensor_cores.is_some();
     let acc = out == Output::Accumulate;
     let key = format!(
-        "qgemm{}_bm{bm}_{}_{}{}{}",
+        "qgemm{}_bm{bm}_{}_{}{}",
         if tensor_cores {
             format!("_tc_s{}", tile.steps)
         } else {
@@ -1211,16 +1199,14 @@ fn qgemm(
             QKind::Q4 => "q4".into(),
         },
         if xvec { "xv4" } else { "xf32" },
-        if acc { "_acc" } else { "" },
-        fault.map_or(String::new(), |f| format!("_fault{f:?}"))
+        key_tail(acc, fault)
     );
-    let mut bindings = vec![Access::Read, Access::ReadWrite, Access::Read, Access::Read];
-    if kind == QKind::Q4 {
-        bindings.push(Access::Read);
-    }
-    let pipe = g.pipeline(&key, &bindings, PipelineOptions::default(), || {
-        qgemm_source(kind, tile, xvec, acc, tensor_cores, fault)
-    })?;
+    let pipe = g.pipeline(
+        &key,
+        quant_bindings(kind),
+        PipelineOptions::default(),
+        || qgemm_source(kind, tile, xvec, acc, tensor_cores, fault),
+    )?;
     let max = g.limits.max_compute_workgroups_per_dimension as usize;
     for i0 in (0..m).step_by(bm * max) {
         let rows = (m - i0).min(bm * max);
@@ -1302,14 +1288,7 @@ fn qgemm_source(
     tensor_cores: bool,
     fault: Option<Fault>,
 ) -> String {
-    let (xt, xload) = if xvec {
-        ("vec4<f32>", "return x[i >> 2u];")
-    } else {
-        (
-            "f32",
-            "return vec4<f32>(x[i], x[i + 1u], x[i + 2u], x[i + 3u]);",
-        )
-    };
+    let (xt, xload, _) = x_access(xvec);
     let put = if acc {
         "fn put(at: u32, v: f32) { y[at] = y[at] + v; }"
     } else {
@@ -1340,7 +1319,7 @@ fn qgemm_source(
     };
     // The kernel's body last: a planted fault's lines go before its final brace.
     let src = format!(
-        "{enables}{PRELUDE}\nconst BM: u32 = {bm}u;\nconst BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{put}\n{}\n{body}",
+        "{enables}{PRELUDE}{SEXT}\nconst BM: u32 = {bm}u;\nconst BLOCK: u32 = {}u;\nalias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{put}\n{}\n{body}",
         kind.block(),
         qgemm_layout(kind)
     );
@@ -1363,27 +1342,16 @@ pub(super) fn get_rows(
     if !scale.is_finite() {
         return Err(shape(OP, format!("scale {scale} is not finite")));
     }
-    let (name, body, bindings): (&str, &str, &[Access]) = match kind {
-        QKind::Q8 { .. } => (
-            "qget_rows_q8",
-            include_str!("get_rows_q8.wgsl"),
-            &[Access::Read, Access::ReadWrite, Access::Read, Access::Read],
-        ),
-        QKind::Q4 => (
-            "qget_rows_q4",
-            include_str!("get_rows_q4.wgsl"),
-            &[
-                Access::Read,
-                Access::ReadWrite,
-                Access::Read,
-                Access::Read,
-                Access::Read,
-            ],
-        ),
+    let (name, body) = match kind {
+        QKind::Q8 { .. } => ("qget_rows_q8", include_str!("get_rows_q8.wgsl")),
+        QKind::Q4 => ("qget_rows_q4", include_str!("get_rows_q4.wgsl")),
     };
-    let pipe = g.pipeline(name, bindings, PipelineOptions::default(), || {
-        format!("{PRELUDE}\nconst WG: u32 = {GET_ROWS_WG}u;\n{body}")
-    })?;
+    let pipe = g.pipeline(
+        name,
+        quant_bindings(kind),
+        PipelineOptions::default(),
+        || format!("{PRELUDE}{SEXT}\nconst WG: u32 = {GET_ROWS_WG}u;\n{body}"),
+    )?;
     let nb = k / kind.block();
     let words = kind.words_per_row(k);
     for ts in segments(OP, n, &[Operand::rows(ti, oi, 1), Operand::rows(to, oo, k)])? {

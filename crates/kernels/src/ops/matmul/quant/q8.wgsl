@@ -38,13 +38,6 @@ struct Params { n: u32, kw: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, o
 const WPB: u32 = BLOCK / 4u;
 var<workgroup> red: array<f32, R * WG>;
 
-// The four signed bytes of a little-endian word as f32. Byte j is shifted to the top of the i32, then back
-// down arithmetically, which copies its sign bit over the upper 24 bits (two's-complement sign extension);
-// every value in -128..=127 is exact in f32.
-fn sext(w: u32) -> vec4<f32> {
-  return vec4<f32>((vec4<i32>(bitcast<i32>(w)) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));
-}
-
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {

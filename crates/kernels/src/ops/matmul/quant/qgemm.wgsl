@@ -30,12 +30,6 @@ var<workgroup> ws: array<vec4<f32>, 512>;     // 64 weight rows x 8 vec4
 // Where vec4 c of row r lies.
 fn at(r: u32, c: u32) -> u32 { return r * 8u + (c ^ ((r / 4u) % 8u)); }
 
-// The four signed bytes of a little-endian word as f32 (as q8.wgsl: shift each byte to the top, then
-// back down arithmetically).
-fn sext(w: u32) -> vec4<f32> {
-  return vec4<f32>((vec4<i32>(bitcast<i32>(w)) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));
-}
-
 // Row i of y, columns c .. c + 3 (those inside the product), through `put` (gpu.rs: y = v, or y += v).
 fn store(i: u32, c: u32, v: vec4<f32>) {
   if (i >= p.m) { return; }

@@ -29,11 +29,6 @@ var<workgroup> xs: array<f16, BM * SK>;
 var<workgroup> ws: array<f16, 64u * SK>;
 var<workgroup> cs: array<f32, 1024>;  // one 16x16 fragment per subgroup
 
-// The four signed bytes of a little-endian word as f32 (as q8.wgsl).
-fn sext(w: u32) -> vec4<f32> {
-  return vec4<f32>((vec4<i32>(bitcast<i32>(w)) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));
-}
-
 // Four consecutive values of a tile row, rounded to f16 (zeros for a block past the last).
 fn put_x(at: u32, v: vec4<f32>, valid: bool) {
   let h = select(vec4<f32>(0.0), v, valid);
