@@ -70,7 +70,7 @@ const BATCH_MIN_ROWS: usize = 5;
 
 /// Rows of x per workgroup of the batch kernel for `m` rows at `tpr` threads per row.
 fn rows_xr(m: usize, tpr: usize) -> usize {
-    (ROWS_WG / tpr).min(m.next_power_of_two()).max(1)
+    (ROWS_WG / tpr).min(m.next_power_of_two())
 }
 
 /// Rows of x from which a product takes the GEMM kernel (its tiles hold 64), and the tensor-core one
