@@ -6,7 +6,7 @@ use clap::{Args, Subcommand};
 use std::time::Instant;
 use tinygpt_kernels::gate::pills;
 use tinygpt_kernels::ops::matmul::{
-    Choice, Gemm, Kernel, TILE_LARGE, TILE_MEDIUM, TILE_SMALL, TILE_TALL, Tile, choose,
+    Choice, Gemm, Kernel, MixedTile, TILE_LARGE, TILE_MEDIUM, TILE_SMALL, TILE_TALL, Tile, choose,
 };
 use tinygpt_kernels::rng::SeedRng;
 use tinygpt_kernels::{Backend, PathId, PathSet, ops};
@@ -58,7 +58,8 @@ pub struct LlmBenchArgs {
 
 #[derive(Args, Debug)]
 pub struct OpsArgs {
-    /// Also time every GEMM tile configuration on the big products (tuning).
+    /// Also time every GEMM tile configuration on the big products, and every tensor-core tile shape
+    /// where the adapter has cooperative matrices (tuning).
     #[arg(long)]
     pub tiles: bool,
     /// Largest square GEMM to time (default: 4096 on a GPU, 512 on the CPU or a software adapter).
@@ -216,12 +217,31 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
     ] {
         shapes.push((format!("{name} [{n} tok]"), g));
     }
+    // Attention's products: a batch of (sequence, head) pairs, 256 positions, 64 wide.
+    let pairs = n / 256 * 6;
+    let (t, hd) = (256, 64);
+    for (name, g) in [
+        (
+            "attention scores Q·Kᵀ",
+            Gemm::nt(t, t, hd).batched([pairs, 1], [t * hd, 0], [t * hd, 0], [t * t, 0]),
+        ),
+        (
+            "attention mix P·V",
+            Gemm::nn(t, hd, t).batched([pairs, 1], [t * t, 0], [t * hd, 0], [t * hd, 0]),
+        ),
+        (
+            "attention dK = dSᵀ·Q",
+            Gemm::tn(t, hd, t).batched([pairs, 1], [t * t, 0], [t * hd, 0], [t * hd, 0]),
+        ),
+    ] {
+        shapes.push((format!("{name} [{pairs} x {t}]"), g));
+    }
     for (name, g) in &shapes {
         let [ea, eb, ec] = g.extents();
         let ta = be.from_f32(&rng.vec(ea, -1.0, 1.0), 1)?;
         let tb = be.from_f32(&rng.vec(eb, -1.0, 1.0), 1)?;
         let mut tc = be.zeros(ec, 1)?;
-        let flops = 2.0 * (g.m * g.n * g.k) as f64;
+        let flops = 2.0 * (g.m * g.n * g.k * g.batch[0] * g.batch[1]) as f64;
         let reps = ((2e11 / flops) as usize).clamp(3, 50);
         let reps = if slow { 1 } else { reps };
         let tiles: Vec<Option<Tile>> = if a.tiles && !slow {
@@ -279,35 +299,48 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
         });
         if let (true, Some(want)) = (coop, &reference) {
             let mixed = PathSet::of(&[PathId::MixedTraining]);
-            let label = "  tensor cores, f16 operands";
-            let timed = time(be, reps, || {
-                let c = (&mut tc).into();
-                let choice = choose(be, (&ta).into(), (&tb).into(), &c, g, mixed);
-                Ok(ops::matmul::run(
-                    be,
-                    choice,
-                    (&ta).into(),
-                    (&tb).into(),
-                    c,
-                    g,
-                )?)
-            });
-            match timed {
-                Ok(sec) => {
-                    let got = be.to_vec(&tc)?;
-                    let top = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    let err = want
-                        .iter()
-                        .zip(&got)
-                        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                    println!(
-                        "{label:<44} {:>10.3} {:>12.1}   max|err|/max|ref| {:.2e}",
-                        sec * 1e3,
-                        flops / sec / 1e9,
-                        err / top.max(f32::MIN_POSITIVE)
-                    );
+            // The tile the choice makes, then (tuning) every candidate tile forced.
+            let mut forced: Vec<Option<MixedTile>> = vec![None];
+            if a.tiles {
+                forced.extend(MixedTile::CANDIDATES.into_iter().map(Some));
+            }
+            for tile in forced {
+                let label = match tile {
+                    None => "  tensor cores, f16 operands".to_string(),
+                    Some(t) => format!("    tensor-core tile {}", t.key()),
+                };
+                let timed = time(be, reps, || {
+                    let c = (&mut tc).into();
+                    let choice = match tile {
+                        None => choose(be, (&ta).into(), (&tb).into(), &c, g, mixed),
+                        Some(t) => Choice::forced(Kernel::CoopMixed(t), mixed),
+                    };
+                    Ok(ops::matmul::run(
+                        be,
+                        choice,
+                        (&ta).into(),
+                        (&tb).into(),
+                        c,
+                        g,
+                    )?)
+                });
+                match timed {
+                    Ok(sec) => {
+                        let got = be.to_vec(&tc)?;
+                        let top = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                        let err = want
+                            .iter()
+                            .zip(&got)
+                            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                        println!(
+                            "{label:<44} {:>10.3} {:>12.1}   max|err|/max|ref| {:.2e}",
+                            sec * 1e3,
+                            flops / sec / 1e9,
+                            err / top.max(f32::MIN_POSITIVE)
+                        );
+                    }
+                    Err(e) => println!("{label:<44} {:>10} {e}", "-"),
                 }
-                Err(e) => println!("{label:<44} {:>10} {e}", "-"),
             }
         }
     }

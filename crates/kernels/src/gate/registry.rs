@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::gpu::GpuBackend;
 use crate::ops::matmul::quant::cpu_int::int_dot_available;
 use crate::ops::matmul::{
-    self, Choice, Gemm, Kernel, QMatrix, QuantSource, Weights, pack_f16, packed_len,
+    self, Choice, Gemm, Kernel, QMatrix, QuantSource, Weights, mixed_tiles, pack_f16, packed_len,
 };
 use crate::path::{PathId, PathSet};
 use crate::rng::SeedRng;
@@ -162,22 +162,20 @@ pub static REGISTRY: &[PathDef] = &[
         name: "tc-training",
         pill: "+tensor-core training",
         active_text: "tensor-core training active",
-        kernel_version: 2,
+        kernel_version: 3,
         requires: &[PathId::CoopMatrix],
         on_cpu: false,
         detect: |g| (def(PathId::CoopMatrix).detect)(g),
-        // The op gate checks the mixed-precision kernel (f32 operands rounded to f16) at every shape;
-        // a trainer then runs the training gate (the first steps' losses against the f32 path) before
-        // it trains on it.
+        // The op gate checks the mixed-precision kernel (f32 operands rounded to f16) at every shape,
+        // on every tile shape the adapter's products can choose; a trainer then runs the training
+        // gate (the first steps' losses against the f32 path) before it trains on it.
         evaluate: |be, c, seed, paths| {
-            evaluate_nt(
-                be,
-                c,
-                seed,
-                false,
-                |p| Some(Choice::forced(Kernel::CoopMixed, p)),
-                paths,
-            )
+            let mut all = Vec::new();
+            for tile in mixed_tiles(gpu_of(be)?) {
+                let force = |p| Some(Choice::forced(Kernel::CoopMixed(tile), p));
+                all.extend(evaluate_nt(be, c, seed, false, force, paths)?);
+            }
+            Ok(all)
         },
     },
     PathDef {

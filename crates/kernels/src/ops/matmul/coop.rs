@@ -178,9 +178,140 @@ pub(crate) fn matmul_coop(
     )
 }
 
-/// Output tile of the mixed-precision kernel (rows and columns); its k-step is [`MIXED_BK`].
-pub(super) const MIXED_TILE: usize = 128;
-const MIXED_BK: usize = 32;
+/// One shape of the mixed-precision kernel: the workgroup's tile of C, how its subgroups split it,
+/// the k-step, and two ways of cutting work from tiles that lie wholly inside the matrices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MixedTile {
+    /// Rows and columns of C a workgroup computes.
+    pub tm: usize,
+    pub tn: usize,
+    /// Subgroups (32 lanes) along the rows and the columns of the tile.
+    pub sgm: usize,
+    pub sgn: usize,
+    /// Elements of k staged per step.
+    pub bk: usize,
+    /// Tiles wholly inside C with beta = 0 store their fragments straight to C (scaled by alpha),
+    /// not through workgroup memory a fragment at a time.
+    pub direct_store: bool,
+    /// Operand tiles wholly inside their matrices, and k-steps wholly inside K, load without
+    /// per-element bounds checks.
+    pub unchecked: bool,
+}
+
+impl MixedTile {
+    /// The products of a training step's linear layers and weight gradients (long M, K of 384 and
+    /// more): 128x128 tiles of eight subgroups, 64 of k a step.
+    pub const LARGE: MixedTile = MixedTile {
+        tm: 128,
+        tn: 128,
+        sgm: 2,
+        sgn: 4,
+        bk: 64,
+        direct_store: true,
+        unchecked: false,
+    };
+    /// [`MixedTile::LARGE`] with 32 of k a step, for adapters with less workgroup memory.
+    pub const LARGE_K32: MixedTile = MixedTile {
+        bk: 32,
+        ..MixedTile::LARGE
+    };
+    /// Batches of small products (attention's, 256 x 256 and less per (sequence, head)): 64x64 tiles
+    /// of four subgroups, so the batch spreads over more workgroups.
+    pub const SMALL: MixedTile = MixedTile {
+        tm: 64,
+        tn: 64,
+        sgm: 2,
+        sgn: 2,
+        bk: 32,
+        direct_store: true,
+        unchecked: true,
+    };
+
+    /// Shapes `bench ops --tiles` times beside the chosen ones.
+    pub const CANDIDATES: [MixedTile; 7] = [
+        MixedTile::LARGE,
+        MixedTile::LARGE_K32,
+        MixedTile::SMALL,
+        MixedTile {
+            tm: 128,
+            tn: 64,
+            sgm: 2,
+            sgn: 2,
+            bk: 32,
+            direct_store: true,
+            unchecked: true,
+        },
+        MixedTile {
+            tm: 64,
+            tn: 128,
+            sgm: 2,
+            sgn: 2,
+            bk: 32,
+            direct_store: true,
+            unchecked: true,
+        },
+        MixedTile {
+            unchecked: true,
+            ..MixedTile::LARGE
+        },
+        MixedTile {
+            direct_store: false,
+            unchecked: false,
+            ..MixedTile::LARGE_K32
+        },
+    ];
+
+    fn threads(&self) -> usize {
+        32 * self.sgm * self.sgn
+    }
+
+    /// Workgroup memory the kernel declares, in bytes (the larger of each operand's two layouts, and
+    /// one f32 fragment per subgroup).
+    pub fn shared_bytes(&self) -> usize {
+        let (ks, bk) = (self.bk + 8, self.bk);
+        let a = (self.tm * ks).max(bk * (self.tm + 8));
+        let b = (self.tn * ks).max(bk * (self.tn + 8));
+        2 * (a + b) + 4 * 256 * self.threads() / 32
+    }
+
+    pub fn key(&self) -> String {
+        format!(
+            "{}x{}_{}x{}_k{}{}{}",
+            self.tm,
+            self.tn,
+            self.sgm,
+            self.sgn,
+            self.bk,
+            if self.direct_store { "_ds" } else { "" },
+            if self.unchecked { "_uc" } else { "" },
+        )
+    }
+}
+
+/// The tile a product runs on: [`MixedTile::SMALL`] for batches of products of at most 256 x 256,
+/// else [`MixedTile::LARGE`] where the adapter's workgroup memory holds it.
+pub(super) fn mixed_tile(gb: &GpuBackend, g: &Gemm) -> MixedTile {
+    if g.batches() > 1 && g.m * g.n <= 256 * 256 {
+        return MixedTile::SMALL;
+    }
+    let room = gb.limits.max_compute_workgroup_storage_size as usize;
+    if MixedTile::LARGE.shared_bytes() <= room {
+        MixedTile::LARGE
+    } else {
+        MixedTile::LARGE_K32
+    }
+}
+
+/// The tiles [`mixed_tile`] can choose on this adapter (what the path's gate checks).
+pub(crate) fn mixed_tiles(gb: &GpuBackend) -> Vec<MixedTile> {
+    let room = gb.limits.max_compute_workgroup_storage_size as usize;
+    let large = if MixedTile::LARGE.shared_bytes() <= room {
+        MixedTile::LARGE
+    } else {
+        MixedTile::LARGE_K32
+    };
+    vec![large, MixedTile::SMALL]
+}
 
 /// Whether the mixed-precision tensor-core kernel can take a product: f32 operands in one buffer each,
 /// any layout, batched.
@@ -192,79 +323,156 @@ pub(super) fn mixed_suits(g: &Gemm) -> bool {
 /// two-level batch of strided matrices), each rounded to f16 as it is staged into workgroup memory,
 /// multiplied on 16x16x16 fragments into f32 accumulators; C = alpha · op(A) op(B) + beta · C in f32.
 ///
-/// A workgroup of eight 32-lane subgroups computes a 128x128 tile of C, each subgroup a 64x32 block as
-/// 4x2 fragments. Each k-step stages 32 columns of op(A) and 32 rows of op(B): both operands are
-/// stored in workgroup memory in the layout their global rows arrive in (so global reads are coalesced
-/// and writes to workgroup memory fall on distinct banks), padded to break bank conflicts, and loaded
-/// into fragments row- or column-major to match. The next k-step's global loads are issued before the
-/// current one is multiplied (register double-buffering).
-fn mixed_source(trans_a: bool, trans_b: bool, fault: Option<Fault>) -> String {
-    const NT: usize = 256;
-    // Padded strides (f16 elements): a tile stored with k contiguous has rows of BK + 8, one stored with
-    // m (or n) contiguous has rows of 128 + 8.
-    let (ks, ms) = (MIXED_BK + 8, MIXED_TILE + 8);
-    let per = MIXED_TILE * MIXED_BK / NT; // elements of each operand one thread stages per k-step
+/// A workgroup of `sgm` x `sgn` 32-lane subgroups computes a `tm` x `tn` tile of C, each subgroup an
+/// equal block of 16x16 fragments. Each k-step stages `bk` columns of op(A) and `bk` rows of op(B):
+/// both operands are stored in workgroup memory in the layout their global rows arrive in (so global
+/// reads are coalesced and writes to workgroup memory fall on distinct banks), padded to break bank
+/// conflicts, and loaded into fragments row- or column-major to match. The next k-step's global loads
+/// are issued before the current one is multiplied (register double-buffering).
+pub(super) fn mixed_source(
+    cfg: MixedTile,
+    trans_a: bool,
+    trans_b: bool,
+    fault: Option<Fault>,
+) -> String {
+    let MixedTile {
+        tm,
+        tn,
+        sgm,
+        sgn,
+        bk,
+        ..
+    } = cfg;
+    let nt = cfg.threads();
+    let (wm, wn) = (tm / sgm, tn / sgn); // each subgroup's block of C
+    let (nfa, nfb) = (wm / 16, wn / 16); // its fragments along m and n
+    // Padded strides (f16 elements): a tile stored with k contiguous has rows of bk + 8, one stored
+    // with m (or n) contiguous has rows of tm (or tn) + 8.
+    let ks = bk + 8;
+    let (msa, msb) = (tm + 8, tn + 8);
+    let (per_a, per_b) = (tm * bk / nt, tn * bk / nt); // elements each thread stages per k-step
     let acc = if fault == Some(Fault::F16Accumulation) {
         "f16"
     } else {
         "f32"
     };
+    let direct = cfg.direct_store && acc == "f32";
     // Staging of one operand's i-th element per thread: `v` names its row of op(A) (`r`) or column
     // of op(B) (`c`) within the tile. With k contiguous in memory (op(A) = A stored M x K, op(B) = Bᵀ
     // stored N x K) consecutive threads take consecutive k and the tile is stored in rows of k;
     // otherwise consecutive threads take consecutive m (or n) and the tile is stored in rows of m.
-    let stage = |i: usize,
-                 k_contiguous: bool,
-                 (mat, reg, tile, v): (&str, &str, &str, &str),
-                 (base, ld, origin, extent): (&str, &str, &str, &str)| {
-        let (vi, ki, idx, slot) = if k_contiguous {
-            (
-                format!("(({i}u * 256u + lid) / 32u)"),
-                format!("(({i}u * 256u + lid) % 32u)"),
-                format!("{base} + ({origin} + {v}) * p.{ld} + k0 + kk"),
-                format!("{v} * {ks}u + kk"),
-            )
-        } else {
-            (
-                format!("(({i}u * 256u + lid) % 128u)"),
-                format!("(({i}u * 256u + lid) / 128u)"),
-                format!("{base} + (k0 + kk) * p.{ld} + {origin} + {v}"),
-                format!("kk * {ms}u + {v}"),
-            )
-        };
-        (
-            format!(
-                "    {{ let {v} = {vi}; let kk = {ki}; {reg}[{i}] = 0.0;
-      if ({origin} + {v} < p.{extent} && k0 + kk < p.k) {{ {reg}[{i}] = {mat}[{idx}]; }} }}\n"
-            ),
-            format!("    {{ let {v} = {vi}; let kk = {ki}; {tile}[{slot}] = f16({reg}[{i}]); }}\n"),
-        )
+    struct Operand<'a> {
+        mat: &'a str,
+        reg: &'a str,
+        tile: &'a str,
+        v: &'a str,
+        base: &'a str,
+        ld: &'a str,
+        origin: &'a str,
+        extent: &'a str,
+        k_contiguous: bool,
+        width: usize,
+        ms: usize,
+        per: usize,
+    }
+    // Loads into registers (checked: zero outside the matrices) and stores into workgroup memory.
+    let staging = |o: &Operand, checked: bool| -> (String, String) {
+        let (mut loads, mut stores) = (String::new(), String::new());
+        let Operand {
+            mat,
+            reg,
+            tile,
+            v,
+            base,
+            ld,
+            origin,
+            extent,
+            ..
+        } = *o;
+        for i in 0..o.per {
+            let (vi, ki, idx, slot) = if o.k_contiguous {
+                (
+                    format!("(({i}u * {nt}u + lid) / {bk}u)"),
+                    format!("(({i}u * {nt}u + lid) % {bk}u)"),
+                    format!("{base} + ({origin} + {v}) * p.{ld} + k0 + kk"),
+                    format!("{v} * {ks}u + kk"),
+                )
+            } else {
+                (
+                    format!("(({i}u * {nt}u + lid) % {}u)", o.width),
+                    format!("(({i}u * {nt}u + lid) / {}u)", o.width),
+                    format!("{base} + (k0 + kk) * p.{ld} + {origin} + {v}"),
+                    format!("kk * {}u + {v}", o.ms),
+                )
+            };
+            let load = if checked {
+                format!(
+                    "{reg}[{i}] = 0.0;
+      if ({origin} + {v} < p.{extent} && k0 + kk < p.k) {{ {reg}[{i}] = {mat}[{idx}]; }}"
+                )
+            } else {
+                format!("{reg}[{i}] = {mat}[{idx}];")
+            };
+            loads.push_str(&format!(
+                "    {{ let {v} = {vi}; let kk = {ki}; {load} }}\n"
+            ));
+            stores.push_str(&format!(
+                "    {{ let {v} = {vi}; let kk = {ki}; {tile}[{slot}] = f16({reg}[{i}]); }}\n"
+            ));
+        }
+        (loads, stores)
+    };
+    let a = Operand {
+        mat: "mat_a",
+        reg: "ra",
+        tile: "As",
+        v: "r",
+        base: "a_base",
+        ld: "lda",
+        origin: "row0",
+        extent: "m",
+        k_contiguous: !trans_a,
+        width: tm,
+        ms: msa,
+        per: per_a,
+    };
+    let b = Operand {
+        mat: "mat_b",
+        reg: "rb",
+        tile: "Bs",
+        v: "c",
+        base: "b_base",
+        ld: "ldb",
+        origin: "col0",
+        extent: "n",
+        k_contiguous: trans_b,
+        width: tn,
+        ms: msb,
+        per: per_b,
     };
     let mut loads = String::new();
     let mut stores = String::new();
-    for i in 0..per {
-        let a = stage(
-            i,
-            !trans_a,
-            ("mat_a", "ra", "As", "r"),
-            ("a_base", "lda", "row0", "m"),
-        );
-        let b = stage(
-            i,
-            trans_b,
-            ("mat_b", "rb", "Bs", "c"),
-            ("b_base", "ldb", "col0", "n"),
-        );
-        for (l, st) in [a, b] {
-            loads.push_str(&l);
-            stores.push_str(&st);
+    for (o, full) in [(&a, "full_a"), (&b, "full_b")] {
+        let (checked, st) = staging(o, true);
+        stores.push_str(&st);
+        if cfg.unchecked {
+            let (plain, _) = staging(o, false);
+            loads.push_str(&format!(
+                "    if ({full} && k0 + {bk}u <= p.k) {{\n{plain}    }} else {{\n{checked}    }}\n"
+            ));
+        } else {
+            loads.push_str(&checked);
         }
     }
     // Fragment loads: A fragment fi covers rows fm + 16 fi, B fragment fj columns fn0 + 16 fj.
     let mut frags = String::new();
-    for fi in 0..4 {
+    for fi in 0..nfa {
         let (ptr, stride, f) = if trans_a {
-            (format!("kk * {ms}u + fm + {}u", 16 * fi), "sm", "coopLoad")
+            (
+                format!("kk * {msa}u + fm + {}u", 16 * fi),
+                "sma",
+                "coopLoad",
+            )
         } else {
             (
                 format!("(fm + {}u) * {ks}u + kk", 16 * fi),
@@ -276,7 +484,7 @@ fn mixed_source(trans_a: bool, trans_b: bool, fault: Option<Fault>) -> String {
             "      let ia{fi} = {ptr};\n      let a{fi} = {f}<coop_mat16x16<f16, A>>(&As[ia{fi}], {stride});\n"
         ));
     }
-    for fj in 0..2 {
+    for fj in 0..nfb {
         let (ptr, stride, f) = if trans_b {
             (
                 format!("(fn0 + {}u) * {ks}u + kk", 16 * fj),
@@ -285,8 +493,8 @@ fn mixed_source(trans_a: bool, trans_b: bool, fault: Option<Fault>) -> String {
             )
         } else {
             (
-                format!("kk * {ms}u + fn0 + {}u", 16 * fj),
-                "sm",
+                format!("kk * {msb}u + fn0 + {}u", 16 * fj),
+                "smb",
                 "coopLoadT",
             )
         };
@@ -294,20 +502,21 @@ fn mixed_source(trans_a: bool, trans_b: bool, fault: Option<Fault>) -> String {
             "      let ib{fj} = {ptr};\n      let b{fj} = {f}<coop_mat16x16<f16, B>>(&Bs[ib{fj}], {stride});\n"
         ));
     }
-    for fi in 0..4 {
-        for fj in 0..2 {
+    for fi in 0..nfa {
+        for fj in 0..nfb {
             frags.push_str(&format!(
-                "      c{fi}{fj} = coopMultiplyAdd(a{fi}, b{fj}, c{fi}{fj});\n"
+                "      c{fi}_{fj} = coopMultiplyAdd(a{fi}, b{fj}, c{fi}_{fj});\n"
             ));
         }
     }
     let mut decl = String::new();
-    let mut out = String::new();
-    for fi in 0..4 {
-        for fj in 0..2 {
-            decl.push_str(&format!("  var c{fi}{fj} = coop_mat16x16<{acc}, C>();\n"));
-            out.push_str(&format!(
-                "  coopStoreT(c{fi}{fj}, &Cs[cbase], s16);
+    let mut staged = String::new();
+    let mut straight = String::new();
+    for fi in 0..nfa {
+        for fj in 0..nfb {
+            decl.push_str(&format!("  var c{fi}_{fj} = coop_mat16x16<{acc}, C>();\n"));
+            staged.push_str(&format!(
+                "  coopStoreT(c{fi}_{fj}, &Cs[cbase], s16);
   workgroupBarrier();
   for (var j = 0u; j < 8u; j = j + 1u) {{
     let e = j * 32u + lane;
@@ -325,8 +534,24 @@ fn mixed_source(trans_a: bool, trans_b: bool, fault: Option<Fault>) -> String {
                 16 * fi,
                 16 * fj
             ));
+            straight.push_str(&format!(
+                "    {{ let ic = c_base + (row0 + fm + {}u) * p.ldc + col0 + fn0 + {}u;
+      coopStoreT(p.alpha * c{fi}_{fj}, &mat_c[ic], ldc); }}\n",
+                16 * fi,
+                16 * fj
+            ));
         }
     }
+    let out = if direct {
+        format!(
+            "  let ldc = p.ldc;
+  if (row0 + {tm}u <= p.m && col0 + {tn}u <= p.n && p.beta == 0.0) {{
+{straight}  }} else {{
+{staged}  }}"
+        )
+    } else {
+        staged
+    };
     let tail = match fault {
         Some(Fault::OutOfBoundsWrite) => {
             "  if (lid == 0u && wid.x == 0u && wid.y == 0u && wid.z == 0u) { mat_c[c_base + p.m * p.ldc] = 1.0; }"
@@ -336,7 +561,9 @@ fn mixed_source(trans_a: bool, trans_b: bool, fault: Option<Fault>) -> String {
         }
         _ => "",
     };
-    let shared = MIXED_TILE * ks.max(ms * MIXED_BK / MIXED_TILE);
+    let shared_a = if trans_a { bk * msa } else { tm * ks };
+    let shared_b = if trans_b { tn * ks } else { bk * msb };
+    let cs = nt / 32 * 256;
     format!(
         "enable f16;
 enable wgpu_cooperative_matrix;
@@ -344,39 +571,42 @@ enable wgpu_cooperative_matrix;
 @group(0) @binding(2) var<storage, read> mat_b: array<f32>;
 @group(0) @binding(3) var<storage, read_write> mat_c: array<f32>;
 
-var<workgroup> As: array<f16, {shared}>;
-var<workgroup> Bs: array<f16, {shared}>;
-var<workgroup> Cs: array<{acc}, 2048>; // one 16x16 fragment per subgroup
+var<workgroup> As: array<f16, {shared_a}>;
+var<workgroup> Bs: array<f16, {shared_b}>;
+var<workgroup> Cs: array<{acc}, {cs}>; // one 16x16 fragment per subgroup
 
-@compute @workgroup_size(256)
+@compute @workgroup_size({nt})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
   let z1 = wid.z / p.b2;
   let z2 = wid.z % p.b2;
   let a_base = p.a_off + z1 * p.sa1 + z2 * p.sa2;
   let b_base = p.b_off + z1 * p.sb1 + z2 * p.sb2;
   let c_base = p.c_off + z1 * p.sc1 + z2 * p.sc2;
-  let row0 = wid.y * 128u;
-  let col0 = wid.x * 128u;
+  let row0 = wid.y * {tm}u;
+  let col0 = wid.x * {tn}u;
+  let full_a = row0 + {tm}u <= p.m;
+  let full_b = col0 + {tn}u <= p.n;
   let sg = lid / 32u;
-  let fm = (sg / 4u) * 64u;
-  let fn0 = (sg % 4u) * 32u;
+  let fm = (sg / {sgn}u) * {wm}u;
+  let fn0 = (sg % {sgn}u) * {wn}u;
   let sk = {ks}u;
-  let sm = {ms}u;
+  let sma = {msa}u;
+  let smb = {msb}u;
 {decl}
-  var ra: array<f32, {per}>;
-  var rb: array<f32, {per}>;
+  var ra: array<f32, {per_a}>;
+  var rb: array<f32, {per_b}>;
   {{
     let k0 = 0u;
 {loads}
   }}
-  for (var k0 = 0u; k0 < p.k; k0 = k0 + 32u) {{
+  for (var k0 = 0u; k0 < p.k; k0 = k0 + {bk}u) {{
 {stores}
     workgroupBarrier();
-    if (k0 + 32u < p.k) {{
-      let k0 = k0 + 32u;
+    if (k0 + {bk}u < p.k) {{
+      let k0 = k0 + {bk}u;
 {loads}
     }}
-    for (var kk = 0u; kk < 32u; kk = kk + 16u) {{
+    for (var kk = 0u; kk < {bk}u; kk = kk + 16u) {{
 {frags}
     }}
     workgroupBarrier();
@@ -392,13 +622,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 }
 
 /// C = alpha · op(A) op(B) + beta · C on the tensor cores with f16-rounded operands (see
-/// [`mixed_source`]); every operand in one buffer.
+/// [`mixed_source`]), on the workgroup tile `tile`; every operand in one buffer.
 pub(super) fn matmul_coop_mixed(
     gb: &GpuBackend,
     (ta, oa): (&GpuTensor, usize),
     (tb, ob): (&GpuTensor, usize),
     (tc, oc): (&GpuTensor, usize),
     g: &Gemm,
+    tile: MixedTile,
     fault: Option<Fault>,
 ) -> Result<()> {
     if ta.num_chunks() != 1 || tb.num_chunks() != 1 || tc.num_chunks() != 1 {
@@ -412,16 +643,17 @@ pub(super) fn matmul_coop_mixed(
     }
     let (trans_a, trans_b) = (g.trans_a, g.trans_b);
     let key = format!(
-        "gemm_coop_mixed_{}{}{}",
+        "gemm_coop_mixed_{}{}_{}{}",
         if trans_a { 't' } else { 'n' },
         if trans_b { 't' } else { 'n' },
+        tile.key(),
         fault.map_or(String::new(), |f| format!("_fault{f:?}"))
     );
     let pipe = gb.pipeline(
         &key,
         &[Access::Read, Access::Read, Access::ReadWrite],
         PipelineOptions::default(),
-        || mixed_source(trans_a, trans_b, fault),
+        || mixed_source(tile, trans_a, trans_b, fault),
     )?;
     let p = super::params(g, [oa, ob, oc], g.m, g.n, g.k, g.beta);
     let bufs = [
@@ -434,8 +666,8 @@ pub(super) fn matmul_coop_mixed(
         &p,
         &bufs,
         [
-            g.n.div_ceil(MIXED_TILE) as u32,
-            g.m.div_ceil(MIXED_TILE) as u32,
+            g.n.div_ceil(tile.tn) as u32,
+            g.m.div_ceil(tile.tm) as u32,
             g.batches() as u32,
         ],
     )
@@ -445,8 +677,9 @@ pub(super) fn matmul_coop_mixed(
 mod tests {
     use super::*;
 
-    /// The generated kernel is valid WGSL for naga's front end and validator (the tensor-core path
-    /// itself only runs where the adapter has cooperative matrices; its gate then decides).
+    /// The generated kernels are valid WGSL for naga's front end and validator, at every tile shape
+    /// (the tensor-core path itself only runs where the adapter has cooperative matrices; its gate
+    /// then decides).
     #[test]
     fn cooperative_kernel_parses_and_validates() {
         let faults = [
@@ -455,9 +688,11 @@ mod tests {
             Some(Fault::NanOutput),
             Some(Fault::F16Accumulation),
         ];
-        let mixed = faults.iter().flat_map(|&f| {
-            [(false, false), (false, true), (true, false), (true, true)]
-                .map(|(ta, tb)| mixed_source(ta, tb, f))
+        let mixed = MixedTile::CANDIDATES.into_iter().flat_map(|tile| {
+            faults.into_iter().flat_map(move |f| {
+                [(false, false), (false, true), (true, false), (true, true)]
+                    .map(|(ta, tb)| mixed_source(tile, ta, tb, f))
+            })
         });
         for src in faults[..3].iter().map(|&f| source(f)).chain(mixed) {
             let module = naga::front::wgsl::parse_str(&src)
@@ -468,5 +703,30 @@ mod tests {
             );
             v.validate(&module).unwrap_or_else(|e| panic!("{e:?}"));
         }
+    }
+
+    /// Every tile shape declares no more workgroup memory than `shared_bytes` says (what the choice
+    /// of tile checks against the adapter's limit), and LARGE fits the 48 KiB most desktop GPUs give.
+    #[test]
+    fn tiles_declare_what_shared_bytes_says() {
+        for tile in MixedTile::CANDIDATES {
+            for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+                let src = mixed_source(tile, ta, tb, None);
+                let module = naga::front::wgsl::parse_str(&src).unwrap();
+                let declared: u32 = module
+                    .global_variables
+                    .iter()
+                    .filter(|(_, v)| v.space == naga::AddressSpace::WorkGroup)
+                    .map(|(_, v)| module.types[v.ty].inner.size(module.to_ctx()))
+                    .sum();
+                assert!(
+                    declared as usize <= tile.shared_bytes(),
+                    "{} declares {declared} bytes",
+                    tile.key()
+                );
+            }
+        }
+        assert!(MixedTile::LARGE.shared_bytes() <= 48 << 10);
+        assert!(MixedTile::SMALL.shared_bytes() <= 16 << 10);
     }
 }

@@ -33,6 +33,8 @@ use crate::backend::{Backend, TMut, TRef, Tensor};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, GpuBackend, GpuTensor, PipelineOptions};
 use crate::path::{Fault, PathId, PathSet};
+pub use coop::MixedTile;
+pub(crate) use coop::mixed_tiles;
 pub use cpu::gemm_reference;
 pub use f16::{pack_f16, packed_len, unpack_f16};
 pub use quant::{QKind, QMatrix, QuantSource, get_rows};
@@ -300,8 +302,8 @@ pub enum Kernel {
     /// Tensor cores: x · Wᵀ with f16 weights, every operand in one buffer.
     Coop,
     /// Tensor cores with f32 operands rounded to f16 in workgroup memory, f32 accumulation: any
-    /// layout, batched, every operand in one buffer (the tensor-core training path).
-    CoopMixed,
+    /// layout, batched, every operand in one buffer (the tensor-core training path), on one tile shape.
+    CoopMixed(MixedTile),
     /// Straight from the quantized blocks.
     Quant,
     /// Straight from the quantized blocks, every row that is not computed alone on the tensor cores
@@ -384,7 +386,7 @@ pub fn choose(
                         splits,
                         mixed: true,
                     },
-                    None if coop => Kernel::CoopMixed,
+                    None if coop => Kernel::CoopMixed(coop::mixed_tile(gb, g)),
                     None => Kernel::Tiled {
                         tile: choose_tile(g),
                         shader_f16: true,
@@ -501,8 +503,10 @@ pub fn run(
                     msg: "the cooperative-matrix kernel reads f16 weights".into(),
                 }),
                 Kernel::Scale => gpu_scale(gb, c, g),
-                Kernel::CoopMixed if !f16 => coop::matmul_coop_mixed(gb, a, b, c, g, fault),
-                Kernel::CoopMixed => Err(Error::Shape {
+                Kernel::CoopMixed(tile) if !f16 => {
+                    coop::matmul_coop_mixed(gb, a, b, c, g, tile, fault)
+                }
+                Kernel::CoopMixed(_) => Err(Error::Shape {
                     op: "matmul",
                     msg: "the mixed-precision tensor-core kernel reads f32 operands".into(),
                 }),
@@ -650,7 +654,8 @@ fn gpu_split_k(
     let slice =
         |a: (&GpuTensor, usize), b: (&GpuTensor, usize), c: (&GpuTensor, usize), sg: &Gemm| {
             if coop && coop::mixed_suits(sg) {
-                return coop::matmul_coop_mixed(gb, a, b, c, sg, fault);
+                let tile = coop::mixed_tile(gb, sg);
+                return coop::matmul_coop_mixed(gb, a, b, c, sg, tile, fault);
             }
             let opts = GemmOpts {
                 trans_a: g.trans_a,

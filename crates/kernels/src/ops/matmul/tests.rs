@@ -371,3 +371,51 @@ fn gpu_split_k_matches_reference() {
         assert_nmse(&format!("{g:?} in {splits} slices"), &want, &got, BOUND);
     }
 }
+
+/// The mixed-precision tensor-core kernel on every tile shape it has, every layout, odd and whole
+/// tiles, batched with offsets, scaled (alpha) and accumulating (beta), against the f64 reference
+/// within f16 operand rounding. Runs where the adapter has cooperative matrices (the tensor-core
+/// training path exists nowhere else).
+#[test]
+fn tensor_core_tiles_match_reference() {
+    let Some(be) = gpu_backend(None) else { return };
+    let Some(gb) = be.as_gpu() else { return };
+    if !gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
+        eprintln!("the adapter has no cooperative matrices: nothing to run");
+        return;
+    }
+    let room = gb.limits.max_compute_workgroup_storage_size as usize;
+    let mixed = PathSet::of(&[PathId::MixedTraining]);
+    let mut rng = SeedRng::new(11);
+    // f16 operands (11-bit significands) over K up to 300: the error's energy is ~1e-7 of the output's.
+    let bound = 1e-5;
+    for tile in MixedTile::CANDIDATES {
+        if tile.shared_bytes() > room {
+            continue;
+        }
+        for (m, n, k) in [(16, 16, 16), (128, 128, 64), (130, 67, 33), (200, 300, 100)] {
+            for g in all_layouts(m, n, k) {
+                let g = g.alpha(0.5);
+                let (ea, eb, ec) = {
+                    let [a, b, c] = g.extents();
+                    (a, b, c)
+                };
+                // Two batches side by side, each operand starting past an offset of 3 elements.
+                let g = g.batched([2, 1], [ea + 5, 0], [eb + 7, 0], [ec + 2, 0]);
+                for g in [g, g.accumulate()] {
+                    let (a, b, c0, want) = case(&mut rng, &g);
+                    let pad = |v: &[f32]| [vec![9.0; 3], v.to_vec()].concat();
+                    let ta = be.from_f32(&pad(&a), 1).unwrap();
+                    let tb = be.from_f32(&pad(&b), 1).unwrap();
+                    let mut tc = be.from_f32(&pad(&c0), 1).unwrap();
+                    let choice = Choice::forced(Kernel::CoopMixed(tile), mixed);
+                    let (va, vb) = (TRef::from(&ta).shift(3), TRef::from(&tb).shift(3));
+                    super::run(&be, choice, va, Weights::F32(vb), tc.at_mut(3), &g).unwrap();
+                    let got = be.to_vec(&tc).unwrap();
+                    assert_eq!(&got[..3], &[9.0; 3], "{} wrote before C", tile.key());
+                    assert_nmse(&format!("{} {g:?}", tile.key()), &want, &got[3..], bound);
+                }
+            }
+        }
+    }
+}
