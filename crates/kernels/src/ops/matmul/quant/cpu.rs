@@ -209,7 +209,7 @@ pub fn q8_matmul_nt_with(
     if use_gemm(opts, m) {
         let nb = k / w.block;
         let q = bytemuck::cast_slice::<u32, u8>(&w.quants);
-        return gemm_tiles(opts, x, m, k, rows, y, ldy, |r, out| {
+        return gemm_tiles(opts, x, m, k, n, rows, y, ldy, |r, out| {
             let b = r.start * nb..r.end * nb;
             dequant_q8(&q[r.start * k..r.end * k], &w.scales[b], w.block, out)
         });
@@ -259,7 +259,7 @@ pub fn q4_matmul_nt_with(
         let nb = k / 32;
         let y = OutPtr(y.as_mut_ptr());
         let q = bytemuck::cast_slice::<u32, u8>(&w.quants);
-        return gemm_tiles(opts, x, m, k, rows, y, ldy, |r, out| {
+        return gemm_tiles(opts, x, m, k, n, rows, y, ldy, |r, out| {
             let b = r.start * nb..r.end * nb;
             dequant_q4(
                 &q[r.start * k / 2..r.end * k / 2],
@@ -348,6 +348,9 @@ pub const GEMM_MIN_ROWS_AVX2: usize = 64;
 /// Dequantized f32 weights one `gemm` crate call takes at most (a whole tile of a thread, or a slice of
 /// it).
 const GEMM_TILE_BYTES: usize = 512 << 10;
+/// Columns of the blocks every `gemm` crate call covers whole, counted from column 0 (see
+/// [`gemm_tiles`]).
+const GEMM_ALIGN: usize = 16;
 
 /// Whether a call of m activation rows runs as a GEMM over dequantized tiles. The portable path (wasm32,
 /// aarch64) keeps the row kernels, written for its auto-vectorizer.
@@ -375,6 +378,7 @@ fn gemm_tiles(
     x: &[f32],
     m: usize,
     k: usize,
+    n: usize,
     rows: Range<usize>,
     y: OutPtr,
     ldy: usize,
@@ -398,24 +402,45 @@ fn gemm_tiles(
             DEQUANT.set(buf);
             return;
         }
-        let slice = (GEMM_TILE_BYTES / (4 * k.max(1))).max(16);
+        // The `gemm` crate's rounding of a column depends on the width of the block it comes in (a
+        // block narrower than its micro-kernel takes another path), so every call covers whole blocks
+        // of GEMM_ALIGN columns counted from column 0 (the matrix's last block may be shorter): a
+        // column gets the same bits whichever range or tile it is computed in. A tile's partial
+        // blocks at its edges are computed whole into `edge` and the range's columns copied out.
+        let slice = (GEMM_TILE_BYTES / (4 * k.max(1))).max(GEMM_ALIGN) / GEMM_ALIGN * GEMM_ALIGN;
         let mut s0 = n0;
         while s0 < n1 {
-            let s1 = (s0 + slice).min(n1);
-            let nt = s1 - s0;
+            let a0 = s0 / GEMM_ALIGN * GEMM_ALIGN;
+            let a1 = (a0 + slice).min(n);
+            let s1 = a1.min(n1);
+            let (b0, b1) = if a0 == s0 && (a1 == s1 || s1.is_multiple_of(GEMM_ALIGN)) {
+                (s0, s1)
+            } else {
+                (a0, (s1.next_multiple_of(GEMM_ALIGN)).min(n))
+            };
+            let nt = b1 - b0;
             buf.resize(nt * k, 0.0);
-            deq(s0..s1, &mut buf);
-            // SAFETY: y covers m rows (ldy apart) of this tile's columns s0 - n0 .. s1 - n0 (checked by
-            // `check_xy`; tiles are disjoint column ranges); x is m×K (checked), buf is nt×K. The gemm
-            // crate computes dst = alpha·dst + beta·lhs·rhs; with read_dst false dst is only written.
+            deq(b0..b1, &mut buf);
+            let direct = (b0, b1) == (s0, s1);
+            let mut edge = Vec::new();
+            let (dst, ld) = if direct {
+                (y.at(s0 - n0).0, ldy)
+            } else {
+                edge.resize(m * nt, 0.0);
+                (edge.as_mut_ptr(), nt)
+            };
+            // SAFETY: dst covers m rows (ld apart) of nt columns: y's columns s0 - n0 .. s1 - n0 of this
+            // tile (checked by `check_xy`; tiles are disjoint column ranges) or `edge`; x is m×K
+            // (checked), buf is nt×K. The gemm crate computes dst = alpha·dst + beta·lhs·rhs; with
+            // read_dst false dst is only written.
             unsafe {
                 gemm::gemm(
                     m,
                     nt,
                     k,
-                    y.at(s0 - n0).0,
+                    dst,
                     1,
-                    ldy as isize,
+                    ld as isize,
                     false,
                     x.as_ptr(),
                     1,
@@ -430,6 +455,14 @@ fn gemm_tiles(
                     false,
                     gemm::Parallelism::None,
                 );
+            }
+            if !direct {
+                for i in 0..m {
+                    for j in s0..s1 {
+                        // SAFETY: row i, column j - n0 of this tile's y (see above).
+                        unsafe { y.write(i * ldy + j - n0, edge[i * nt + j - b0]) };
+                    }
+                }
             }
             s0 = s1;
         }
@@ -1442,9 +1475,21 @@ mod tests {
         }
     }
 
-    /// A row range written into a wider y: only its columns change, all of them are written.
+    /// A row range written into a wider y: only its columns change, all of them are written, with the
+    /// bits of the whole product, whatever the number of threads splitting the columns (the tiles of a
+    /// 16-thread pool cut the range in other places than a 2-thread one's).
     #[test]
     fn row_range_writes_only_its_columns() {
+        for threads in [1, 3, 16] {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+                .install(row_range_case);
+        }
+    }
+
+    fn row_range_case() {
         const UNTOUCHED: f32 = 12345.0;
         let mut rng = ChaCha8Rng::seed_from_u64(3);
         let (n, k) = (257, 96);
