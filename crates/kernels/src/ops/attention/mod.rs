@@ -11,7 +11,7 @@ mod causal_cpu;
 
 use super::common::{PRELUDE, repeat_lines, row_kernel};
 use super::dropout::check_probability;
-use super::matmul::{Gemm, matmul};
+use super::matmul::{Causal, Gemm, matmul};
 use super::softmax::{
     SoftmaxShape, softmax_backward, softmax_dropout, softmax_dropout_backward, softmax_planted,
 };
@@ -96,10 +96,12 @@ pub fn attention_forward(
         causal_cpu::forward(cpu, qs, ys, ps, ds, s, drop);
         return Ok(());
     }
+    // The causal mask: the scores above the diagonal are never read, the probabilities there are 0.
     let scores = Gemm::nt(t, t, hd)
         .lda(3 * c)
         .ldb(3 * c)
         .alpha(s.scale())
+        .causal(Causal::Output)
         .batched(
             [s.batch, s.heads],
             s.qkv_stride(),
@@ -108,12 +110,17 @@ pub fn attention_forward(
         );
     matmul(be, paths, qkv, qkv.shift(c), probs.reborrow(), &scores)?;
     let shape = SoftmaxShape::causal(s.batch * s.heads * t, t);
-    let mix = Gemm::nn(t, hd, t).lda(t).ldb(3 * c).ldc(c).batched(
-        [s.batch, s.heads],
-        s.p_stride(),
-        s.qkv_stride(),
-        s.y_stride(),
-    );
+    let mix = Gemm::nn(t, hd, t)
+        .lda(t)
+        .ldb(3 * c)
+        .ldc(c)
+        .causal(Causal::ALower)
+        .batched(
+            [s.batch, s.heads],
+            s.p_stride(),
+            s.qkv_stride(),
+            s.y_stride(),
+        );
     let v = qkv.shift(2 * c);
     match (drop, dropped) {
         (Some((p, seed)), Some(mut d)) if p > 0.0 => {
@@ -164,20 +171,29 @@ pub fn attention_backward(
         return Ok(());
     }
     // dP' = dY Vᵀ (gradient of the probabilities the product saw).
-    let dp = Gemm::nt(t, t, hd).lda(c).ldb(3 * c).batched(
-        [s.batch, s.heads],
-        s.y_stride(),
-        s.qkv_stride(),
-        s.p_stride(),
-    );
+    let dp = Gemm::nt(t, t, hd)
+        .lda(c)
+        .ldb(3 * c)
+        .causal(Causal::Output)
+        .batched(
+            [s.batch, s.heads],
+            s.y_stride(),
+            s.qkv_stride(),
+            s.p_stride(),
+        );
     matmul(be, paths, dy, qkv.shift(2 * c), scratch.reborrow(), &dp)?;
     // dV = P'ᵀ dY.
-    let dv = Gemm::tn(t, hd, t).lda(t).ldb(c).ldc(3 * c).batched(
-        [s.batch, s.heads],
-        s.p_stride(),
-        s.y_stride(),
-        s.qkv_stride(),
-    );
+    let dv = Gemm::tn(t, hd, t)
+        .lda(t)
+        .ldb(c)
+        .ldc(3 * c)
+        .causal(Causal::AUpper)
+        .batched(
+            [s.batch, s.heads],
+            s.p_stride(),
+            s.y_stride(),
+            s.qkv_stride(),
+        );
     let use_drop = matches!(drop, Some((p, _)) if p > 0.0);
     {
         let p_used = match (dropped, use_drop) {
@@ -208,6 +224,7 @@ pub fn attention_backward(
         .ldb(3 * c)
         .ldc(3 * c)
         .alpha(s.scale())
+        .causal(Causal::ALower)
         .batched(
             [s.batch, s.heads],
             s.p_stride(),
@@ -227,6 +244,7 @@ pub fn attention_backward(
         .ldb(3 * c)
         .ldc(3 * c)
         .alpha(s.scale())
+        .causal(Causal::AUpper)
         .batched(
             [s.batch, s.heads],
             s.p_stride(),

@@ -8,8 +8,8 @@
 //! reason. The pipeline is built where a panic becomes a failed gate ([`crate::gpu`]'s pipeline builder
 //! catches it), never a crashed program.
 
-use super::Gemm;
-use super::tiled::PARAMS;
+use super::tiled::{PARAMS, causal_key, causal_prologue};
+use super::{Causal, Gemm};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, GpuBackend, GpuTensor, PipelineOptions};
 use crate::path::Fault;
@@ -333,6 +333,7 @@ pub(super) fn mixed_source(
     cfg: MixedTile,
     trans_a: bool,
     trans_b: bool,
+    causal: Causal,
     fault: Option<Fault>,
 ) -> String {
     let MixedTile {
@@ -564,6 +565,7 @@ pub(super) fn mixed_source(
     let shared_a = if trans_a { bk * msa } else { tm * ks };
     let shared_b = if trans_b { tn * ks } else { bk * msb };
     let cs = nt / 32 * 256;
+    let prologue = causal_prologue(causal, tm);
     format!(
         "enable f16;
 enable wgpu_cooperative_matrix;
@@ -584,7 +586,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   let c_base = p.c_off + z1 * p.sc1 + z2 * p.sc2;
   let row0 = wid.y * {tm}u;
   let col0 = wid.x * {tn}u;
-  let full_a = row0 + {tm}u <= p.m;
+{prologue}  let full_a = row0 + {tm}u <= p.m;
   let full_b = col0 + {tn}u <= p.n;
   let sg = lid / 32u;
   let fm = (sg / {sgn}u) * {wm}u;
@@ -596,13 +598,13 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   var ra: array<f32, {per_a}>;
   var rb: array<f32, {per_b}>;
   {{
-    let k0 = 0u;
+    let k0 = kb;
 {loads}
   }}
-  for (var k0 = 0u; k0 < p.k; k0 = k0 + {bk}u) {{
+  for (var k0 = kb; k0 < ke; k0 = k0 + {bk}u) {{
 {stores}
     workgroupBarrier();
-    if (k0 + {bk}u < p.k) {{
+    if (k0 + {bk}u < ke) {{
       let k0 = k0 + {bk}u;
 {loads}
     }}
@@ -642,18 +644,20 @@ pub(super) fn matmul_coop_mixed(
         return Ok(());
     }
     let (trans_a, trans_b) = (g.trans_a, g.trans_b);
+    let causal = g.causal;
     let key = format!(
-        "gemm_coop_mixed_{}{}_{}{}",
+        "gemm_coop_mixed_{}{}_{}{}{}",
         if trans_a { 't' } else { 'n' },
         if trans_b { 't' } else { 'n' },
         tile.key(),
+        causal_key(causal),
         fault.map_or(String::new(), |f| format!("_fault{f:?}"))
     );
     let pipe = gb.pipeline(
         &key,
         &[Access::Read, Access::Read, Access::ReadWrite],
         PipelineOptions::default(),
-        || mixed_source(tile, trans_a, trans_b, fault),
+        || mixed_source(tile, trans_a, trans_b, causal, fault),
     )?;
     let p = super::params(g, [oa, ob, oc], g.m, g.n, g.k, g.beta);
     let bufs = [
@@ -691,10 +695,21 @@ mod tests {
         let mixed = MixedTile::CANDIDATES.into_iter().flat_map(|tile| {
             faults.into_iter().flat_map(move |f| {
                 [(false, false), (false, true), (true, false), (true, true)]
-                    .map(|(ta, tb)| mixed_source(tile, ta, tb, f))
+                    .map(|(ta, tb)| mixed_source(tile, ta, tb, Causal::None, f))
             })
         });
-        for src in faults[..3].iter().map(|&f| source(f)).chain(mixed) {
+        let causal = [Causal::Output, Causal::ALower, Causal::AUpper]
+            .into_iter()
+            .flat_map(|c| {
+                [(false, false), (true, false)]
+                    .map(|(ta, tb)| mixed_source(MixedTile::SMALL, ta, tb, c, None))
+            });
+        for src in faults[..3]
+            .iter()
+            .map(|&f| source(f))
+            .chain(mixed)
+            .chain(causal)
+        {
             let module = naga::front::wgsl::parse_str(&src)
                 .unwrap_or_else(|e| panic!("{}", e.emit_to_string(&src)));
             let mut v = naga::valid::Validator::new(
@@ -711,7 +726,7 @@ mod tests {
     fn tiles_declare_what_shared_bytes_says() {
         for tile in MixedTile::CANDIDATES {
             for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
-                let src = mixed_source(tile, ta, tb, None);
+                let src = mixed_source(tile, ta, tb, Causal::None, None);
                 let module = naga::front::wgsl::parse_str(&src).unwrap();
                 let declared: u32 = module
                     .global_variables

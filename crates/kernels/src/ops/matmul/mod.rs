@@ -62,6 +62,25 @@ pub struct Gemm {
     pub beta: f32,
     /// Whether rows may share work (see [`RowMode`]).
     pub rows: RowMode,
+    /// A causal structure the kernels may skip work by (see [`Causal`]).
+    pub causal: Causal,
+}
+
+/// Where a product of causal attention has nothing to compute, within each matrix of a batch (row i,
+/// column j or step kk of the sum). A kernel may skip that work or do it: the values it writes are the
+/// same either way, as the skipped terms are exact zeros (attention's masked probabilities and their
+/// gradients). The f32 and tensor-core tiled kernels skip whole tiles and k-steps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Causal {
+    #[default]
+    None,
+    /// Only C's lower triangle (j ≤ i) is wanted: the rest may be left unwritten (the scores Q·Kᵀ and
+    /// their gradient dY·Vᵀ, which the causal softmax never reads above the diagonal).
+    Output,
+    /// op(A) is lower-triangular, zero where kk > i (P·V, dS·K).
+    ALower,
+    /// op(A) is upper-triangular, zero where kk < i (Pᵀ·dY, dSᵀ·Q).
+    AUpper,
 }
 
 /// How the rows of a product relate.
@@ -95,6 +114,7 @@ impl Gemm {
             alpha: 1.0,
             beta: 0.0,
             rows: RowMode::Shared,
+            causal: Causal::None,
         }
     }
     /// C[M,N] = A[M,K] · B[K,N].
@@ -132,6 +152,11 @@ impl Gemm {
     /// Computes every row exactly as it would be computed alone ([`RowMode::Independent`]).
     pub fn independent_rows(mut self) -> Self {
         self.rows = RowMode::Independent;
+        self
+    }
+    /// Declares the product's causal structure (see [`Causal`]).
+    pub fn causal(mut self, c: Causal) -> Self {
+        self.causal = c;
         self
     }
     /// Adds the product to C instead of overwriting it.
@@ -527,6 +552,7 @@ pub fn run(
                         b_f16: f16,
                         shader_f16,
                         direct: false,
+                        causal: Causal::None,
                     };
                     gpu_gemv(gb, a, b, c, g, opts, subgroups, fault)
                 }
@@ -541,6 +567,7 @@ pub fn run(
                         b_f16: f16,
                         shader_f16,
                         direct,
+                        causal: if direct { Causal::None } else { g.causal },
                     };
                     gpu_tiled(gb, a, b, c, g, tile, opts, fault)
                 }
@@ -591,13 +618,20 @@ pub const TILE_SMALL: Tile = Tile {
 /// The largest tile that still gives every compute unit of a big GPU a few workgroups (512 covers the
 /// H200's 132 multiprocessors four times over); products too small for that take the tile with the
 /// most workgroups. Measured on the H200 (docs/perf.md): big tiles win on 4096³ and on the forward
-/// products of training, small ones on the weight gradients (M, N ≤ 1536 with K = 16384).
+/// products of training, small ones on the weight gradients (M, N ≤ 1536 with K = 16384). A tile
+/// wider or taller than C (rounded up to 32) is passed over while another gives as many workgroups.
 fn choose_tile(g: &Gemm) -> Tile {
     let groups = |t: Tile| g.m.div_ceil(t.bm as usize) * g.n.div_ceil(t.bn as usize) * g.batches();
+    // A tile much wider or taller than C spends its threads on nothing (attention's 256 x 64 products
+    // on 128 x 128 tiles: half of each).
+    let fits = |t: Tile| {
+        t.bm as usize <= g.m.next_multiple_of(32) && t.bn as usize <= g.n.next_multiple_of(32)
+    };
     let order = [TILE_LARGE, TILE_TALL, TILE_MEDIUM, TILE_SMALL];
     order
         .into_iter()
-        .find(|&t| groups(t) >= 512)
+        .find(|&t| groups(t) >= 512 && fits(t))
+        .or_else(|| order.into_iter().find(|&t| groups(t) >= 512))
         .unwrap_or_else(|| {
             order
                 .into_iter()
@@ -684,6 +718,7 @@ fn gpu_split_k(
         alpha: 1.0,
         beta: 0.0,
         ldc: g.n,
+        causal: Causal::None,
         ..*g
     }
     .batched([1, splits], [0, step_a], [0, step_b], [0, part]);
@@ -697,6 +732,7 @@ fn gpu_split_k(
             alpha: 1.0,
             beta: 1.0,
             ldc: g.n,
+            causal: Causal::None,
             ..*g
         };
         let (ra, rb) = (oa + splits * step_a, ob + splits * step_b);
@@ -934,6 +970,17 @@ fn gpu_tiled(
     let max_z = gb.limits.max_compute_workgroups_per_dimension as usize;
     let single = ta.chunks.len() == 1 && tb.chunks.len() == 1 && tc.chunks.len() == 1;
     let f16 = opts.b_f16;
+    // A single product over split tensors is cut into sub-products whose rows and columns no longer
+    // count from the matrix's corner: those compute everything.
+    let whole = (single && g.batches() <= max_z) || g.batches() > 1;
+    let opts = if whole {
+        opts
+    } else {
+        GemmOpts {
+            causal: Causal::None,
+            ..opts
+        }
+    };
     let pipe = pipeline(gb, tile, opts, fault)?;
     let dispatch = |bufs: [&wgpu::Buffer; 3],
                     offs: [usize; 3],

@@ -417,5 +417,115 @@ fn tensor_core_tiles_match_reference() {
                 }
             }
         }
+        // Causal skips keep the bits of the whole computation (see causal_skips_keep_the_bits).
+        for (g, a, b) in causal_cases(&mut rng, 200, 40) {
+            let (ta, tb) = (be.from_f32(&a, 1).unwrap(), be.from_f32(&b, 1).unwrap());
+            let [_, _, ec] = g.extents();
+            let kernel = Kernel::CoopMixed(tile);
+            let whole = Gemm {
+                causal: Causal::None,
+                ..g
+            };
+            let run_on = |g: &Gemm| {
+                let mut c = poisoned(&be, ec, 1).unwrap();
+                let choice = Choice::forced(kernel, mixed);
+                super::run(&be, choice, (&ta).into(), (&tb).into(), (&mut c).into(), g).unwrap();
+                be.to_vec(&c).unwrap()
+            };
+            let (want, got) = (run_on(&whole), run_on(&g));
+            for (idx, (w, v)) in want.iter().zip(&got).enumerate() {
+                let (i, j) = ((idx % 40000) / 200, idx % 200);
+                if g.causal == Causal::Output && j > i {
+                    continue;
+                }
+                assert_eq!(
+                    w.to_bits(),
+                    v.to_bits(),
+                    "{} {:?} at {idx}",
+                    tile.key(),
+                    g.causal
+                );
+            }
+        }
+    }
+}
+
+/// A batch of `t` x `t` causal matrices with `d`-wide operands for each [`Causal`] structure, the
+/// causal operand zero where the structure says (as attention's masked probabilities are).
+fn causal_cases(rng: &mut SeedRng, t: usize, d: usize) -> Vec<(Gemm, Vec<f32>, Vec<f32>)> {
+    let batch =
+        |g: Gemm, sa: usize, sb: usize, sc: usize| g.batched([2, 1], [sa, 0], [sb, 0], [sc, 0]);
+    let mut cases = Vec::new();
+    // Scores: C = Q·Kᵀ, only C's lower triangle wanted.
+    let g = batch(
+        Gemm::nt(t, t, d).causal(Causal::Output),
+        t * d,
+        t * d,
+        t * t,
+    );
+    let [ea, eb, _] = g.extents();
+    cases.push((g, rng.vec(ea, -1.0, 1.0), rng.vec(eb, -1.0, 1.0)));
+    // P·V (A lower-triangular) and Pᵀ·dY (A stored t x t, op(A) = Aᵀ upper-triangular).
+    for (g, upper) in [
+        (Gemm::nn(t, d, t).causal(Causal::ALower), false),
+        (Gemm::tn(t, d, t).causal(Causal::AUpper), true),
+    ] {
+        let g = batch(g, t * t, t * d, t * d);
+        let [ea, eb, _] = g.extents();
+        let mut a = rng.vec(ea, -1.0, 1.0);
+        for (idx, v) in a.iter_mut().enumerate() {
+            // Stored A[i][j] (rows i of t): zero above the diagonal in both cases (P is lower).
+            let (i, j) = ((idx % (t * t)) / t, idx % t);
+            if j > i || idx >= 2 * t * t {
+                *v = 0.0;
+            }
+        }
+        let _ = upper;
+        cases.push((g, a, rng.vec(eb, -1.0, 1.0)));
+    }
+    cases
+}
+
+/// The tiled kernels given a causal structure skip tiles and k-steps, and the values they write are
+/// bit for bit those of the same kernel computing everything (the skipped terms are exact zeros;
+/// for `Causal::Output`, on C's lower triangle, the only part wanted). Every tile shape, odd sizes.
+#[test]
+fn causal_skips_keep_the_bits() {
+    let Some(be) = gpu_backend(None) else { return };
+    let mut rng = SeedRng::new(21);
+    for (t, d) in [(200, 40), (33, 16)] {
+        for (g, a, b) in causal_cases(&mut rng, t, d) {
+            let ta = be.from_f32(&a, 1).unwrap();
+            let tb = be.from_f32(&b, 1).unwrap();
+            let [_, _, ec] = g.extents();
+            for tile in [TILE_LARGE, TILE_TALL, TILE_MEDIUM, TILE_SMALL] {
+                let kernel = Kernel::Tiled {
+                    tile,
+                    shader_f16: false,
+                    direct: false,
+                };
+                let whole = Gemm {
+                    causal: Causal::None,
+                    ..g
+                };
+                let c0 = poisoned(&be, ec, 1).unwrap();
+                let want = run_forced(&be, kernel, &whole, &ta, &tb, c0);
+                let c0 = poisoned(&be, ec, 1).unwrap();
+                let got = run_forced(&be, kernel, &g, &ta, &tb, c0);
+                for (idx, (w, v)) in want.iter().zip(&got).enumerate() {
+                    let (i, j) = ((idx % (t * t)) / t, idx % t);
+                    if g.causal == Causal::Output && (j > i || idx >= 2 * t * t) {
+                        continue;
+                    }
+                    assert_eq!(
+                        w.to_bits(),
+                        v.to_bits(),
+                        "{:?} t={t} tile {} at {idx}",
+                        g.causal,
+                        tile.key()
+                    );
+                }
+            }
+        }
     }
 }

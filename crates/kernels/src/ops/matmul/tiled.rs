@@ -15,6 +15,7 @@
 
 use std::fmt::Write;
 
+use super::Causal;
 use crate::path::Fault;
 
 /// One tile configuration.
@@ -69,18 +70,46 @@ pub struct GemmOpts {
     /// one thread and pay a switch between them at every barrier. Each output sums its products in the
     /// same order with the same fused multiply-adds as the tiled form, so the results are the same.
     pub direct: bool,
+    /// Tiles and k-steps the product's causal structure leaves without work are skipped (the tiled
+    /// form; the direct form computes everything).
+    pub causal: Causal,
 }
 
 impl GemmOpts {
     pub fn key(&self) -> String {
         format!(
-            "{}{}{}{}{}",
+            "{}{}{}{}{}{}",
             if self.trans_a { 't' } else { 'n' },
             if self.trans_b { 't' } else { 'n' },
             if self.b_f16 { "_bf16" } else { "" },
             if self.shader_f16 { "_sf16" } else { "" },
             if self.direct { "_direct" } else { "" },
+            causal_key(self.causal),
         )
+    }
+}
+
+/// The kernel-key suffix of a causal structure.
+pub(super) fn causal_key(c: Causal) -> &'static str {
+    match c {
+        Causal::None => "",
+        Causal::Output => "_cout",
+        Causal::ALower => "_clow",
+        Causal::AUpper => "_cup",
+    }
+}
+
+/// WGSL lines that set `kb` and `ke`, the k range a workgroup whose rows start at `row0` sums over
+/// (`tm` rows a tile), and return early from a tile with nothing to compute; none of them read or
+/// write memory, so a skipping workgroup leaves before any barrier.
+pub(super) fn causal_prologue(c: Causal, tm: usize) -> String {
+    match c {
+        Causal::None => "  let kb = 0u;\n  let ke = p.k;\n".into(),
+        Causal::Output => {
+            format!("  if (col0 >= row0 + {tm}u) {{ return; }}\n  let kb = 0u;\n  let ke = p.k;\n")
+        }
+        Causal::ALower => format!("  let kb = 0u;\n  let ke = min(p.k, row0 + {tm}u);\n"),
+        Causal::AUpper => "  let kb = min(row0, p.k);\n  let ke = p.k;\n".into(),
     }
 }
 
@@ -161,6 +190,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   let tc = lid % {tcols}u;",
         tcols = t.bn / t.tn
     );
+    w.push_str(&causal_prologue(o.causal, t.bm as usize));
     // Load coordinates (fixed per thread) for the A and B tiles.
     for i in 0..a_per {
         if trans_a {
@@ -232,9 +262,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
     }
     let _ = writeln!(w, "  {{");
-    load(w, "0u");
+    load(w, "kb");
     let _ = writeln!(w, "  }}");
-    let _ = writeln!(w, "  for (var k0 = 0u; k0 < p.k; k0 = k0 + BK) {{");
+    let _ = writeln!(w, "  for (var k0 = kb; k0 < ke; k0 = k0 + BK) {{");
     let _ = writeln!(w, "    workgroupBarrier();");
     for i in 0..a_per {
         let _ = writeln!(
@@ -250,7 +280,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     let _ = writeln!(w, "    workgroupBarrier();");
     let _ = writeln!(w, "    let kn = k0 + BK;");
-    let _ = writeln!(w, "    if (kn < p.k) {{");
+    let _ = writeln!(w, "    if (kn < ke) {{");
     load(w, "kn");
     let _ = writeln!(w, "    }}");
     for kk in 0..t.bk {

@@ -71,9 +71,12 @@ pub(crate) fn row_forward(x: &mut [f32], valid: usize, scale: f32) {
 #[inline(always)]
 pub(crate) fn row_backward(g: &mut [f32], y: &[f32], valid: usize, scale: f32) {
     let d = fastmath::dot(&g[..valid], y);
-    for (g, &yv) in g.iter_mut().zip(y) {
+    let (kept, masked) = g.split_at_mut(valid);
+    for (g, &yv) in kept.iter_mut().zip(y) {
         *g = scale * yv * (*g - d);
     }
+    // Masked columns are exactly 0, without reading them (as the GPU kernel does).
+    masked.fill(0.0);
 }
 
 /// x ← softmax(scale · x) per row.

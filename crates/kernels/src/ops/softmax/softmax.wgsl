@@ -55,8 +55,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     var s = 0.0;
     for (var c = lane; c < valid; c = c + TPR) { s = s + dropped(x[base + c], row, c) * y[yb + c]; }
     s = row_sum(s, lid);
+    // Masked columns get exactly 0 without reading them: a causal product may leave them unwritten.
     for (var c = lane; c < cols; c = c + TPR) {
-      x[base + c] = p.scale * y[yb + c] * (dropped(x[base + c], row, c) - s);
+      var v = 0.0;
+      if (c < valid) { v = p.scale * y[yb + c] * (dropped(x[base + c], row, c) - s); }
+      x[base + c] = v;
     }
   }
 }
