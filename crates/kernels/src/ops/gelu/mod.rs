@@ -95,7 +95,7 @@ fn launch(
                 n,
                 &ops,
                 &[dy.is_some() as u32],
-                Grid::Threads(256),
+                Grid::Threads(1024),
             )
         }
     }

@@ -196,6 +196,10 @@ pub struct MixedTile {
     /// Operand tiles wholly inside their matrices, and k-steps wholly inside K, load without
     /// per-element bounds checks.
     pub unchecked: bool,
+    /// The next k-step's global loads are issued before the current one is multiplied (register
+    /// double-buffering); without, each step loads, stores and multiplies in turn, with fewer
+    /// registers live.
+    pub prefetch: bool,
 }
 
 impl MixedTile {
@@ -209,6 +213,7 @@ impl MixedTile {
         bk: 64,
         direct_store: true,
         unchecked: false,
+        prefetch: true,
     };
     /// [`MixedTile::LARGE`] with 32 of k a step, for adapters with less workgroup memory.
     pub const LARGE_K32: MixedTile = MixedTile {
@@ -225,38 +230,39 @@ impl MixedTile {
         bk: 32,
         direct_store: true,
         unchecked: true,
+        prefetch: true,
     };
 
     /// Shapes `bench ops --tiles` times beside the chosen ones.
-    pub const CANDIDATES: [MixedTile; 7] = [
+    pub const CANDIDATES: [MixedTile; 9] = [
         MixedTile::LARGE,
+        MixedTile {
+            prefetch: false,
+            ..MixedTile::LARGE
+        },
         MixedTile::LARGE_K32,
+        MixedTile {
+            prefetch: false,
+            ..MixedTile::LARGE_K32
+        },
         MixedTile::SMALL,
         MixedTile {
-            tm: 128,
-            tn: 64,
-            sgm: 2,
-            sgn: 2,
-            bk: 32,
-            direct_store: true,
-            unchecked: true,
+            prefetch: false,
+            ..MixedTile::SMALL
         },
         MixedTile {
-            tm: 64,
-            tn: 128,
-            sgm: 2,
             sgn: 2,
             bk: 32,
-            direct_store: true,
-            unchecked: true,
-        },
-        MixedTile {
-            unchecked: true,
+            prefetch: false,
             ..MixedTile::LARGE
         },
         MixedTile {
+            tm: 128,
+            sgm: 2,
+            ..MixedTile::SMALL
+        },
+        MixedTile {
             direct_store: false,
-            unchecked: false,
             ..MixedTile::LARGE_K32
         },
     ];
@@ -276,7 +282,7 @@ impl MixedTile {
 
     pub fn key(&self) -> String {
         format!(
-            "{}x{}_{}x{}_k{}{}{}",
+            "{}x{}_{}x{}_k{}{}{}{}",
             self.tm,
             self.tn,
             self.sgm,
@@ -284,6 +290,7 @@ impl MixedTile {
             self.bk,
             if self.direct_store { "_ds" } else { "" },
             if self.unchecked { "_uc" } else { "" },
+            if self.prefetch { "" } else { "_np" },
         )
     }
 }
@@ -566,6 +573,38 @@ pub(super) fn mixed_source(
     let shared_b = if trans_b { tn * ks } else { bk * msb };
     let cs = nt / 32 * 256;
     let prologue = causal_prologue(causal, tm);
+    let main_loop = if cfg.prefetch {
+        format!(
+            "  {{
+    let k0 = kb;
+{loads}
+  }}
+  for (var k0 = kb; k0 < ke; k0 = k0 + {bk}u) {{
+{stores}
+    workgroupBarrier();
+    if (k0 + {bk}u < ke) {{
+      let k0 = k0 + {bk}u;
+{loads}
+    }}
+    for (var kk = 0u; kk < {bk}u; kk = kk + 16u) {{
+{frags}
+    }}
+    workgroupBarrier();
+  }}"
+        )
+    } else {
+        format!(
+            "  for (var k0 = kb; k0 < ke; k0 = k0 + {bk}u) {{
+{loads}
+{stores}
+    workgroupBarrier();
+    for (var kk = 0u; kk < {bk}u; kk = kk + 16u) {{
+{frags}
+    }}
+    workgroupBarrier();
+  }}"
+        )
+    };
     format!(
         "enable f16;
 enable wgpu_cooperative_matrix;
@@ -597,22 +636,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 {decl}
   var ra: array<f32, {per_a}>;
   var rb: array<f32, {per_b}>;
-  {{
-    let k0 = kb;
-{loads}
-  }}
-  for (var k0 = kb; k0 < ke; k0 = k0 + {bk}u) {{
-{stores}
-    workgroupBarrier();
-    if (k0 + {bk}u < ke) {{
-      let k0 = k0 + {bk}u;
-{loads}
-    }}
-    for (var kk = 0u; kk < {bk}u; kk = kk + 16u) {{
-{frags}
-    }}
-    workgroupBarrier();
-  }}
+{main_loop}
   let lane = lid % 32u;
   let cbase = sg * 256u;
   let s16 = 16u;
