@@ -258,25 +258,41 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
         let flops = 2.0 * (g.m * g.n * g.k * g.batch[0] * g.batch[1]) as f64;
         let reps = ((2e11 / flops) as usize).clamp(3, 50);
         let reps = if slow { 1 } else { reps };
-        let tiles: Vec<Option<Tile>> = if a.tiles && !slow {
-            let mut v = vec![None];
-            v.extend(candidate_tiles().into_iter().map(Some));
-            v
-        } else {
-            vec![None]
-        };
-        let mut reference = None;
-        for tile in tiles {
-            let label = match tile {
-                None => name.clone(),
-                Some(t) => format!("  tile {}", t.key()),
+        // The f32 kernel choice first (its result is the reference), then the tiled kernel on every
+        // candidate tile (tuning); where the adapter has cooperative matrices, the training path's
+        // tensor-core products (f16 operands, f32 accumulation) as chosen and on every candidate
+        // tile, each with its largest error against the f32 result relative to its largest magnitude.
+        let mut runs: Vec<Bench> = vec![Bench::F32(None)];
+        if a.tiles && !slow {
+            runs.extend(candidate_tiles().into_iter().map(|t| Bench::F32(Some(t))));
+        }
+        let coop = be.as_gpu().is_some_and(|g| {
+            g.has_feature(tinygpt_kernels::wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+        });
+        if coop {
+            runs.push(Bench::Mixed(None));
+            if a.tiles {
+                runs.extend(
+                    MixedTile::CANDIDATES
+                        .into_iter()
+                        .map(|t| Bench::Mixed(Some(t))),
+                );
+            }
+        }
+        let mixed = PathSet::of(&[PathId::MixedTraining]);
+        let mut reference: Option<Vec<f32>> = None;
+        for run in runs {
+            let label = match run {
+                Bench::F32(None) => name.clone(),
+                Bench::F32(Some(t)) => format!("  tile {}", t.key()),
+                Bench::Mixed(None) => "  tensor cores, f16 operands".to_string(),
+                Bench::Mixed(Some(t)) => format!("    tensor-core tile {}", t.key()),
             };
-            match time(be, reps, || {
+            let timed = time(be, reps, || {
                 let c = (&mut tc).into();
-                let choice = match tile {
-                    // The f32 kernel choice, or the tiled kernel with the tile forced.
-                    None => choose(be, (&ta).into(), (&tb).into(), &c, g, PathSet::F32),
-                    Some(tile) => Choice::forced(
+                let choice = match run {
+                    Bench::F32(None) => choose(be, (&ta).into(), (&tb).into(), &c, g, PathSet::F32),
+                    Bench::F32(Some(tile)) => Choice::forced(
                         Kernel::Tiled {
                             tile,
                             shader_f16: false,
@@ -284,6 +300,8 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
                         },
                         PathSet::F32,
                     ),
+                    Bench::Mixed(None) => choose(be, (&ta).into(), (&tb).into(), &c, g, mixed),
+                    Bench::Mixed(Some(t)) => Choice::forced(Kernel::CoopMixed(t), mixed),
                 };
                 Ok(ops::matmul::run(
                     be,
@@ -293,68 +311,35 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
                     c,
                     g,
                 )?)
-            }) {
-                Ok(sec) => println!(
-                    "{label:<44} {:>10.3} {:>12.1}",
-                    sec * 1e3,
-                    flops / sec / 1e9
-                ),
-                Err(e) => println!("{label:<44} {:>10} {e}", "-"),
-            }
-            if tile.is_none() {
-                reference = Some(be.to_vec(&tc)?);
-            }
-        }
-        // Where the adapter has cooperative matrices: the training path's products (f16 operands,
-        // f32 accumulation, on the tensor cores), timed, with their largest error against the f32
-        // result relative to its largest magnitude.
-        let coop = be.as_gpu().is_some_and(|g| {
-            g.has_feature(tinygpt_kernels::wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
-        });
-        if let (true, Some(want)) = (coop, &reference) {
-            let mixed = PathSet::of(&[PathId::MixedTraining]);
-            // The tile the choice makes, then (tuning) every candidate tile forced.
-            let mut forced: Vec<Option<MixedTile>> = vec![None];
-            if a.tiles {
-                forced.extend(MixedTile::CANDIDATES.into_iter().map(Some));
-            }
-            for tile in forced {
-                let label = match tile {
-                    None => "  tensor cores, f16 operands".to_string(),
-                    Some(t) => format!("    tensor-core tile {}", t.key()),
-                };
-                let timed = time(be, reps, || {
-                    let c = (&mut tc).into();
-                    let choice = match tile {
-                        None => choose(be, (&ta).into(), (&tb).into(), &c, g, mixed),
-                        Some(t) => Choice::forced(Kernel::CoopMixed(t), mixed),
-                    };
-                    Ok(ops::matmul::run(
-                        be,
-                        choice,
-                        (&ta).into(),
-                        (&tb).into(),
-                        c,
-                        g,
-                    )?)
-                });
-                match timed {
-                    Ok(sec) => {
-                        let got = be.to_vec(&tc)?;
-                        let top = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-                        let err = want
-                            .iter()
-                            .zip(&got)
-                            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                        println!(
-                            "{label:<44} {:>10.3} {:>12.1}   max|err|/max|ref| {:.2e}",
-                            sec * 1e3,
-                            flops / sec / 1e9,
-                            err / top.max(f32::MIN_POSITIVE)
-                        );
-                    }
-                    Err(e) => println!("{label:<44} {:>10} {e}", "-"),
+            });
+            let sec = match timed {
+                Ok(sec) => sec,
+                Err(e) => {
+                    println!("{label:<44} {:>10} {e}", "-");
+                    continue;
                 }
+            };
+            let rate = format!(
+                "{label:<44} {:>10.3} {:>12.1}",
+                sec * 1e3,
+                flops / sec / 1e9
+            );
+            match (run, &reference) {
+                (Bench::F32(None), _) => {
+                    reference = Some(be.to_vec(&tc)?);
+                    println!("{rate}");
+                }
+                (Bench::Mixed(_), Some(want)) => {
+                    let got = be.to_vec(&tc)?;
+                    let top = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let err = want
+                        .iter()
+                        .zip(&got)
+                        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                    let rel = err / top.max(f32::MIN_POSITIVE);
+                    println!("{rate}   max|err|/max|ref| {rel:.2e}");
+                }
+                _ => println!("{rate}"),
             }
         }
     }
@@ -518,6 +503,14 @@ fn decode_ops(be: &Backend, rng: &mut SeedRng) -> Result<()> {
 }
 
 /// Tile configurations the tuning sweep tries (those the device cannot run are reported as such).
+/// One timing of `bench ops`'s products: the f32 kernel (as chosen, or on a forced tile) or the
+/// tensor-core training kernel (as chosen, or on a forced tile shape).
+#[derive(Clone, Copy)]
+enum Bench {
+    F32(Option<Tile>),
+    Mixed(Option<MixedTile>),
+}
+
 fn candidate_tiles() -> Vec<Tile> {
     let mut v = vec![TILE_LARGE, TILE_TALL, TILE_MEDIUM, TILE_SMALL];
     for (bm, bn, bk, tm, tn) in [
