@@ -7,6 +7,10 @@
 //! but loads from workgroup arrays work. Every index and stride is a `let` of its own for the same
 //! reason. The pipeline is built where a panic becomes a failed gate ([`crate::gpu`]'s pipeline builder
 //! catches it), never a crashed program.
+//!
+//! The training kernel (`mixed_source`, on the tile shapes of [`MixedTile`]) stages f32 operands
+//! the same way and stores whole fragments straight to C in storage (`coopStoreT` with each index a
+//! `let`), which naga 30.0.2 writes and the H100's driver runs.
 
 use super::tiled::{PARAMS, causal_key, causal_prologue};
 use super::{Causal, Gemm};
