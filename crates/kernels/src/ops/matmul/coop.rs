@@ -300,11 +300,17 @@ impl MixedTile {
 }
 
 /// The tile a product runs on: [`MixedTile::SMALL`] for batches of products of at most 256 x 256,
-/// else [`MixedTile::LARGE`] where the adapter's workgroup memory holds it.
+/// else [`large_tile`].
 pub(super) fn mixed_tile(gb: &GpuBackend, g: &Gemm) -> MixedTile {
     if g.batches() > 1 && g.m * g.n <= 256 * 256 {
-        return MixedTile::SMALL;
+        MixedTile::SMALL
+    } else {
+        large_tile(gb)
     }
+}
+
+/// [`MixedTile::LARGE`] where the adapter's workgroup memory holds it, else [`MixedTile::LARGE_K32`].
+fn large_tile(gb: &GpuBackend) -> MixedTile {
     let room = gb.limits.max_compute_workgroup_storage_size as usize;
     if MixedTile::LARGE.shared_bytes() <= room {
         MixedTile::LARGE
@@ -315,13 +321,7 @@ pub(super) fn mixed_tile(gb: &GpuBackend, g: &Gemm) -> MixedTile {
 
 /// The tiles [`mixed_tile`] can choose on this adapter (what the path's gate checks).
 pub(crate) fn mixed_tiles(gb: &GpuBackend) -> Vec<MixedTile> {
-    let room = gb.limits.max_compute_workgroup_storage_size as usize;
-    let large = if MixedTile::LARGE.shared_bytes() <= room {
-        MixedTile::LARGE
-    } else {
-        MixedTile::LARGE_K32
-    };
-    vec![large, MixedTile::SMALL]
+    vec![large_tile(gb), MixedTile::SMALL]
 }
 
 /// Whether the mixed-precision tensor-core kernel can take a product: f32 operands in one buffer each,
@@ -338,8 +338,8 @@ pub(super) fn mixed_suits(g: &Gemm) -> bool {
 /// equal block of 16x16 fragments. Each k-step stages `bk` columns of op(A) and `bk` rows of op(B):
 /// both operands are stored in workgroup memory in the layout their global rows arrive in (so global
 /// reads are coalesced and writes to workgroup memory fall on distinct banks), padded to break bank
-/// conflicts, and loaded into fragments row- or column-major to match. The next k-step's global loads
-/// are issued before the current one is multiplied (register double-buffering).
+/// conflicts, and loaded into fragments row- or column-major to match. With `prefetch` the next
+/// k-step's global loads are issued before the current one is multiplied (register double-buffering).
 pub(super) fn mixed_source(
     cfg: MixedTile,
     trans_a: bool,

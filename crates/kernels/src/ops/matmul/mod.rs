@@ -567,7 +567,7 @@ pub fn run(
                         b_f16: f16,
                         shader_f16,
                         direct,
-                        causal: if direct { Causal::None } else { g.causal },
+                        causal: g.causal,
                     };
                     gpu_tiled(gb, a, b, c, g, tile, opts, fault)
                 }
@@ -971,9 +971,10 @@ fn gpu_tiled(
     let single = ta.chunks.len() == 1 && tb.chunks.len() == 1 && tc.chunks.len() == 1;
     let f16 = opts.b_f16;
     // A single product over split tensors is cut into sub-products whose rows and columns no longer
-    // count from the matrix's corner: those compute everything.
+    // count from the matrix's corner, and the direct form has no tiles to skip: those compute
+    // everything.
     let whole = (single && g.batches() <= max_z) || g.batches() > 1;
-    let opts = if whole {
+    let opts = if whole && !opts.direct {
         opts
     } else {
         GemmOpts {

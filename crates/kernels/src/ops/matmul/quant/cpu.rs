@@ -410,14 +410,10 @@ fn gemm_tiles(
         let slice = (GEMM_TILE_BYTES / (4 * k.max(1))).max(GEMM_ALIGN) / GEMM_ALIGN * GEMM_ALIGN;
         let mut s0 = n0;
         while s0 < n1 {
-            let a0 = s0 / GEMM_ALIGN * GEMM_ALIGN;
-            let a1 = (a0 + slice).min(n);
-            let s1 = a1.min(n1);
-            let (b0, b1) = if a0 == s0 && (a1 == s1 || s1.is_multiple_of(GEMM_ALIGN)) {
-                (s0, s1)
-            } else {
-                (a0, (s1.next_multiple_of(GEMM_ALIGN)).min(n))
-            };
+            // Columns s0..s1 of this tile inside the whole blocks b0..b1.
+            let b0 = s0 / GEMM_ALIGN * GEMM_ALIGN;
+            let s1 = (b0 + slice).min(n).min(n1);
+            let b1 = s1.next_multiple_of(GEMM_ALIGN).min(n);
             let nt = b1 - b0;
             buf.resize(nt * k, 0.0);
             deq(b0..b1, &mut buf);
