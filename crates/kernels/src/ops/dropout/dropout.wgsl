@@ -9,13 +9,26 @@ struct Params { n: u32, start: u32, o_r: u32, o_x: u32, o_out: u32, threshold: u
 
 // hash: hash.wgsl.
 
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-  let i = group_index(wid, nwg) * 256u + lid;
-  if (i >= p.n) { return; }
+fn one(i: u32) {
   let keep = hash((p.start + i) ^ hash(p.seed)) >= p.threshold;
   var v = select(0.0, x[p.o_x + i] * p.scale, keep);
   if (p.has_residual != 0u) { v = v + residual[p.o_r + i]; }
   out[p.o_out + i] = v;
+}
+
+// Four elements a thread, 256 apart (each access stays coalesced), so a thread has four loads in flight.
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+  let i = group_index(wid, nwg) * 1024u + lid;
+  if (i + 768u < p.n) {
+    one(i);
+    one(i + 256u);
+    one(i + 512u);
+    one(i + 768u);
+  } else {
+    for (var j = 0u; j < 4u; j = j + 1u) {
+      if (i + 256u * j < p.n) { one(i + 256u * j); }
+    }
+  }
 }

@@ -130,7 +130,8 @@ fn launch(
                 &[Access::Read, Access::Read, Access::ReadWrite],
             )?;
             let extra = [th, seed, scale.to_bits(), residual.is_some() as u32];
-            run(g, OP, &pipe, n, &ops, &extra, Grid::Threads(256))
+            // Four elements a thread (dropout.wgsl).
+            run(g, OP, &pipe, n, &ops, &extra, Grid::Threads(1024))
         }
     }
 }

@@ -95,6 +95,7 @@ fn launch(
                 n,
                 &ops,
                 &[dy.is_some() as u32],
+                // Four elements a thread (gelu.wgsl).
                 Grid::Threads(1024),
             )
         }
