@@ -14,6 +14,7 @@ use rayon::prelude::*;
 /// The forward kernel, and the declaration of its second statistics binding (dropped when the means
 /// and rstds share a buffer).
 const FORWARD: &str = include_str!("forward.wgsl");
+const FORWARD_ROWS4: &str = include_str!("forward_rows4.wgsl");
 const SECOND_STATS: &str = "@group(0) @binding(5) var<storage, read_write> rstd_out: array<f32>;";
 
 /// Which normalisation.
@@ -92,43 +93,70 @@ pub fn norm_forward(
             });
             Ok(())
         }
-        Backend::Gpu(g) => {
-            let ts = stats.gpu("norm", "stats", 2 * rows)?;
-            let ops = [
-                Operand::rows(x.gpu("norm", "x", n)?, x.offset(), cols),
-                Operand::whole(w.gpu("norm", "w", cols)?, w.offset(), cols),
-                Operand::rows(y.gpu("norm", "y", n)?, y.offset(), cols),
-                Operand::rows(ts, stats.offset(), 1),
-                Operand::rows(ts, stats.offset() + rows, 1),
-            ];
-            let extra = [cols as u32, s.eps.to_bits(), (kind == NormKind::Rms) as u32];
-            for seg in segments("norm_forward", rows, &ops)? {
-                // WebGPU forbids two bindings of one buffer when either is written: when the means and
-                // the rstds share a buffer (the usual case), the kernel writes both through one binding.
-                let shared = seg.places[3].buffer == seg.places[4].buffer;
-                let (key, source, n) = if shared {
-                    let src = FORWARD
-                        .replace(SECOND_STATS, "")
-                        .replace("rstd_out[", "mean_out[");
-                    ("norm_forward_shared", src, 4)
-                } else {
-                    ("norm_forward", FORWARD.to_string(), 5)
-                };
-                let mut access = vec![Access::Read, Access::Read];
-                access.extend(std::iter::repeat_n(Access::ReadWrite, n - 2));
-                let pipe = row_kernel(g, key, &source, &access)?;
-                let mut p = vec![seg.len() as u32, seg.start as u32];
-                p.extend(seg.places.iter().map(|pl| pl.offset as u32));
-                p.extend_from_slice(&extra);
-                let bufs: Vec<&wgpu::Buffer> =
-                    seg.places[..n].iter().map(|pl| &pl.buffer).collect();
-                // One row per workgroup: the fused decode kernels (matmul/fused.rs, rope/cache.rs)
-                // stage the norm in the same order, and must give the same bits.
-                g.dispatch(&pipe, &p, &bufs, g.grid(seg.len()))?;
-            }
-            Ok(())
-        }
+        Backend::Gpu(g) => gpu_forward(g, kind, x, w, y, stats, s, rows >= FOUR_ROWS_FROM),
     }
+}
+
+/// Batches of at least this many rows take the four-rows-a-workgroup kernel (the same bits).
+const FOUR_ROWS_FROM: usize = 4;
+
+/// [`norm_forward`] on the GPU: one row per workgroup (forward.wgsl), or four (forward_rows4.wgsl,
+/// which forms every sum in forward.wgsl's order). The fused decode kernels (matmul/fused.rs,
+/// rope/cache.rs) stage the norm in that order too, and give the same bits.
+#[allow(clippy::too_many_arguments)]
+fn gpu_forward(
+    g: &GpuBackend,
+    kind: NormKind,
+    x: TRef<'_>,
+    w: TRef<'_>,
+    y: TMut<'_>,
+    stats: TMut<'_>,
+    s: NormShape,
+    four_rows: bool,
+) -> Result<()> {
+    let (rows, cols) = (s.rows, s.cols);
+    let n = rows * cols;
+    let ts = stats.gpu("norm", "stats", 2 * rows)?;
+    let ops = [
+        Operand::rows(x.gpu("norm", "x", n)?, x.offset(), cols),
+        Operand::whole(w.gpu("norm", "w", cols)?, w.offset(), cols),
+        Operand::rows(y.gpu("norm", "y", n)?, y.offset(), cols),
+        Operand::rows(ts, stats.offset(), 1),
+        Operand::rows(ts, stats.offset() + rows, 1),
+    ];
+    let extra = [cols as u32, s.eps.to_bits(), (kind == NormKind::Rms) as u32];
+    let (name, body, rows4) = if four_rows {
+        ("norm_forward_rows4", FORWARD_ROWS4, ROWS4)
+    } else {
+        ("norm_forward", FORWARD, "")
+    };
+    for seg in segments("norm_forward", rows, &ops)? {
+        // WebGPU forbids two bindings of one buffer when either is written: when the means and
+        // the rstds share a buffer (the usual case), the kernel writes both through one binding.
+        let shared = seg.places[3].buffer == seg.places[4].buffer;
+        let (key, source, nb) = if shared {
+            let src = body
+                .replace(SECOND_STATS, "")
+                .replace("rstd_out[", "mean_out[");
+            (format!("{name}_shared"), src, 4)
+        } else {
+            (name.to_string(), body.to_string(), 5)
+        };
+        let mut access = vec![Access::Read, Access::Read];
+        access.extend(std::iter::repeat_n(Access::ReadWrite, nb - 2));
+        let pipe = kernel_parts(g, &key, &[ROW_REDUCE, rows4, &source], &access)?;
+        let mut p = vec![seg.len() as u32, seg.start as u32];
+        p.extend(seg.places.iter().map(|pl| pl.offset as u32));
+        p.extend_from_slice(&extra);
+        let bufs: Vec<&wgpu::Buffer> = seg.places[..nb].iter().map(|pl| &pl.buffer).collect();
+        let groups = if four_rows {
+            seg.len().div_ceil(4)
+        } else {
+            seg.len()
+        };
+        g.dispatch(&pipe, &p, &bufs, g.grid(groups))?;
+    }
+    Ok(())
 }
 
 /// x += RMSNorm(d) · w per row of `cols` (Gemma 3's post-norms): [`norm_forward`] then
