@@ -584,7 +584,7 @@ pub fn run(
     }
 }
 
-/// Tile configurations. Every one needs at most 8 KiB of workgroup memory and 256 threads, inside
+/// Tile configurations. Every one needs at most 9 KiB of workgroup memory and 256 threads, inside
 /// WebGPU's defaults (16 KiB, 256), so every adapter can run every variant.
 pub const TILE_LARGE: Tile = Tile {
     bm: 128,

@@ -34,7 +34,8 @@ impl Tile {
     }
     /// Workgroup memory the tile needs, in bytes.
     pub const fn shared_bytes(&self) -> u32 {
-        (self.bm + self.bn) * self.bk * 4
+        // Each k-row of a tile is padded by one vector (see `gemm_source`).
+        (self.bm + self.bn + 8) * self.bk * 4
     }
     pub fn key(&self) -> String {
         format!(
@@ -165,16 +166,13 @@ pub fn gemm_source(t: Tile, o: GemmOpts, fault: Option<Fault>) -> String {
         "const BM: u32 = {}u; const BN: u32 = {}u; const BK: u32 = {}u; const NT: u32 = {nt}u;",
         t.bm, t.bn, t.bk
     );
-    let _ = writeln!(
-        w,
-        "var<workgroup> As: array<vec4<ST>, {}>;",
-        t.bm * t.bk / 4
-    );
-    let _ = writeln!(
-        w,
-        "var<workgroup> Bs: array<vec4<ST>, {}>;",
-        t.bn * t.bk / 4
-    );
+    // A k-row of each tile is BM/4 (BN/4) vectors and one of padding: a tile staged from rows of k
+    // (x·Wᵀ's operands) has consecutive threads store consecutive k, one k-row apart, and without the
+    // padding those rows start on the same bank.
+    let (ra, rb) = (t.bm / 4 + 1, t.bn / 4 + 1);
+    let _ = writeln!(w, "const RA: u32 = {ra}u; const RB: u32 = {rb}u;");
+    let _ = writeln!(w, "var<workgroup> As: array<vec4<ST>, {}>;", ra * t.bk);
+    let _ = writeln!(w, "var<workgroup> Bs: array<vec4<ST>, {}>;", rb * t.bk);
     let _ = writeln!(
         w,
         "@compute @workgroup_size({nt})
@@ -269,13 +267,13 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for i in 0..a_per {
         let _ = writeln!(
             w,
-            "    As[la_k{i} * (BM / 4u) + la_m{i} / 4u][la_m{i} % 4u] = ST(ra{i});"
+            "    As[la_k{i} * RA + la_m{i} / 4u][la_m{i} % 4u] = ST(ra{i});"
         );
     }
     for i in 0..b_per {
         let _ = writeln!(
             w,
-            "    Bs[lb_k{i} * (BN / 4u) + lb_n{i} / 4u][lb_n{i} % 4u] = ST(rb{i});"
+            "    Bs[lb_k{i} * RB + lb_n{i} / 4u][lb_n{i} % 4u] = ST(rb{i});"
         );
     }
     let _ = writeln!(w, "    workgroupBarrier();");
@@ -288,7 +286,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let _ = writeln!(
                 w,
                 "    let a{kk}_{g} = As[{} + {}u + tr];",
-                kk * t.bm / 4,
+                kk * ra,
                 g * sm / 4
             );
         }
@@ -296,7 +294,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let _ = writeln!(
                 w,
                 "    let b{kk}_{g} = Bs[{} + {}u + tc];",
-                kk * t.bn / 4,
+                kk * rb,
                 g * sn / 4
             );
         }
