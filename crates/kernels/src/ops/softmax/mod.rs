@@ -1,7 +1,7 @@
 //! Row softmax (in place), optionally scaled and causally masked, and its backward (in place on the
 //! incoming gradient).
 
-use super::common::{Grid, ROW_REDUCE, ROWS4, kernel_parts, run};
+use super::common::{Grid, ROW_REDUCE, ROWS4, kernel_parts, repeat_lines, run};
 use super::dropout::{HASH_WGSL, check_probability, kept_fn, threshold};
 use super::fastmath;
 use crate::backend::{Backend, TMut, TRef};
@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::gpu::{Access, Operand};
 use crate::path::Fault;
 use rayon::prelude::*;
+use std::sync::OnceLock;
 
 /// Rows of `cols` scores; with `causal_t > 0`, row r is query position `r % causal_t + causal_offset`
 /// and sees columns up to that position only.
@@ -130,12 +131,28 @@ pub fn softmax_dropout_backward(
 
 fn launch(
     be: &Backend,
+    x: TMut<'_>,
+    y: Option<TRef<'_>>,
+    dropped: Option<TMut<'_>>,
+    s: SoftmaxShape,
+    drop: Option<(f32, u32)>,
+    fault: Option<Fault>,
+) -> Result<()> {
+    launch_on(be, x, y, dropped, s, drop, fault, true)
+}
+
+/// [`launch`], with short rows held in registers (`registers`, the kernel's form for them) or
+/// walked in loops as long rows are (tests compare the two).
+#[allow(clippy::too_many_arguments)]
+fn launch_on(
+    be: &Backend,
     mut x: TMut<'_>,
     y: Option<TRef<'_>>,
     mut dropped: Option<TMut<'_>>,
     s: SoftmaxShape,
     drop: Option<(f32, u32)>,
     fault: Option<Fault>,
+    registers: bool,
 ) -> Result<()> {
     if s.cols == 0 {
         return Err(Error::Shape {
@@ -217,10 +234,12 @@ fn launch(
                 operand(ty, oy, per_y),
                 operand(td, od, per_d),
             ];
-            const SOURCE: &str = include_str!("softmax.wgsl");
+            // The register form's lines, written out for a thread's four columns (softmax.wgsl).
+            static SOURCE: OnceLock<String> = OnceLock::new();
+            let source = SOURCE.get_or_init(|| repeat_lines(include_str!("softmax.wgsl"), "$j", 4));
             const BINDINGS: [Access; 3] = [Access::ReadWrite, Access::Read, Access::ReadWrite];
             let pipe = if fault == Some(Fault::CausalMaskPast128) {
-                let leak = SOURCE.replace(
+                let leak = source.replace(
                     "p.causal_offset + 1u);",
                     "p.causal_offset + select(1u, 2u, (p.start + row) % p.causal_t >= 128u));",
                 );
@@ -234,7 +253,7 @@ fn launch(
                 kernel_parts(
                     g,
                     "softmax",
-                    &[ROW_REDUCE, ROWS4, HASH_WGSL, SOURCE],
+                    &[ROW_REDUCE, ROWS4, HASH_WGSL, source],
                     &BINDINGS,
                 )?
             };
@@ -249,6 +268,7 @@ fn launch(
                 threshold(p),
                 seed,
                 (1.0 / (1.0 - p)).to_bits(),
+                registers as u32,
             ];
             // Four rows per workgroup (softmax.wgsl).
             run(g, "softmax", &pipe, s.rows, &ops, &extra, Grid::Threads(4))
@@ -373,6 +393,68 @@ mod tests {
                 Ok(())
             },
         );
+    }
+
+    /// Short rows held in registers give the bits of the loops that walk long rows: forward and
+    /// backward, plain and causal (with an offset), with and without dropout, rows narrower than a
+    /// thread's four columns and up to 4 · 64.
+    #[test]
+    fn short_rows_in_registers_keep_the_loops_bits() {
+        let Some(be) = crate::testing::gpu_backend(None) else {
+            return;
+        };
+        let mut rng = SeedRng::new(35);
+        for (rows, cols, causal) in [
+            (9, 256, true),
+            (7, 200, false),
+            (6, 65, true),
+            (5, 3, false),
+        ] {
+            let mut s = if causal {
+                SoftmaxShape::causal(rows, cols)
+            } else {
+                SoftmaxShape::plain(rows, cols)
+            };
+            s.scale = 0.7;
+            if causal && cols == 65 {
+                s.causal_offset = 2;
+            }
+            let n = rows * cols;
+            let x = rng.vec(n, -4.0, 4.0);
+            let dy = rng.vec(n, -1.0, 1.0);
+            for drop in [None, Some((0.25, 9))] {
+                let run = |registers: bool| -> Vec<Vec<u32>> {
+                    let mut tx = be.from_f32(&x, cols).unwrap();
+                    let mut td = crate::testing::poisoned(&be, n, cols).unwrap();
+                    let mut tg = be.from_f32(&dy, cols).unwrap();
+                    let d = drop.map(|_| (&mut td).into());
+                    launch_on(&be, (&mut tx).into(), None, d, s, drop, None, registers).unwrap();
+                    let y = (&tx).into();
+                    launch_on(
+                        &be,
+                        (&mut tg).into(),
+                        Some(y),
+                        None,
+                        s,
+                        drop,
+                        None,
+                        registers,
+                    )
+                    .unwrap();
+                    let bits =
+                        |t: &Tensor| be.to_vec(t).unwrap().iter().map(|v| v.to_bits()).collect();
+                    let mut out = vec![bits(&tx), bits(&tg)];
+                    if drop.is_some() {
+                        out.push(bits(&td));
+                    }
+                    out
+                };
+                assert!(
+                    run(true) == run(false),
+                    "{rows}x{cols} causal {causal} dropout {drop:?}: the forms differ"
+                );
+            }
+        }
     }
 
     #[test]
