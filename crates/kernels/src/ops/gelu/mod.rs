@@ -1,10 +1,10 @@
 //! GELU in its tanh form (GPT-2's MLP activation) and its backward.
 
-use super::common::{Grid, kernel, run};
+use super::common::{Grid, PRELUDE, run};
 use super::fastmath::{self, map1, map2};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::Result;
-use crate::gpu::{Access, Operand};
+use crate::gpu::{Access, GpuBackend, Operand, PipelineOptions, segments};
 use rayon::prelude::*;
 
 const S2PI: f32 = 0.797_884_6;
@@ -70,42 +70,111 @@ fn launch(
             });
             Ok(())
         }
-        Backend::Gpu(g) => {
-            let tx = x.gpu("gelu", "x", n)?;
-            let (td, od) = match &dy {
-                Some(d) => (d.gpu("gelu", "dy", n)?, d.offset()),
-                None => (tx, x.offset()),
-            };
-            let to = out.gpu("gelu", "out", n)?;
-            let pipe = kernel(
-                g,
-                "gelu",
-                include_str!("gelu.wgsl"),
-                &[Access::Read, Access::Read, Access::ReadWrite],
-            )?;
-            let ops = [
-                Operand::rows(tx, x.offset(), 1),
-                Operand::rows(td, od, 1),
-                Operand::rows(to, out.offset(), 1),
-            ];
-            run(
-                g,
-                "gelu",
-                &pipe,
-                n,
-                &ops,
-                &[dy.is_some() as u32],
-                // Four elements a thread (gelu.wgsl).
-                Grid::Threads(1024),
-            )
-        }
+        Backend::Gpu(g) => gpu_launch(g, x, dy, out, n, true),
     }
+}
+
+/// [`launch`] on the GPU: four values a load and a store where every offset (in each binding it
+/// lands in) and `n` are multiples of 4 and `vectors` allows, else one (tests compare the two).
+fn gpu_launch(
+    g: &GpuBackend,
+    x: TRef<'_>,
+    dy: Option<TRef<'_>>,
+    out: TMut<'_>,
+    n: usize,
+    vectors: bool,
+) -> Result<()> {
+    let tx = x.gpu("gelu", "x", n)?;
+    let (td, od) = match &dy {
+        Some(d) => (d.gpu("gelu", "dy", n)?, d.offset()),
+        None => (tx, x.offset()),
+    };
+    let to = out.gpu("gelu", "out", n)?;
+    let ops = |lanes: usize| {
+        [
+            Operand::rows(tx, x.offset(), lanes),
+            Operand::rows(td, od, lanes),
+            Operand::rows(to, out.offset(), lanes),
+        ]
+    };
+    // Vectors only where every segment's operands start on one (a binding split at an element that
+    // is not a multiple of 4 keeps the f32 form).
+    let lanes = if vectors
+        && n.is_multiple_of(4)
+        && segments("gelu", n / 4, &ops(4)).is_ok_and(|segs| {
+            segs.iter()
+                .all(|s| s.places.iter().all(|pl| pl.offset.is_multiple_of(4)))
+        }) {
+        4
+    } else {
+        1
+    };
+    let (key, v) = if lanes == 4 {
+        ("gelu_vec4", "vec4<f32>")
+    } else {
+        ("gelu", "f32")
+    };
+    let pipe = g.pipeline(
+        key,
+        &[Access::Read, Access::Read, Access::ReadWrite],
+        PipelineOptions::default(),
+        || {
+            format!(
+                "{PRELUDE}\nalias V = {v};\nconst LANES: u32 = {lanes}u;\n{}",
+                include_str!("gelu.wgsl")
+            )
+        },
+    )?;
+    run(
+        g,
+        "gelu",
+        &pipe,
+        n / lanes,
+        &ops(lanes),
+        &[dy.is_some() as u32],
+        // Four units a thread (gelu.wgsl).
+        Grid::Threads(1024),
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::testing::{Arg, SeedRng, check_twin};
+
+    /// The vector form gives the f32 form's bits, forward and backward, at offsets inside a binding
+    /// and across split bindings; its results match the twin.
+    #[test]
+    fn four_values_a_load_keep_the_bits() {
+        let mut rng = SeedRng::new(21);
+        for max_binding in [None, Some(4096u64)] {
+            let Some(be) = crate::testing::gpu_backend(max_binding) else {
+                return;
+            };
+            let Some(g) = be.as_gpu() else { return };
+            for (n, shift) in [(4usize, 0usize), (4104, 4), (5004, 0), (3000, 8)] {
+                let x = rng.vec(n + shift, -6.0, 6.0);
+                let dy = rng.vec(n + shift, -1.0, 1.0);
+                let tx = be.from_f32(&x, 1).unwrap();
+                let td = be.from_f32(&dy, 1).unwrap();
+                let run = |vectors: bool, backward: bool| {
+                    let mut out = crate::testing::poisoned(&be, n + shift, 1).unwrap();
+                    let d = backward.then(|| td.at(shift));
+                    gpu_launch(g, tx.at(shift), d, out.at_mut(shift), n, vectors).unwrap();
+                    be.to_vec(&out).unwrap()[shift..]
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<_>>()
+                };
+                for backward in [false, true] {
+                    assert!(
+                        run(true, backward) == run(false, backward),
+                        "n {n} offset {shift} backward {backward} binding {max_binding:?}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn gelu_forward_and_backward_match_twin_and_finite_differences() {
