@@ -6,7 +6,8 @@ use clap::{Args, Subcommand};
 use std::time::Instant;
 use tinygpt_kernels::gate::pills;
 use tinygpt_kernels::ops::matmul::{
-    Choice, Gemm, Kernel, MixedTile, TILE_LARGE, TILE_MEDIUM, TILE_SMALL, TILE_TALL, Tile, choose,
+    Causal, Choice, Gemm, Kernel, MixedTile, TILE_LARGE, TILE_MEDIUM, TILE_SMALL, TILE_TALL, Tile,
+    choose,
 };
 use tinygpt_kernels::rng::SeedRng;
 use tinygpt_kernels::{Backend, PathId, PathSet, ops};
@@ -231,7 +232,9 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
     ] {
         shapes.push((format!("{name} [{n} tok]"), g));
     }
-    // Attention's products: a batch of (sequence, head) pairs, 256 positions, 64 wide.
+    // Attention's products: a batch of (sequence, head) pairs, 256 positions, 64 wide, with the causal
+    // structure training gives them (the kernels skip the masked half; GFLOP/s counts the whole
+    // product).
     let pairs = n / 256 * 6;
     let (t, hd) = (256, 64);
     for (name, g) in [
@@ -249,10 +252,26 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
         ),
     ] {
         shapes.push((format!("{name} [{pairs} x {t}]"), g));
+        let causal = match g.trans_b {
+            true => Causal::Output,
+            false if g.trans_a => Causal::AUpper,
+            false => Causal::ALower,
+        };
+        shapes.push((format!("{name}, causal"), g.causal(causal)));
     }
     for (name, g) in &shapes {
         let [ea, eb, ec] = g.extents();
-        let ta = be.from_f32(&rng.vec(ea, -1.0, 1.0), 1)?;
+        let mut av = rng.vec(ea, -1.0, 1.0);
+        // P·V's P and dSᵀ·Q's dS (each stored t x t) are zero right of the diagonal, as training's are.
+        if matches!(g.causal, Causal::ALower | Causal::AUpper) {
+            for (i, v) in av.iter_mut().enumerate() {
+                let (row, col) = (i % (t * t) / t, i % t);
+                if col > row {
+                    *v = 0.0;
+                }
+            }
+        }
+        let ta = be.from_f32(&av, 1)?;
         let tb = be.from_f32(&rng.vec(eb, -1.0, 1.0), 1)?;
         let mut tc = be.zeros(ec, 1)?;
         let flops = 2.0 * (g.m * g.n * g.k * g.batch[0] * g.batch[1]) as f64;
