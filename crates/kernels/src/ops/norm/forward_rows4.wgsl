@@ -12,6 +12,7 @@ struct Params { n: u32, start: u32, o_x: u32, o_w: u32, o_y: u32, o_mean: u32, o
 @group(0) @binding(5) var<storage, read_write> rstd_out: array<f32>;
 
 // WG (256) and red: ops/common.rs, ROW_REDUCE; TPR (64), ROWS and row_sum: ROWS4.
+const_assert WG == 4u * TPR;
 
 // What forward.wgsl's thread t sums for the mean: columns t, t + WG, ...
 fn part_x(base: u32, t: u32) -> f32 {
@@ -39,10 +40,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let inv = 1.0 / f32(p.cols);
   var mean = 0.0;
   if (p.rms == 0u) {
-    let s = (part_x(base, lane) + part_x(base, lane + 128u)) + (part_x(base, lane + 64u) + part_x(base, lane + 192u));
+    let s = (part_x(base, lane) + part_x(base, lane + 2u * TPR)) + (part_x(base, lane + TPR) + part_x(base, lane + 3u * TPR));
     mean = row_sum(s, lid) * inv;
   }
-  let q = (part_q(base, lane, mean) + part_q(base, lane + 128u, mean)) + (part_q(base, lane + 64u, mean) + part_q(base, lane + 192u, mean));
+  let q = (part_q(base, lane, mean) + part_q(base, lane + 2u * TPR, mean)) + (part_q(base, lane + TPR, mean) + part_q(base, lane + 3u * TPR, mean));
   let rstd = 1.0 / sqrt(row_sum(q, lid) * inv + p.eps);
   if (!live) { return; }
   let ybase = p.o_y + row * p.cols;
