@@ -395,11 +395,13 @@ mod tests {
         );
     }
 
-    /// Short rows held in registers give the bits of the loops that walk long rows: forward and
+    /// Short rows held in registers give the values of the loops that walk long rows: forward and
     /// backward, plain and causal (with an offset), with and without dropout, rows narrower than a
-    /// thread's four columns and up to 4 · 64.
+    /// thread's four columns and up to 4 · 64. Bit for bit where both forms are compiled alike (a
+    /// software adapter, CI's); a GPU's compiler may fuse scale · x − m into one multiply-add in
+    /// one form and not the other (an H100's did: last-bit differences), so there within NMSE 1e-12.
     #[test]
-    fn short_rows_in_registers_keep_the_loops_bits() {
+    fn short_rows_in_registers_keep_the_loops_values() {
         let Some(be) = crate::testing::gpu_backend(None) else {
             return;
         };
@@ -423,7 +425,7 @@ mod tests {
             let x = rng.vec(n, -4.0, 4.0);
             let dy = rng.vec(n, -1.0, 1.0);
             for drop in [None, Some((0.25, 9))] {
-                let run = |registers: bool| -> Vec<Vec<u32>> {
+                let run = |registers: bool| -> Vec<Vec<f32>> {
                     let mut tx = be.from_f32(&x, cols).unwrap();
                     let mut td = crate::testing::poisoned(&be, n, cols).unwrap();
                     let mut tg = be.from_f32(&dy, cols).unwrap();
@@ -441,18 +443,23 @@ mod tests {
                         registers,
                     )
                     .unwrap();
-                    let bits =
-                        |t: &Tensor| be.to_vec(t).unwrap().iter().map(|v| v.to_bits()).collect();
-                    let mut out = vec![bits(&tx), bits(&tg)];
+                    let mut out = vec![be.to_vec(&tx).unwrap(), be.to_vec(&tg).unwrap()];
                     if drop.is_some() {
-                        out.push(bits(&td));
+                        out.push(be.to_vec(&td).unwrap());
                     }
                     out
                 };
-                assert!(
-                    run(true) == run(false),
-                    "{rows}x{cols} causal {causal} dropout {drop:?}: the forms differ"
-                );
+                let what = format!("{rows}x{cols} causal {causal} dropout {drop:?}");
+                let (regs, loops) = (run(true), run(false));
+                let software = be.as_gpu().is_some_and(|g| g.is_software());
+                for (r, l) in regs.iter().zip(&loops) {
+                    if software {
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert!(bits(r) == bits(l), "{what}: the forms differ");
+                    } else {
+                        crate::testing::assert_nmse(&what, l, r, 1e-12);
+                    }
+                }
             }
         }
     }

@@ -43,15 +43,13 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   if (p.registers != 0u && p.cols <= 4u * TPR) {
     let c$j = lane + $j * TPR;
     if (p.backward == 0u) {
-      // The expressions are the loops' own (p.scale · x − m whole, which a compiler may fuse into one
-      // multiply-add as it may there), on values read once.
       var m = bitcast<f32>(0xff7fffffu);
       var v$j = 0.0;
-      if (c$j < valid) { v$j = x[base + c$j]; m = max(m, p.scale * v$j); }
+      if (c$j < valid) { v$j = p.scale * x[base + c$j]; m = max(m, v$j); }
       m = row_max(m, lid);
       var s = 0.0;
       var e$j = 0.0;
-      if (c$j < valid) { e$j = exp(p.scale * v$j - m); s = s + e$j; }
+      if (c$j < valid) { e$j = exp(v$j - m); s = s + e$j; }
       let inv = 1.0 / row_sum(s, lid);
       let db = p.o_d + row * p.cols;
       if (c$j < cols) { let o = e$j * inv; x[base + c$j] = o; if (p.has_drop != 0u) { d[db + c$j] = dropped(o, row, c$j); } }
