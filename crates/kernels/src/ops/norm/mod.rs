@@ -160,7 +160,8 @@ fn gpu_forward(
 }
 
 /// x += RMSNorm(d) · w per row of `cols` (Gemma 3's post-norms): [`norm_forward`] then
-/// [`crate::ops::add::add_assign`] in one dispatch, with the same result.
+/// [`crate::ops::add::add_assign`] in one dispatch, with the same result (to the bit on a software
+/// adapter; an H100 gave last-bit differences, most likely a multiply-add fused in one kernel only).
 pub fn add_rms_norm(
     be: &Backend,
     mut x: TMut<'_>,

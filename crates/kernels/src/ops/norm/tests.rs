@@ -192,8 +192,10 @@ fn norm_backward_matches_finite_differences() {
     }
 }
 
-/// x += RMSNorm(d) · w: against the twin, and on the GPU bit for bit against the norm kernel followed by
-/// add_assign.
+/// x += RMSNorm(d) · w: against the twin, and on the GPU against the norm kernel followed by
+/// add_assign — bit for bit where the two are compiled alike (a software adapter, CI's); an H100 gave
+/// last-bit differences (most likely a multiply and the add fused into one multiply-add in one kernel
+/// only), so on a GPU within NMSE 1e-13.
 #[test]
 fn add_rms_norm_matches_norm_then_add() {
     let mut rng = SeedRng::new(55);
@@ -245,18 +247,15 @@ fn add_rms_norm_matches_norm_then_add() {
                 .unwrap();
                 crate::ops::add::add_assign(&g, x.at_mut(0), y.at(0), rows * cols, 1.0).unwrap();
             }
-            got.push(
-                g.to_vec(&x)
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect::<Vec<_>>(),
-            );
+            got.push(g.to_vec(&x).unwrap());
         }
-        assert!(
-            got[0] == got[1],
-            "add_rms_norm {rows}x{cols}: differs from norm then add"
-        );
+        let what = format!("add_rms_norm {rows}x{cols}: against norm then add");
+        if g.as_gpu().is_some_and(|gb| gb.is_software()) {
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert!(bits(&got[0]) == bits(&got[1]), "{what}: differs");
+        } else {
+            crate::testing::assert_nmse(&what, &got[1], &got[0], 1e-13);
+        }
     }
 }
 
