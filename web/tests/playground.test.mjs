@@ -47,7 +47,8 @@ before(async () => {
     const timer = setTimeout(() => reject(new Error(`the server did not start: ${buf}`)), 2 * MINUTE);
     server.stderr.on('data', (d) => {
       buf += d;
-      addr ??= buf.match(/listening on (http:\/\/\S+)/)?.[1];
+      // The whole address: a chunk of stderr may end inside it.
+      addr ??= buf.match(/listening on (http:\/\/\S+)\s/)?.[1];
       if (addr && buf.includes('ready:')) {
         clearTimeout(timer);
         resolve(addr);
