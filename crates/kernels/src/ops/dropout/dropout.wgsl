@@ -16,19 +16,4 @@ fn one(i: u32) {
   out[p.o_out + i] = v;
 }
 
-// Four elements a thread, 256 apart (each access stays coalesced), so a thread has four loads in flight.
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-  let i = group_index(wid, nwg) * 1024u + lid;
-  if (i + 768u < p.n) {
-    one(i);
-    one(i + 256u);
-    one(i + 512u);
-    one(i + 768u);
-  } else {
-    for (var j = 0u; j < 4u; j = j + 1u) {
-      if (i + 256u * j < p.n) { one(i + 256u * j); }
-    }
-  }
-}
+// main: ops/common.rs, FOUR_A_THREAD_MAIN (four elements a thread).

@@ -1,7 +1,7 @@
 //! Inverted dropout with a counter-based mask: the mask of element i is a hash of (seed, i), so the
 //! forward and backward passes, and the CPU and GPU backends, all draw the same mask without storing it.
 
-use super::common::{Grid, kernel_parts, run};
+use super::common::{FOUR_A_THREAD, FOUR_A_THREAD_MAIN, Grid, kernel_parts, run};
 use super::fastmath::{map1i, map2i};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
@@ -126,12 +126,11 @@ fn launch(
             let pipe = kernel_parts(
                 g,
                 OP,
-                &[HASH_WGSL, include_str!("dropout.wgsl")],
+                &[HASH_WGSL, include_str!("dropout.wgsl"), FOUR_A_THREAD_MAIN],
                 &[Access::Read, Access::Read, Access::ReadWrite],
             )?;
             let extra = [th, seed, scale.to_bits(), residual.is_some() as u32];
-            // Four elements a thread (dropout.wgsl).
-            run(g, OP, &pipe, n, &ops, &extra, Grid::Threads(1024))
+            run(g, OP, &pipe, n, &ops, &extra, Grid::Threads(FOUR_A_THREAD))
         }
     }
 }

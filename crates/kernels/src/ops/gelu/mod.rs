@@ -1,6 +1,6 @@
 //! GELU in its tanh form (GPT-2's MLP activation) and its backward.
 
-use super::common::{Grid, PRELUDE, run};
+use super::common::{FOUR_A_THREAD, FOUR_A_THREAD_MAIN, Grid, PRELUDE, run};
 use super::fastmath::{self, map1, map2};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::Result;
@@ -120,7 +120,7 @@ fn gpu_launch(
         PipelineOptions::default(),
         || {
             format!(
-                "{PRELUDE}\nalias V = {v};\nconst LANES: u32 = {lanes}u;\n{}",
+                "{PRELUDE}\nalias V = {v};\nconst LANES: u32 = {lanes}u;\n{}{FOUR_A_THREAD_MAIN}",
                 include_str!("gelu.wgsl")
             )
         },
@@ -132,8 +132,7 @@ fn gpu_launch(
         n / lanes,
         &ops(lanes),
         &[dy.is_some() as u32],
-        // Four units a thread (gelu.wgsl).
-        Grid::Threads(1024),
+        Grid::Threads(FOUR_A_THREAD),
     )
 }
 
@@ -143,7 +142,7 @@ mod tests {
     use crate::testing::{Arg, SeedRng, check_twin};
 
     /// The vector form gives the f32 form's bits, forward and backward, at offsets inside a binding
-    /// and across split bindings; its results match the twin.
+    /// and across split bindings (the f32 form's twin check is the test below).
     #[test]
     fn four_values_a_load_keep_the_bits() {
         let mut rng = SeedRng::new(21);
