@@ -2,13 +2,7 @@
 //   LN:  y = (x - mean) * rstd * w,  rstd = 1 / sqrt(mean((x - mean)^2) + eps)
 //   RMS: y = x * rstd * w,           rstd = 1 / sqrt(mean(x^2) + eps)
 // mean and rstd are saved per row for the backward pass (mean = 0 for RMS).
-struct Params { n: u32, start: u32, o_x: u32, o_w: u32, o_y: u32, o_mean: u32, o_rstd: u32, cols: u32, eps: f32, rms: u32 }
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
-@group(0) @binding(2) var<storage, read> w: array<f32>;
-@group(0) @binding(3) var<storage, read_write> y: array<f32>;
-@group(0) @binding(4) var<storage, read_write> mean_out: array<f32>;
-@group(0) @binding(5) var<storage, read_write> rstd_out: array<f32>;
+// Params and bindings: forward_params.wgsl.
 
 // reduce_sum / reduce_max and WG: ops/common.rs, ROW_REDUCE.
 @compute @workgroup_size(256)

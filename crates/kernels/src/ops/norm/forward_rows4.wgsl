@@ -3,13 +3,7 @@
 // kernel's threads l, l + 64, l + 128 and l + 192: it forms their four partial sums as they do, adds
 // them as the tree's first two levels do (128 apart, then 64), and row_sum takes the levels below.
 // Four rows share the workgroup's launch and its barriers, which forward.wgsl spends on each row.
-struct Params { n: u32, start: u32, o_x: u32, o_w: u32, o_y: u32, o_mean: u32, o_rstd: u32, cols: u32, eps: f32, rms: u32 }
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
-@group(0) @binding(2) var<storage, read> w: array<f32>;
-@group(0) @binding(3) var<storage, read_write> y: array<f32>;
-@group(0) @binding(4) var<storage, read_write> mean_out: array<f32>;
-@group(0) @binding(5) var<storage, read_write> rstd_out: array<f32>;
+// Params and bindings: forward_params.wgsl.
 
 // WG (256) and red: ops/common.rs, ROW_REDUCE; TPR (64), ROWS and row_sum: ROWS4.
 const_assert WG == 4u * TPR;

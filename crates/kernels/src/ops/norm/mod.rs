@@ -4,15 +4,16 @@
 //! followed by their reciprocal standard deviations, saved by the forward pass for the backward pass.
 
 use super::Grad;
-use super::common::{Grid, ROW_REDUCE, ROWS4, kernel, kernel_parts, row_kernel, run};
+use super::common::{Grid, PRELUDE, ROW_REDUCE, ROWS4, kernel, kernel_parts, row_kernel, run};
 use super::fastmath;
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
-use crate::gpu::{Access, GpuBackend, Operand, segments};
+use crate::gpu::{Access, GpuBackend, Operand, PipelineOptions, segments};
 use rayon::prelude::*;
 
-/// The forward kernel, and the declaration of its second statistics binding (dropped when the means
-/// and rstds share a buffer).
+/// The forward kernels' parameters and bindings, the kernels (one row and four rows a workgroup), and
+/// the declaration of the second statistics binding (dropped when the means and rstds share a buffer).
+const FORWARD_PARAMS: &str = include_str!("forward_params.wgsl");
 const FORWARD: &str = include_str!("forward.wgsl");
 const FORWARD_ROWS4: &str = include_str!("forward_rows4.wgsl");
 const SECOND_STATS: &str = "@group(0) @binding(5) var<storage, read_write> rstd_out: array<f32>;";
@@ -134,17 +135,22 @@ fn gpu_forward(
         // WebGPU forbids two bindings of one buffer when either is written: when the means and
         // the rstds share a buffer (the usual case), the kernel writes both through one binding.
         let shared = seg.places[3].buffer == seg.places[4].buffer;
-        let (key, source, nb) = if shared {
-            let src = body
-                .replace(SECOND_STATS, "")
-                .replace("rstd_out[", "mean_out[");
-            (format!("{name}_shared"), src, 4)
+        let (key, nb) = if shared {
+            (format!("{name}_shared"), 4)
         } else {
-            (name.to_string(), body.to_string(), 5)
+            (name.to_string(), 5)
         };
         let mut access = vec![Access::Read, Access::Read];
         access.extend(std::iter::repeat_n(Access::ReadWrite, nb - 2));
-        let pipe = kernel_parts(g, &key, &[ROW_REDUCE, rows4, &source], &access)?;
+        let pipe = g.pipeline(&key, &access, PipelineOptions::default(), || {
+            let src = format!("{PRELUDE}\n{ROW_REDUCE}\n{rows4}\n{FORWARD_PARAMS}{body}");
+            if shared {
+                src.replace(SECOND_STATS, "")
+                    .replace("rstd_out[", "mean_out[")
+            } else {
+                src
+            }
+        })?;
         let mut p = vec![seg.len() as u32, seg.start as u32];
         p.extend(seg.places.iter().map(|pl| pl.offset as u32));
         p.extend_from_slice(&extra);
