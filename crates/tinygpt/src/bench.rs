@@ -237,26 +237,24 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
     // product).
     let pairs = n / 256 * 6;
     let (t, hd) = (256, 64);
-    for (name, g) in [
+    for (name, g, causal) in [
         (
             "attention scores Q·Kᵀ",
             Gemm::nt(t, t, hd).batched([pairs, 1], [t * hd, 0], [t * hd, 0], [t * t, 0]),
+            Causal::Output,
         ),
         (
             "attention mix P·V",
             Gemm::nn(t, hd, t).batched([pairs, 1], [t * t, 0], [t * hd, 0], [t * hd, 0]),
+            Causal::ALower,
         ),
         (
             "attention dK = dSᵀ·Q",
             Gemm::tn(t, hd, t).batched([pairs, 1], [t * t, 0], [t * hd, 0], [t * hd, 0]),
+            Causal::AUpper,
         ),
     ] {
         shapes.push((format!("{name} [{pairs} x {t}]"), g));
-        let causal = match g.trans_b {
-            true => Causal::Output,
-            false if g.trans_a => Causal::AUpper,
-            false => Causal::ALower,
-        };
         shapes.push((format!("{name}, causal"), g.causal(causal)));
     }
     for (name, g) in &shapes {
