@@ -136,7 +136,7 @@ pub static REGISTRY: &[PathDef] = &[
         name: "q8-matmul",
         pill: "+q8 matmul",
         active_text: "quantized matmul active",
-        kernel_version: 4,
+        kernel_version: 5,
         requires: &[],
         on_cpu: false,
         detect: |be| gpu(be).map(|_| ()),

@@ -1,15 +1,21 @@
 // The decode product for a batch of rows of x, each row given the bits the one-row kernel gives it
 // (gemv_q8.wgsl: read that first; the same lane sums, summed by the same tree), with the work turned
 // around. There a lane holds one weight row's quant vectors and reads R rows of x for them; here a
-// workgroup takes NB consecutive weight rows and XR rows of x, TPR lanes per row of x: a lane loads its NI
-// vectors of x once (registers) and its NB weight rows' quant vectors (the rows of x share them: one fetch
-// from memory, the rest from cache). x has 4 bytes a value and the quants 1, so the caches move about a
-// quarter of the bytes that re-reading x for every weight row moves. Measured (docs/perf.md): on lavapipe
-// a 16-row batch decodes ~1.5x faster than on 8-row gemv passes; on an H100 both take ~26 µs a product,
-// and below 5 rows (workgroups of 32 or 64 threads) the one-row kernel is faster, so it keeps them.
+// workgroup takes NB consecutive weight rows and XR rows of x, TPR lanes per row of x, and each lane
+// holds its NI vectors of x in registers (loaded once, up front).
 //
-// gpu.rs prepends WG (= XR · TPR), TPR, XR, NB (≤ TPR: lane b writes weight row b's output), BLOCK,
-// XT/xload and `store`. Lines holding `$i` repeat NI times, then lines holding `$b` NB times.
+// The weights are turned into floats once per workgroup, not once per row of x: at each of a lane's NI
+// steps the workgroup's first NB · TPR threads load one quant vector each (all issued up front),
+// convert its 16 bytes (exactly) into workgroup memory with its scale, and every lane then
+// sums its vector of x against the NB weight rows' floats (gemv_sums.wgsl's q8_floats: q8_vector's
+// arithmetic after its conversion). A lane's XR - 1 neighbours in a subgroup hold other rows of x at
+// the same position (lane l of row r is thread l · XR + r), so they read the same floats: one
+// broadcast each. Measured (docs/perf.md): converting each weight once for every row of x was what a
+// batch's products spent their time on.
+//
+// gpu.rs prepends WG (= XR · TPR), TPR, XR, NB (≤ XR, and ≤ TPR: lane b writes weight row b's
+// output), BLOCK, XT/xload and `store`. Lines holding `$i` repeat NI times, then lines holding `$b` NB
+// times; the block between the `each step` markers is written out once per step i.
 // Workgroup z takes rows z·XR .. z·XR + XR of x; rows past p.m repeat the last one and are not written.
 struct Params { n: u32, kw4: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, o_s: u32, o_q: u32,
                 e0: u32, e1: u32, e2: u32, e3: u32, e4: u32 }
@@ -21,40 +27,57 @@ struct Params { n: u32, kw4: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, 
 
 // Quant vectors per block.
 const VPB: u32 = BLOCK / 16u;
+// One step's weights: vector (b, l) (lane l's vector of weight row b) as four vec4 from 4 · (b · TPR + l).
+var<workgroup> wf: array<vec4<f32>, NB * TPR * 4>;
+// The steps' scales (b · TPR + l), then the lanes' partial sums for the tree.
 var<workgroup> red: array<f32, NB * WG>;
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
-  let lane = lid % TPR;
-  let xi = wid.z * XR + lid / TPR;
+  let lane = lid / XR;
+  let r = lid % XR;
+  let xi = wid.z * XR + r;
   let xo = p.o_x + min(xi, p.m - 1u) * p.k;
   let n0 = group_index(wid, nwg) * NB;
   let row$b = n0 + $b;
   let live$b = row$b < p.n;
-  let qrow$b = p.o_q + row$b * p.kw4;
-  let srow$b = p.o_s + row$b * (p.kw4 / VPB);
+  // The vector this thread converts at each step: lane sl's vector of weight row n0 + lid / TPR (the
+  // first NB · TPR threads; NB ≤ XR).
+  let sl = lid % TPR;
+  let srow = n0 + lid / TPR;
+  let stager = lid < NB * TPR;
+  let slive = stager && srow < p.n;
+  let qrow = p.o_q + srow * p.kw4;
+  let ssrow = p.o_s + srow * (p.kw4 / VPB);
+  let sw$i = sl + $i * TPR;
+  var g$i = vec4<u32>(0u);
+  var gs$i = 0.0;
+  if (slive && sw$i < p.kw4) { g$i = quants[qrow + sw$i]; gs$i = scales[ssrow + sw$i / VPB]; }
   let w$i = lane + $i * TPR;
   let on$i = w$i < p.kw4;
-  var q$b_$i = vec4<u32>(0u);
-  var s$b_$i = 0.0;
-  if (live$b && on$i) { q$b_$i = quants[qrow$b + w$i]; s$b_$i = scales[srow$b + w$i / VPB]; }
   var xa$i = vec4<f32>(0.0);
   var xb$i = vec4<f32>(0.0);
   var xc$i = vec4<f32>(0.0);
   var xd$i = vec4<f32>(0.0);
   if (on$i) { xa$i = xload(xo + 16u * w$i); xb$i = xload(xo + 16u * w$i + 4u); xc$i = xload(xo + 16u * w$i + 8u); xd$i = xload(xo + 16u * w$i + 12u); }
   var acc$b = 0.0;
-  if (live$b && on$i) { acc$b = acc$b + q8_vector(q$b_$i, s$b_$i, xa$i, xb$i, xc$i, xd$i); }
+  // each step {
+  workgroupBarrier();
+  if (stager) { let v = 4u * lid; wf[v] = sext(g$i.x); wf[v + 1u] = sext(g$i.y); wf[v + 2u] = sext(g$i.z); wf[v + 3u] = sext(g$i.w); red[lid] = gs$i; }
+  workgroupBarrier();
+  if (live$b && on$i) { let v = 4u * ($b * TPR + lane); acc$b = acc$b + q8_floats(wf[v], wf[v + 1u], wf[v + 2u], wf[v + 3u], red[$b * TPR + lane], xa$i, xb$i, xc$i, xd$i); }
+  // } each step
+  workgroupBarrier();
   red[$b * WG + lid] = acc$b;
   workgroupBarrier();
   for (var h = TPR / 2u; h > 0u; h = h >> 1u) {
     if (lane < h) {
-      red[$b * WG + lid] = red[$b * WG + lid] + red[$b * WG + lid + h];
+      red[$b * WG + lid] = red[$b * WG + lid] + red[$b * WG + lid + h * XR];
     }
     workgroupBarrier();
   }
   if (lane < NB && n0 + lane < p.n && xi < p.m) {
-    store(p.o_y + xi * p.ldy + n0 + lane, red[lane * WG + lid - lane]);
+    store(p.o_y + xi * p.ldy + n0 + lane, red[lane * WG + r]);
   }
 }

@@ -52,14 +52,48 @@ const GEMV_MAX_VECTORS: usize = 8;
 /// Most threads per workgroup of the batch kernels (gemv_rows_*.wgsl: XR rows of x × TPR lanes).
 const ROWS_WG: usize = 256;
 
-/// Weight rows per workgroup of the batch kernels: at most the fewest threads per row (MAX_R = 8), so
-/// that lane b of a row of x exists to write weight row b's output. Q4 lanes hold twice the x (32
-/// values a vector), so they take half the weight rows.
-fn rows_nb(kind: QKind) -> usize {
-    match kind {
-        QKind::Q8 { .. } => 8,
-        QKind::Q4 => 4,
+/// Weight rows per workgroup of the batch kernels for `tpr` threads per row of x and `xr` rows of x: at
+/// most the fewest threads per row (MAX_R = 8: lane b of a row of x writes weight row b's output; Q4
+/// lanes hold twice the x, so half that). The step-converting form takes as many as a step's converted
+/// weights (NB · TPR vectors of 16 floats, 32 for Q4) and the reduction's NB · WG floats leave room for
+/// in the adapter's workgroup memory, and at most `xr` (its first NB · TPR threads convert a vector
+/// each): more weight rows a workgroup means fewer workgroups reading the same rows of x. Each row's sums
+/// are the same for any NB.
+fn rows_nb(g: &GpuBackend, kind: QKind, tpr: usize, xr: usize) -> usize {
+    let (bytes_per_vector, most) = match kind {
+        QKind::Q8 { .. } => (64, MAX_R),
+        QKind::Q4 => (128, MAX_R / 2),
+    };
+    if !convert_once(g, xr) {
+        return most;
     }
+    let room = g.limits.max_compute_workgroup_storage_size as usize;
+    let per_row = tpr * bytes_per_vector + xr * tpr * 4;
+    let nb = most.min(xr).min(room / per_row).max(1);
+    1 << nb.ilog2()
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests of the batch kernels set this to run one form wherever it can run (Some(true): the
+    /// step-converting form, Some(false): the lanes form).
+    pub(super) static CONVERT_ONCE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether a batch kernel of `xr` rows of x a workgroup converts each weight vector once for them all
+/// (gemv_rows_q8.wgsl, gemv_rows_q4.wgsl) or each lane its own (gemv_rows_lanes_*.wgsl). Once, on GPUs,
+/// where integer-to-float conversion is slow and a batch repeated it for every row (H100: a 16-row
+/// product of the SmolLM2-135M shape 26.0 → 20.9 µs), when 8 rows of x or more share it: with 4
+/// (64 threads a row) its steps' barriers cost more than they save (Gemma-3's down projection 21.1 →
+/// 23.2-24.7 µs). Each lane, on software adapters, where conversions are cheap vector code and barriers are
+/// not (lavapipe, 16 sequences of SmolLM2-135M: 14-15 → 10 tok/s). Both give every row the one-row
+/// kernel's bits.
+fn convert_once(g: &GpuBackend, xr: usize) -> bool {
+    #[cfg(test)]
+    if let Some(once) = CONVERT_ONCE.with(|f| f.get()) {
+        return once && xr >= 8;
+    }
+    !g.is_software() && xr >= 8
 }
 
 /// Rows of x from which a gemv-family product takes the batch kernel. Below it the one-row kernel's
@@ -659,17 +693,25 @@ fn rows_pipeline(
     out: Output,
     fault: Option<Fault>,
 ) -> Result<Rc<Pipeline>> {
-    let (name, body) = match kind {
-        QKind::Q8 { block } => (
+    let (name, body) = match (kind, convert_once(g, xr)) {
+        (QKind::Q8 { block }, true) => (
             format!("gemv_rows_q8b{block}_i{ni}"),
             include_str!("gemv_rows_q8.wgsl"),
         ),
-        QKind::Q4 => (
+        (QKind::Q8 { block }, false) => (
+            format!("gemv_rows_lanes_q8b{block}_i{ni}"),
+            include_str!("gemv_rows_lanes_q8.wgsl"),
+        ),
+        (QKind::Q4, true) => (
             format!("gemv_rows_q4_i{ni}"),
             include_str!("gemv_rows_q4.wgsl"),
         ),
+        (QKind::Q4, false) => (
+            format!("gemv_rows_lanes_q4_i{ni}"),
+            include_str!("gemv_rows_lanes_q4.wgsl"),
+        ),
     };
-    let nb = rows_nb(kind);
+    let nb = rows_nb(g, kind, tpr, xr);
     let key = format!(
         "{name}_t{tpr}_x{xr}_{}{}",
         if xvec { "xv4" } else { "xf32" },
@@ -679,10 +721,16 @@ fn rows_pipeline(
         let (xt, xload, _) = x_access(xvec);
         let store = store_hook(out);
         let body = match fault {
-            Some(Fault::BlockIndexAtK2048) => body.replace(
-                "scales[srow$b + w$i / VPB]",
-                "scales[srow$b + (w$i / VPB) % 64u]",
-            ),
+            // The step-converting form, then the lanes form.
+            Some(Fault::BlockIndexAtK2048) => body
+                .replace(
+                    "scales[ssrow + sw$i / VPB]",
+                    "scales[ssrow + (sw$i / VPB) % 64u]",
+                )
+                .replace(
+                    "scales[srow$b + w$i / VPB]",
+                    "scales[srow$b + (w$i / VPB) % 64u]",
+                ),
             _ => body.to_string(),
         };
         let src = format!(
@@ -691,10 +739,27 @@ fn rows_pipeline(
              fn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{store}\n{}",
             xr * tpr,
             kind.block(),
-            repeat_lines(&repeat_lines(&body, "$i", ni), "$b", nb)
+            rows_steps(&body, ni, nb)
         );
         plant(src, fault)
     })
+}
+
+/// A batch kernel's source with its lines repeated: `$i` lines NI times, then `$b` lines NB times, and
+/// the block between the `each step` markers written out once per step i (its `$b` lines NB times), so
+/// each step converts its weights, then sums them for every weight row.
+fn rows_steps(body: &str, ni: usize, nb: usize) -> String {
+    let expand = |s: &str| repeat_lines(&repeat_lines(s, "$i", ni), "$b", nb);
+    let Some((head, rest)) = body.split_once("  // each step {\n") else {
+        return expand(body);
+    };
+    let (step, tail) = rest.split_once("  // } each step\n").unwrap_or((rest, ""));
+    let mut src = expand(head);
+    for i in 0..ni {
+        src.push_str(&repeat_lines(&step.replace("$i", &i.to_string()), "$b", nb));
+    }
+    src.push_str(&expand(tail));
+    src
 }
 
 /// Rewrites a matmul kernel's source into a planted fault's broken variant (tests of the gate only).
@@ -1056,7 +1121,7 @@ fn dispatch(
     let (pipe, rows_per_wg) = match v.ni.filter(|_| v.batch) {
         Some(ni) => (
             rows_pipeline(g, v.kind, tpr, v.r, ni, xvec, v.out, v.fault)?,
-            rows_nb(v.kind),
+            rows_nb(g, v.kind, tpr, v.r),
         ),
         None => (
             matmul_pipeline(g, v.kind, tpr, v.r, v.ni, xvec, v.stage, v.out, k, v.fault)?,

@@ -271,14 +271,21 @@ fn qget_rows_matches_twins() {
 }
 
 /// A batch of independent rows (a decode batch: 2 and 3 rows on the one-row kernel's lanes, 16, 17 and
-/// 40 on the batch kernel) gives every row the bits of the one-row product, for every layout, row
-/// lengths that take 1-3 vectors a lane and 8-64 lanes a row, batches that fill workgroups of rows and
-/// that do not, writing and adding, whole and split across buffers.
+/// 40 on the batch kernel, in both its forms: weights converted once per workgroup, and by each lane)
+/// gives every row the bits of the one-row product, for every layout, row lengths that take 1-3 vectors
+/// a lane and 8-64 lanes a row, batches that fill workgroups of rows and that do not, writing and
+/// adding, whole and split across buffers.
 #[test]
 fn independent_rows_have_the_bits_of_one_row() {
     const SHAPES: [(usize, usize); 5] = [(33, 32), (129, 576), (65, 640), (17, 1536), (9, 2048)];
     let mut rng = SeedRng::new(9);
-    for split in [None, Some(SPLIT)] {
+    for (once, split) in [
+        (true, None),
+        (true, Some(SPLIT)),
+        (false, None),
+        (false, Some(SPLIT)),
+    ] {
+        super::gpu::CONVERT_ONCE.with(|f| f.set(Some(once)));
         let Some(be) = crate::testing::gpu_backend(split) else {
             return;
         };
@@ -311,7 +318,7 @@ fn independent_rows_have_the_bits_of_one_row() {
                         .all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(
                         same,
-                        "{kind:?} {m} x {n} x {k} (adding: {add}, split: {split:?}): a batch's rows differ from the rows alone"
+                        "{kind:?} {m} x {n} x {k} (adding: {add}, split: {split:?}, converting once: {once}): a batch's rows differ from the rows alone"
                     );
                 }
             }
