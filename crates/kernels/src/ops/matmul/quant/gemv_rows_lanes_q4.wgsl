@@ -43,15 +43,4 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   if (on$i) { x4_$i = xload(xo + 32u * w$i + 16u); x5_$i = xload(xo + 32u * w$i + 20u); x6_$i = xload(xo + 32u * w$i + 24u); x7_$i = xload(xo + 32u * w$i + 28u); }
   var acc$b = 0.0;
   if (live$b && on$i) { acc$b = acc$b + q4_block(q$b_$i, s$b_$i, m$b_$i, x0_$i, x1_$i, x2_$i, x3_$i, x4_$i, x5_$i, x6_$i, x7_$i); }
-  red[$b * WG + lid] = acc$b;
-  workgroupBarrier();
-  for (var h = TPR / 2u; h > 0u; h = h >> 1u) {
-    if (lane < h) {
-      red[$b * WG + lid] = red[$b * WG + lid] + red[$b * WG + lid + h];
-    }
-    workgroupBarrier();
-  }
-  if (lane < NB && n0 + lane < p.n && xi < p.m) {
-    store(p.o_y + xi * p.ldy + n0 + lane, red[lane * WG + lid - lane]);
-  }
-}
+  // The lanes' sums through the tree, and the store: gemv_rows_tree.wgsl, which gpu.rs appends.

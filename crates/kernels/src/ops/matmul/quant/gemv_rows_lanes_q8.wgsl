@@ -44,15 +44,4 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   if (on$i) { xa$i = xload(xo + 16u * w$i); xb$i = xload(xo + 16u * w$i + 4u); xc$i = xload(xo + 16u * w$i + 8u); xd$i = xload(xo + 16u * w$i + 12u); }
   var acc$b = 0.0;
   if (live$b && on$i) { acc$b = acc$b + q8_vector(q$b_$i, s$b_$i, xa$i, xb$i, xc$i, xd$i); }
-  red[$b * WG + lid] = acc$b;
-  workgroupBarrier();
-  for (var h = TPR / 2u; h > 0u; h = h >> 1u) {
-    if (lane < h) {
-      red[$b * WG + lid] = red[$b * WG + lid] + red[$b * WG + lid + h];
-    }
-    workgroupBarrier();
-  }
-  if (lane < NB && n0 + lane < p.n && xi < p.m) {
-    store(p.o_y + xi * p.ldy + n0 + lane, red[lane * WG + lid - lane]);
-  }
-}
+  // The lanes' sums through the tree, and the store: gemv_rows_tree.wgsl, which gpu.rs appends.

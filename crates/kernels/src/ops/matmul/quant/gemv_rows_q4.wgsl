@@ -60,15 +60,4 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   if (live$b && on$i) { let t = $b * TPR + lane; let v = 8u * t; acc$b = acc$b + q4_floats(wf[v], wf[v + 1u], wf[v + 2u], wf[v + 3u], wf[v + 4u], wf[v + 5u], wf[v + 6u], wf[v + 7u], red[t], red[NB * TPR + t], x0_$i, x1_$i, x2_$i, x3_$i, x4_$i, x5_$i, x6_$i, x7_$i); }
   // } each step
   workgroupBarrier();
-  red[$b * WG + lid] = acc$b;
-  workgroupBarrier();
-  for (var h = TPR / 2u; h > 0u; h = h >> 1u) {
-    if (lane < h) {
-      red[$b * WG + lid] = red[$b * WG + lid] + red[$b * WG + lid + h * XR];
-    }
-    workgroupBarrier();
-  }
-  if (lane < NB && n0 + lane < p.n && xi < p.m) {
-    store(p.o_y + xi * p.ldy + n0 + lane, red[lane * WG + r]);
-  }
-}
+  // The lanes' sums through the tree, and the store: gemv_rows_tree.wgsl, which gpu.rs appends.

@@ -69,15 +69,4 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   if (live$b && on$i) { let v = 4u * ($b * TPR + lane); acc$b = acc$b + q8_floats(wf[v], wf[v + 1u], wf[v + 2u], wf[v + 3u], red[$b * TPR + lane], xa$i, xb$i, xc$i, xd$i); }
   // } each step
   workgroupBarrier();
-  red[$b * WG + lid] = acc$b;
-  workgroupBarrier();
-  for (var h = TPR / 2u; h > 0u; h = h >> 1u) {
-    if (lane < h) {
-      red[$b * WG + lid] = red[$b * WG + lid] + red[$b * WG + lid + h * XR];
-    }
-    workgroupBarrier();
-  }
-  if (lane < NB && n0 + lane < p.n && xi < p.m) {
-    store(p.o_y + xi * p.ldy + n0 + lane, red[lane * WG + r]);
-  }
-}
+  // The lanes' sums through the tree, and the store: gemv_rows_tree.wgsl, which gpu.rs appends.

@@ -693,7 +693,8 @@ fn rows_pipeline(
     out: Output,
     fault: Option<Fault>,
 ) -> Result<Rc<Pipeline>> {
-    let (name, body) = match (kind, convert_once(g, xr)) {
+    let once = convert_once(g, xr);
+    let (name, body) = match (kind, once) {
         (QKind::Q8 { block }, true) => (
             format!("gemv_rows_q8b{block}_i{ni}"),
             include_str!("gemv_rows_q8.wgsl"),
@@ -732,11 +733,12 @@ fn rows_pipeline(
                     "scales[srow$b + (w$i / VPB) % 64u]",
                 ),
             _ => body.to_string(),
-        };
+        } + include_str!("gemv_rows_tree.wgsl");
+        let lane_stride = if once { xr } else { 1 };
         let src = format!(
             "{PRELUDE}{SEXT}{GEMV_SUMS}\nconst WG: u32 = {}u;\nconst TPR: u32 = {tpr}u;\nconst XR: u32 = {xr}u;\n\
-             const NB: u32 = {nb}u;\nconst BLOCK: u32 = {}u;\nalias XT = {xt};\n\
-             fn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{store}\n{}",
+             const NB: u32 = {nb}u;\nconst BLOCK: u32 = {}u;\nconst LANE_STRIDE: u32 = {lane_stride}u;\n\
+             alias XT = {xt};\nfn xload(i: u32) -> vec4<f32> {{ {xload} }}\n{store}\n{}",
             xr * tpr,
             kind.block(),
             rows_steps(&body, ni, nb)
