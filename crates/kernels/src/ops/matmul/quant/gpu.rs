@@ -81,19 +81,20 @@ thread_local! {
 }
 
 /// Whether a batch kernel of `xr` rows of x a workgroup converts each weight vector once for them all
-/// (gemv_rows_q8.wgsl, gemv_rows_q4.wgsl) or each lane its own (gemv_rows_lanes_*.wgsl). Once, on GPUs,
-/// where integer-to-float conversion is slow and a batch repeated it for every row (H100: a 16-row
-/// product of the SmolLM2-135M shape 26.0 → 20.9 µs), when 8 rows of x or more share it: with 4
-/// (64 threads a row) its steps' barriers cost more than they save (Gemma-3's down projection 21.1 →
-/// 23.2-24.7 µs). Each lane, on software adapters, where conversions are cheap vector code and barriers are
-/// not (lavapipe, 16 sequences of SmolLM2-135M: 14-15 → 10 tok/s). Both give every row the one-row
-/// kernel's bits.
+/// or each lane its own (the once and lanes forms of gemv_rows_q8.wgsl and gemv_rows_q4.wgsl). Once,
+/// on GPUs, where integer-to-float conversion is slow and a batch repeated it for every row (H100: a
+/// 16-row product of the SmolLM2-135M shape 26.0 → 20.9 µs), when 8 rows of x or more share it: with
+/// 4 (64 threads a row) its steps' barriers cost more than they save (Gemma-3's down projection 21.1 →
+/// 23.2-24.7 µs). Each lane, on software adapters, where conversions are cheap vector code and barriers
+/// are not (lavapipe, 16 sequences of SmolLM2-135M: 14-15 → 10 tok/s). Both give every row the
+/// one-row kernel's bits.
 fn convert_once(g: &GpuBackend, xr: usize) -> bool {
+    let shared = xr >= 8;
     #[cfg(test)]
     if let Some(once) = CONVERT_ONCE.with(|f| f.get()) {
-        return once && xr >= 8;
+        return once && shared;
     }
-    !g.is_software() && xr >= 8
+    !g.is_software() && shared
 }
 
 /// Rows of x from which a gemv-family product takes the batch kernel. Below it the one-row kernel's
@@ -694,22 +695,15 @@ fn rows_pipeline(
     fault: Option<Fault>,
 ) -> Result<Rc<Pipeline>> {
     let once = convert_once(g, xr);
-    let (name, body) = match (kind, once) {
-        (QKind::Q8 { block }, true) => (
-            format!("gemv_rows_q8b{block}_i{ni}"),
+    let form = if once { "" } else { "lanes_" };
+    let (name, body) = match kind {
+        QKind::Q8 { block } => (
+            format!("gemv_rows_{form}q8b{block}_i{ni}"),
             include_str!("gemv_rows_q8.wgsl"),
         ),
-        (QKind::Q8 { block }, false) => (
-            format!("gemv_rows_lanes_q8b{block}_i{ni}"),
-            include_str!("gemv_rows_lanes_q8.wgsl"),
-        ),
-        (QKind::Q4, true) => (
-            format!("gemv_rows_q4_i{ni}"),
+        QKind::Q4 => (
+            format!("gemv_rows_{form}q4_i{ni}"),
             include_str!("gemv_rows_q4.wgsl"),
-        ),
-        (QKind::Q4, false) => (
-            format!("gemv_rows_lanes_q4_i{ni}"),
-            include_str!("gemv_rows_lanes_q4.wgsl"),
         ),
     };
     let nb = rows_nb(g, kind, tpr, xr);
@@ -721,8 +715,9 @@ fn rows_pipeline(
     g.pipeline(&key, quant_bindings(kind), PipelineOptions::default(), || {
         let (xt, xload, _) = x_access(xvec);
         let store = store_hook(out);
+        let body = form_lines(body, if once { "#once " } else { "#lanes " });
         let body = match fault {
-            // The step-converting form, then the lanes form.
+            // The once form, then the lanes form.
             Some(Fault::BlockIndexAtK2048) => body
                 .replace(
                     "scales[ssrow + sw$i / VPB]",
@@ -732,7 +727,7 @@ fn rows_pipeline(
                     "scales[srow$b + w$i / VPB]",
                     "scales[srow$b + (w$i / VPB) % 64u]",
                 ),
-            _ => body.to_string(),
+            _ => body,
         } + include_str!("gemv_rows_tree.wgsl");
         let lane_stride = if once { xr } else { 1 };
         let src = format!(
@@ -745,6 +740,21 @@ fn rows_pipeline(
         );
         plant(src, fault)
     })
+}
+
+/// A batch kernel's source in one form: the lines tagged `tag` without the tag, and neither those
+/// tagged for the other form (`#once ` / `#lanes `) nor any other tag's.
+fn form_lines(body: &str, tag: &str) -> String {
+    body.lines()
+        .filter_map(|line| match line.strip_prefix(tag) {
+            Some(kept) => Some(kept),
+            None => (!line.starts_with('#')).then_some(line),
+        })
+        .fold(String::with_capacity(body.len()), |mut s, line| {
+            s.push_str(line);
+            s.push('\n');
+            s
+        })
 }
 
 /// A batch kernel's source with its lines repeated: `$i` lines NI times, then `$b` lines NB times, and
