@@ -54,7 +54,7 @@ const ROWS_WG: usize = 256;
 
 /// Weight rows per workgroup of the batch kernels for `tpr` threads per row of x and `xr` rows of x: at
 /// most the fewest threads per row (MAX_R = 8: lane b of a row of x writes weight row b's output; Q4
-/// lanes hold twice the x, so half that). The step-converting form takes as many as a step's converted
+/// lanes hold twice the x, so half that). The once form takes as many as a step's converted
 /// weights (NB · TPR vectors of 16 floats, 32 for Q4) and the reduction's NB · WG floats leave room for
 /// in the adapter's workgroup memory, and at most `xr` (its first NB · TPR threads convert a vector
 /// each): more weight rows a workgroup means fewer workgroups reading the same rows of x. Each row's sums
@@ -76,7 +76,7 @@ fn rows_nb(g: &GpuBackend, kind: QKind, tpr: usize, xr: usize) -> usize {
 #[cfg(test)]
 thread_local! {
     /// Tests of the batch kernels set this to run one form wherever it can run (Some(true): the
-    /// step-converting form, Some(false): the lanes form).
+    /// once form, Some(false): the lanes form).
     pub(super) static CONVERT_ONCE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
