@@ -147,7 +147,7 @@ pub static REGISTRY: &[PathDef] = &[
         name: "tc-prompt",
         pill: "+tensor-core prompts",
         active_text: "tensor-core prompt products active",
-        kernel_version: 1,
+        kernel_version: 2,
         requires: &[PathId::QuantMatmul, PathId::CoopMatrix],
         on_cpu: false,
         detect: |g| (def(PathId::CoopMatrix).detect)(g),

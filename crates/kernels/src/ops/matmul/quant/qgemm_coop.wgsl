@@ -5,6 +5,9 @@
 //
 //   xs[r · SK + k], ws[r · SK + k]  (a row's 32 · S values along k, then 8 of padding)
 //
+// four values to a vec4<f16> (one 8-byte store where four 2-byte ones measured 12% slower prompts on an
+// H100); the fragments load from element index / 4 with stride SK / 4.
+//
 // A workgroup is four 32-lane subgroups in a grid of (4 / SGC) x SGC; each computes its block of the
 // BM x 64 tile as FM x FN fragments accumulating in f32. Loads follow qgemm.wgsl: thread t takes rows
 // t / 4 (+ 32) of x and of the weights, quarter t % 4 of each block's 32 values, and the next step's
@@ -25,24 +28,19 @@ struct Params { n: u32, kw: u32, m: u32, k: u32, ldy: u32, o_x: u32, o_y: u32, o
 @group(0) @binding(3) var<storage, read> scales: array<f32>;
 
 const SK: u32 = 32u * S + 8u;
-var<workgroup> xs: array<f16, BM * SK>;
-var<workgroup> ws: array<f16, 64u * SK>;
+var<workgroup> xs: array<vec4<f16>, BM * SK / 4u>;
+var<workgroup> ws: array<vec4<f16>, 64u * SK / 4u>;
 var<workgroup> cs: array<f32, 1024>;  // one 16x16 fragment per subgroup
 
-// Four consecutive values of a tile row, rounded to f16 (zeros for a block past the last).
+// Four consecutive values of a tile row (`at` a multiple of 4), rounded to f16 (zeros for a block past
+// the last), in one store.
 fn put_x(at: u32, v: vec4<f32>, valid: bool) {
   let h = select(vec4<f32>(0.0), v, valid);
-  xs[at] = f16(h.x);
-  xs[at + 1u] = f16(h.y);
-  xs[at + 2u] = f16(h.z);
-  xs[at + 3u] = f16(h.w);
+  xs[at / 4u] = vec4<f16>(h);
 }
 fn put_w(at: u32, v: vec4<f32>, valid: bool) {
   let h = select(vec4<f32>(0.0), v, valid);
-  ws[at] = f16(h.x);
-  ws[at + 1u] = f16(h.y);
-  ws[at + 2u] = f16(h.z);
-  ws[at + 3u] = f16(h.w);
+  ws[at / 4u] = vec4<f16>(h);
 }
 
 @compute @workgroup_size(128)
@@ -59,7 +57,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let wrow$w = min(n0 + lr + 32u * $wu, p.n - 1u);
   let nb = p.k / 32u;
   let last = nb - 1u;
-  let sk = SK;
+  let sk = SK / 4u;
   var c$a$b = coop_mat16x16<f32, C>();
   var xa$x$s = xload(xrow$x + min($su, last) * 32u + 8u * lq);
   var xb$x$s = xload(xrow$x + min($su, last) * 32u + 8u * lq + 4u);
@@ -77,10 +75,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
       wr$w$s = wfetch(wrow$w, min(b + S + $su, last), lq);
     }
     for (var kk = 0u; kk < 32u * S; kk = kk + 16u) {
-      let ia$a = (fm + 16u * $au) * sk + kk;
-      let a$a = coopLoadT<coop_mat16x16<f16, A>>(&xs[ia$a], sk);
-      let ib$b = (fn0 + 16u * $bu) * sk + kk;
-      let b$b = coopLoad<coop_mat16x16<f16, B>>(&ws[ib$b], sk);
+      let ia$a = (fm + 16u * $au) * SK + kk;
+      let a$a = coopLoadT<coop_mat16x16<f16, A>>(&xs[ia$a / 4u], sk);
+      let ib$b = (fn0 + 16u * $bu) * SK + kk;
+      let b$b = coopLoad<coop_mat16x16<f16, B>>(&ws[ib$b / 4u], sk);
       c$a$b = coopMultiplyAdd(a$a, b$b, c$a$b);
     }
   }
