@@ -515,9 +515,10 @@ pub fn prepare_training(
     // A verdict holds for the shapes it trained: a fault can live past some sequence length or width.
     let c = run.cfg;
     let key = format!(
-        "{adapter}|{driver}|training-gate|{}|v{}|{} steps|{}x{}x{} block {} vocab {} batch {}",
+        "{adapter}|{driver}|training-gate|{}|v{}|k{}|{} steps|{}x{}x{} block {} vocab {} batch {}",
         id.name(),
         id.kernel_version(),
+        tinygpt_kernels::gate::kernels_digest(),
         run.steps,
         c.n_layer,
         c.n_head,

@@ -380,17 +380,26 @@ fn read_cpu_name() -> String {
     std::env::consts::ARCH.to_string()
 }
 
-/// Cache key of a path's verdict: device, driver, path, kernel version and the shapes gated.
+/// A digest of the kernel crate's sources this build was compiled from (build.rs): every stored
+/// verdict's key holds it beside the path's kernel version, so a build whose kernels changed in any
+/// way gates them again rather than trusting a verdict an earlier build earned.
+pub fn kernels_digest() -> &'static str {
+    env!("TINYGPT_KERNELS_DIGEST")
+}
+
+/// Cache key of a path's verdict: device, driver, path, kernel version, the kernels' digest and the
+/// shapes gated.
 pub fn cache_key(be: &Backend, id: PathId, cases: &[GateCase]) -> String {
     let shapes: Vec<String> = cases
         .iter()
         .map(|c| format!("{}x{}x{}", c.m, c.n, c.k))
         .collect();
     format!(
-        "{}|{}|v{}|{}",
+        "{}|{}|v{}|k{}|{}",
         adapter_key(be),
         id.name(),
         id.kernel_version(),
+        kernels_digest(),
         shapes.join(",")
     )
 }

@@ -245,6 +245,42 @@ fn a_single_small_gate_misses_the_block_index_fault_that_the_multi_shape_gate_ca
     );
 }
 
+/// A verdict is stored under the digest of the kernels' sources (build.rs): one stored by a build whose
+/// kernels differ (the same key but another digest) is not reused, however its kernel version reads;
+/// this build's own is.
+#[test]
+fn verdicts_of_other_kernel_sources_are_not_reused() {
+    let Some(be) = gpu_backend(None) else { return };
+    let digest = kernels_digest();
+    assert!(
+        digest.len() == 16 && digest.chars().all(|c| c.is_ascii_hexdigit()),
+        "{digest}"
+    );
+    let opts = GateOptions {
+        only: Some(vec![PathId::F16Storage]),
+        seed: 7,
+        ..GateOptions::default()
+    };
+    let mut store = MemoryStore::default();
+    let first = block_on(run_gates(&be, &opts, &mut store));
+    assert_eq!(first.reports[0].status, Status::Active);
+    let key = first.reports[0].cache_key.clone();
+    assert!(key.contains(&format!("|k{digest}|")), "{key}");
+    // The same verdict as an earlier build (other kernel sources) would have stored it.
+    let verdict = store.verdicts.remove(&key).expect("the pass is stored");
+    let other = key.replace(digest, "0123456789abcdef");
+    store.verdicts.insert(other, verdict.clone());
+    let again = block_on(run_gates(&be, &opts, &mut store));
+    assert!(
+        !again.reports[0].from_cache,
+        "another build's verdict was reused"
+    );
+    assert_eq!(again.reports[0].status, Status::Active);
+    // This build's own verdict is.
+    let cached = block_on(run_gates(&be, &opts, &mut store));
+    assert!(cached.reports[0].from_cache);
+}
+
 #[test]
 fn passed_gates_are_stored_and_regate_reruns_them() {
     let Some(be) = gpu_backend(None) else { return };
@@ -383,6 +419,11 @@ fn token_gate_drops_exactly_the_paths_that_diverge() {
         "{log:?}"
     );
     assert_eq!(calls[0], PathSet::F32, "the reference runs on the f32 path");
+    assert!(
+        out.key.contains(&format!("|k{}|", kernels_digest())),
+        "the verdict is stored under the kernels' digest: {}",
+        out.key
+    );
     let (again, log) = run(&mut store, false, &mut calls);
     assert!(again.from_cache && again.kept == out.kept, "{log:?}");
     assert_eq!(calls.len(), 4, "a stored verdict runs nothing");

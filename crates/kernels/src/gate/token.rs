@@ -34,14 +34,18 @@ impl TokenOutcome {
 }
 
 /// The store key of the token gate's verdict for `active` on `be`'s adapter and the model `model_key`
-/// (the paths' kernel versions are part of it).
+/// (the paths' kernel versions and the kernels' digest are part of it).
 fn token_key(be: &Backend, model_key: &str, active: PathSet) -> String {
     let versions: Vec<String> = active
         .iter()
         .map(|p| format!("{}v{}", p.name(), p.kernel_version()))
         .collect();
     let adapter = adapter_key(be);
-    format!("token|{adapter}|{}|{model_key}", versions.join(","))
+    let digest = super::kernels_digest();
+    format!(
+        "token|{adapter}|{}|k{digest}|{model_key}",
+        versions.join(",")
+    )
 }
 
 /// The paths of `active` a stored token verdict kept, if one is stored under `key`.
