@@ -245,6 +245,15 @@ fn a_single_small_gate_misses_the_block_index_fault_that_the_multi_shape_gate_ca
     );
 }
 
+/// Gate options for the f16-storage path alone: a quick gate whose pass is stored.
+fn f16_storage_only() -> GateOptions {
+    GateOptions {
+        only: Some(vec![PathId::F16Storage]),
+        seed: 7,
+        ..GateOptions::default()
+    }
+}
+
 /// A verdict is stored under the digest of the kernels' sources (build.rs): one stored by a build whose
 /// kernels differ (the same key but another digest) is not reused, however its kernel version reads;
 /// this build's own is.
@@ -256,11 +265,7 @@ fn verdicts_of_other_kernel_sources_are_not_reused() {
         digest.len() == 16 && digest.chars().all(|c| c.is_ascii_hexdigit()),
         "{digest}"
     );
-    let opts = GateOptions {
-        only: Some(vec![PathId::F16Storage]),
-        seed: 7,
-        ..GateOptions::default()
-    };
+    let opts = f16_storage_only();
     let mut store = MemoryStore::default();
     let first = block_on(run_gates(&be, &opts, &mut store));
     assert_eq!(first.reports[0].status, Status::Active);
@@ -269,7 +274,7 @@ fn verdicts_of_other_kernel_sources_are_not_reused() {
     // The same verdict as an earlier build (other kernel sources) would have stored it.
     let verdict = store.verdicts.remove(&key).expect("the pass is stored");
     let other = key.replace(digest, "0123456789abcdef");
-    store.verdicts.insert(other, verdict.clone());
+    store.verdicts.insert(other, verdict);
     let again = block_on(run_gates(&be, &opts, &mut store));
     assert!(
         !again.reports[0].from_cache,
@@ -284,11 +289,7 @@ fn verdicts_of_other_kernel_sources_are_not_reused() {
 #[test]
 fn passed_gates_are_stored_and_regate_reruns_them() {
     let Some(be) = gpu_backend(None) else { return };
-    let opts = GateOptions {
-        only: Some(vec![PathId::F16Storage]),
-        seed: 7,
-        ..GateOptions::default()
-    };
+    let opts = f16_storage_only();
     let mut store = MemoryStore::default();
     let first = block_on(run_gates(&be, &opts, &mut store));
     assert_eq!(first.reports[0].status, Status::Active);
