@@ -515,7 +515,8 @@ pub fn prepare_training(
     // A verdict holds for the shapes it trained: a fault can live past some sequence length or width.
     let c = run.cfg;
     let key = format!(
-        "{adapter}|{driver}|training-gate|{}|v{}|k{}|{} steps|{}x{}x{} block {} vocab {} batch {}",
+        "{}|training-gate|{}|v{}|k{}|{} steps|{}x{}x{} block {} vocab {} batch {}",
+        tinygpt_kernels::gate::adapter_key(be),
         id.name(),
         id.kernel_version(),
         tinygpt_kernels::gate::kernels_digest(),

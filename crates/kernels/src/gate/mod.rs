@@ -340,7 +340,7 @@ fn paths_of(be: &Backend) -> impl Iterator<Item = &'static PathDef> {
 
 /// The device's identity in cache keys: the adapter's name, driver and driver version; on the CPU
 /// backend, the processor's name.
-pub(crate) fn adapter_key(be: &Backend) -> String {
+pub fn adapter_key(be: &Backend) -> String {
     match be.as_gpu() {
         Some(g) => {
             let i = g.info();
