@@ -346,8 +346,8 @@ pub(super) fn mixed_suits(g: &Gemm) -> bool {
 /// both operands are stored in workgroup memory in the layout their global rows arrive in (so global
 /// reads are coalesced and writes to workgroup memory fall on distinct banks), padded to break bank
 /// conflicts (each thread stores pairs of consecutive values, [`RUN`]), and loaded into fragments row-
-/// or column-major to match. With `prefetch` the next
-/// k-step's global loads are issued before the current one is multiplied (register double-buffering).
+/// or column-major to match. With `prefetch` the next k-step's global loads are issued before the
+/// current one is multiplied (register double-buffering).
 pub(super) fn mixed_source(
     cfg: MixedTile,
     trans_a: bool,
@@ -410,7 +410,7 @@ pub(super) fn mixed_source(
             extent,
             ..
         } = *o;
-        debug_assert!(o.per.is_multiple_of(RUN) && bk.is_multiple_of(RUN));
+        debug_assert!([o.per, o.width, bk].iter().all(|v| v.is_multiple_of(RUN)));
         // Run ci of this thread: the pair of values at (v, kk) and the next along the stored rows.
         for ci in 0..o.per / RUN {
             let c = format!("({ci}u * {nt}u + lid)");
