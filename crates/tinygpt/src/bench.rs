@@ -7,7 +7,7 @@ use std::time::Instant;
 use tinygpt_kernels::gate::pills;
 use tinygpt_kernels::ops::matmul::{
     Causal, Choice, Gemm, Kernel, MixedTile, TILE_LARGE, TILE_MEDIUM, TILE_SMALL, TILE_TALL, Tile,
-    choose,
+    choose, f16_operands_suit, packed_len,
 };
 use tinygpt_kernels::rng::SeedRng;
 use tinygpt_kernels::{Backend, PathId, PathSet, ops};
@@ -60,12 +60,21 @@ pub struct LlmBenchArgs {
 #[derive(Args, Debug)]
 pub struct OpsArgs {
     /// Also time every GEMM tile configuration on the big products, and every tensor-core tile shape
-    /// where the adapter has cooperative matrices (tuning).
-    #[arg(long)]
-    pub tiles: bool,
+    /// where the adapter has cooperative matrices (tuning); `--tiles f32` or `--tiles tensor-cores`
+    /// sweeps one kind only.
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "all")]
+    pub tiles: Option<TileSweep>,
     /// Largest square GEMM to time (default: 4096 on a GPU, 512 on the CPU or a software adapter).
     #[arg(long)]
     pub max_size: Option<usize>,
+}
+
+/// Which kernels' tile shapes `bench ops --tiles` times.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TileSweep {
+    All,
+    F32,
+    TensorCores,
 }
 
 #[derive(Args, Debug)]
@@ -280,7 +289,8 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
         // tensor-core products (f16 operands, f32 accumulation) as chosen and on every candidate
         // tile, each with its largest error against the f32 result relative to its largest magnitude.
         let mut runs: Vec<Bench> = vec![Bench::F32(None)];
-        if a.tiles && !slow {
+        let sweep = |k: TileSweep| a.tiles.is_some_and(|t| t == TileSweep::All || t == k);
+        if sweep(TileSweep::F32) && !slow {
             runs.extend(candidate_tiles().into_iter().map(|t| Bench::F32(Some(t))));
         }
         let coop = be.as_gpu().is_some_and(|g| {
@@ -288,7 +298,7 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
         });
         if coop {
             runs.push(Bench::Mixed(None));
-            if a.tiles {
+            if sweep(TileSweep::TensorCores) {
                 runs.extend(
                     MixedTile::CANDIDATES
                         .into_iter()
@@ -296,6 +306,25 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
                 );
             }
         }
+        // The same product with both operands stored as f16 pairs (half the bytes a tile reads).
+        let packed = match coop && f16_operands_suit(g) {
+            true => {
+                let mut pa = be.zeros(packed_len(ea), 1)?;
+                let mut pb = be.zeros(packed_len(eb), 1)?;
+                ops::matmul::pack_f16(be, (&ta).into(), (&mut pa).into(), ea)?;
+                ops::matmul::pack_f16(be, (&tb).into(), (&mut pb).into(), eb)?;
+                runs.push(Bench::F16(None));
+                if sweep(TileSweep::TensorCores) {
+                    runs.extend(
+                        MixedTile::CANDIDATES
+                            .into_iter()
+                            .map(|t| Bench::F16(Some(t))),
+                    );
+                }
+                Some((pa, pb))
+            }
+            false => None,
+        };
         let mixed = PathSet::of(&[PathId::MixedTraining]);
         let mut reference: Option<Vec<f32>> = None;
         for run in runs {
@@ -304,7 +333,24 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
                 Bench::F32(Some(t)) => format!("  tile {}", t.key()),
                 Bench::Mixed(None) => "  tensor cores, f16 operands".to_string(),
                 Bench::Mixed(Some(t)) => format!("    tensor-core tile {}", t.key()),
+                Bench::F16(None) => "  tensor cores, f16 operands in memory".to_string(),
+                Bench::F16(Some(t)) => format!("    f16-operand tile {}", t.key()),
             };
+            if let (Bench::F16(tile), Some((pa, pb))) = (run, &packed) {
+                let timed = time(be, reps, || {
+                    let c = (&mut tc).into();
+                    Ok(ops::matmul::matmul_f16_operands(
+                        be,
+                        pa.into(),
+                        pb.into(),
+                        c,
+                        g,
+                        tile,
+                    )?)
+                });
+                report(be, &label, timed, flops, &tc, reference.as_deref())?;
+                continue;
+            }
             let timed = time(be, reps, || {
                 let c = (&mut tc).into();
                 let choice = match run {
@@ -319,6 +365,7 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
                     ),
                     Bench::Mixed(None) => choose(be, (&ta).into(), (&tb).into(), &c, g, mixed),
                     Bench::Mixed(Some(t)) => Choice::forced(Kernel::CoopMixed(t), mixed),
+                    Bench::F16(_) => unreachable!("f16-operand runs are timed above"),
                 };
                 Ok(ops::matmul::run(
                     be,
@@ -329,34 +376,9 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
                     g,
                 )?)
             });
-            let sec = match timed {
-                Ok(sec) => sec,
-                Err(e) => {
-                    println!("{label:<44} {:>10} {e}", "-");
-                    continue;
-                }
-            };
-            let rate = format!(
-                "{label:<44} {:>10.3} {:>12.1}",
-                sec * 1e3,
-                flops / sec / 1e9
-            );
-            match (run, &reference) {
-                (Bench::F32(None), _) => {
-                    reference = Some(be.to_vec(&tc)?);
-                    println!("{rate}");
-                }
-                (Bench::Mixed(_), Some(want)) => {
-                    let got = be.to_vec(&tc)?;
-                    let top = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    let err = want
-                        .iter()
-                        .zip(&got)
-                        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                    let rel = err / top.max(f32::MIN_POSITIVE);
-                    println!("{rate}   max|err|/max|ref| {rel:.2e}");
-                }
-                _ => println!("{rate}"),
+            let ran = report(be, &label, timed, flops, &tc, reference.as_deref())?.is_some();
+            if ran && matches!(run, Bench::F32(None)) {
+                reference = Some(be.to_vec(&tc)?);
             }
         }
     }
@@ -519,6 +541,45 @@ fn decode_ops(be: &Backend, rng: &mut SeedRng) -> Result<()> {
     Ok(())
 }
 
+/// Prints one timed product of `bench ops` (or the error that stopped it): its time and rate, and
+/// beside a tensor-core result its largest error against the f32 kernel's (`reference`) relative to
+/// the reference's largest magnitude. Returns the time if there is one.
+fn report(
+    be: &Backend,
+    label: &str,
+    timed: Result<f64>,
+    flops: f64,
+    tc: &tinygpt_kernels::Tensor,
+    reference: Option<&[f32]>,
+) -> Result<Option<f64>> {
+    let sec = match timed {
+        Ok(sec) => sec,
+        Err(e) => {
+            println!("{label:<44} {:>10} {e}", "-");
+            return Ok(None);
+        }
+    };
+    let rate = format!(
+        "{label:<44} {:>10.3} {:>12.1}",
+        sec * 1e3,
+        flops / sec / 1e9
+    );
+    match reference {
+        Some(want) => {
+            let got = be.to_vec(tc)?;
+            let top = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let err = want
+                .iter()
+                .zip(&got)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            let rel = err / top.max(f32::MIN_POSITIVE);
+            println!("{rate}   max|err|/max|ref| {rel:.2e}");
+        }
+        None => println!("{rate}"),
+    }
+    Ok(Some(sec))
+}
+
 /// Tile configurations the tuning sweep tries (those the device cannot run are reported as such).
 /// One timing of `bench ops`'s products: the f32 kernel (as chosen, or on a forced tile) or the
 /// tensor-core training kernel (as chosen, or on a forced tile shape).
@@ -526,6 +587,8 @@ fn decode_ops(be: &Backend, rng: &mut SeedRng) -> Result<()> {
 enum Bench {
     F32(Option<Tile>),
     Mixed(Option<MixedTile>),
+    /// The tensor-core kernel on operands stored as f16 pairs (as chosen, or on a forced shape).
+    F16(Option<MixedTile>),
 }
 
 fn candidate_tiles() -> Vec<Tile> {

@@ -245,7 +245,19 @@ impl MixedTile {
     };
 
     /// Shapes `bench ops --tiles` times beside the chosen ones.
-    pub const CANDIDATES: [MixedTile; 9] = [
+    pub const CANDIDATES: [MixedTile; 11] = [
+        MixedTile {
+            tm: 256,
+            sgm: 4,
+            sgn: 2,
+            bk: 32,
+            ..MixedTile::LARGE
+        },
+        MixedTile {
+            tn: 256,
+            bk: 32,
+            ..MixedTile::LARGE
+        },
         MixedTile::LARGE,
         MixedTile {
             prefetch: false,
@@ -331,6 +343,17 @@ pub(crate) fn mixed_tiles(gb: &GpuBackend) -> Vec<MixedTile> {
     vec![large_tile(gb), MixedTile::SMALL]
 }
 
+/// How the tensor-core training kernel's operands are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Operands {
+    /// f32 elements, each rounded to f16 as it is staged.
+    F32,
+    /// f16 values packed two per u32 word ([`super::pack_f16`]), staged as they are: half the bytes
+    /// each tile reads. Every extent, offset, leading dimension and batch stride is even, so each
+    /// staged pair is one word.
+    F16,
+}
+
 /// Whether the mixed-precision tensor-core kernel can take a product: f32 operands in one buffer each,
 /// any layout, batched.
 pub(super) fn mixed_suits(g: &Gemm) -> bool {
@@ -353,8 +376,10 @@ pub(super) fn mixed_source(
     trans_a: bool,
     trans_b: bool,
     causal: Causal,
+    operands: Operands,
     fault: Option<Fault>,
 ) -> String {
+    let f16_in = operands == Operands::F16;
     let MixedTile {
         tm,
         tn,
@@ -430,7 +455,29 @@ pub(super) fn mixed_source(
                 )
             };
             let mut body = String::new();
-            for j in 0..RUN {
+            if f16_in {
+                // The pair is one word of the packed operand (every extent, offset and stride even).
+                let (idx, inside) = if o.k_contiguous {
+                    (
+                        format!("{base} + ({origin} + {v}) * p.{ld} + k0 + kk"),
+                        format!("{origin} + {v} < p.{extent} && k0 + kk < p.k"),
+                    )
+                } else {
+                    (
+                        format!("{base} + (k0 + kk) * p.{ld} + {origin} + {v}"),
+                        format!("{origin} + {v} < p.{extent} && k0 + kk < p.k"),
+                    )
+                };
+                let load = format!("{reg}[{ci}] = {mat}[({idx}) >> 1u];");
+                if checked {
+                    body.push_str(&format!(
+                        "\n      {reg}[{ci}] = 0u; if ({inside}) {{ {load} }}"
+                    ));
+                } else {
+                    body.push_str(&format!("\n      {load}"));
+                }
+            }
+            for j in (0..RUN).filter(|_| !f16_in) {
                 let i = ci * RUN + j;
                 let (idx, inside) = if o.k_contiguous {
                     (
@@ -454,12 +501,16 @@ pub(super) fn mixed_source(
             loads.push_str(&format!(
                 "    {{ let {v} = {vi}; let kk = {ki};{body}\n    }}\n"
             ));
-            let vals: Vec<String> = (0..RUN)
-                .map(|j| format!("f16({reg}[{}])", ci * RUN + j))
-                .collect();
+            let val = if f16_in {
+                format!("vec2<f16>(unpack2x16float({reg}[{ci}]))")
+            } else {
+                let vals: Vec<String> = (0..RUN)
+                    .map(|j| format!("f16({reg}[{}])", ci * RUN + j))
+                    .collect();
+                format!("vec{RUN}<f16>({})", vals.join(", "))
+            };
             stores.push_str(&format!(
-                "    {{ let {v} = {vi}; let kk = {ki}; {tile}[{slot}] = vec{RUN}<f16>({}); }}\n",
-                vals.join(", ")
+                "    {{ let {v} = {vi}; let kk = {ki}; {tile}[{slot}] = {val}; }}\n"
             ));
         }
         (loads, stores)
@@ -610,6 +661,11 @@ pub(super) fn mixed_source(
     let (shared_a, shared_b) = (shared_a.div_ceil(RUN), shared_b.div_ceil(RUN));
     let (ks_run, msa_run, msb_run) = (ks / RUN, msa / RUN, msb / RUN);
     let prologue = causal_prologue(causal, tm);
+    let (elem, reg_t, reg_a, reg_b) = if f16_in {
+        ("u32", "u32", per_a / RUN, per_b / RUN)
+    } else {
+        ("f32", "f32", per_a, per_b)
+    };
     let main_loop = if cfg.prefetch {
         format!(
             "  {{
@@ -642,16 +698,20 @@ pub(super) fn mixed_source(
   }}"
         )
     };
-    format!(
+    let header = format!(
         "enable f16;
 enable wgpu_cooperative_matrix;
-{PARAMS}@group(0) @binding(1) var<storage, read> mat_a: array<f32>;
-@group(0) @binding(2) var<storage, read> mat_b: array<f32>;
+{PARAMS}@group(0) @binding(1) var<storage, read> mat_a: array<{elem}>;
+@group(0) @binding(2) var<storage, read> mat_b: array<{elem}>;
 @group(0) @binding(3) var<storage, read_write> mat_c: array<f32>;
 
 var<workgroup> As: array<vec{RUN}<f16>, {shared_a}>;
 var<workgroup> Bs: array<vec{RUN}<f16>, {shared_b}>;
 var<workgroup> Cs: array<{acc}, {cs}>; // one 16x16 fragment per subgroup
+"
+    );
+    format!(
+        "{header}
 
 @compute @workgroup_size({nt})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
@@ -671,8 +731,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   let sma = {msa_run}u;
   let smb = {msb_run}u;
 {decl}
-  var ra: array<f32, {per_a}>;
-  var rb: array<f32, {per_b}>;
+  var ra: array<{reg_t}, {reg_a}>;
+  var rb: array<{reg_t}, {reg_b}>;
 {main_loop}
   let lane = lid % 32u;
   let cbase = sg * 256u;
@@ -684,8 +744,29 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     )
 }
 
+/// Whether every operand word of [`Operands::F16`] holds one staged pair: even extents, offsets (in
+/// f16 elements), leading dimensions and batch strides of A and B.
+pub(super) fn f16_pairs_suit(g: &Gemm, oa: usize, ob: usize) -> bool {
+    [
+        g.m,
+        g.n,
+        g.k,
+        g.lda,
+        g.ldb,
+        oa,
+        ob,
+        g.stride_a[0],
+        g.stride_a[1],
+        g.stride_b[0],
+        g.stride_b[1],
+    ]
+    .iter()
+    .all(|v| v % 2 == 0)
+}
+
 /// C = alpha · op(A) op(B) + beta · C on the tensor cores with f16-rounded operands (see
 /// [`mixed_source`]), on the workgroup tile `tile`; every operand in one buffer.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn matmul_coop_mixed(
     gb: &GpuBackend,
     (ta, oa): (&GpuTensor, usize),
@@ -693,6 +774,7 @@ pub(super) fn matmul_coop_mixed(
     (tc, oc): (&GpuTensor, usize),
     g: &Gemm,
     tile: MixedTile,
+    operands: Operands,
     fault: Option<Fault>,
 ) -> Result<()> {
     if ta.num_chunks() != 1 || tb.num_chunks() != 1 || tc.num_chunks() != 1 {
@@ -701,24 +783,36 @@ pub(super) fn matmul_coop_mixed(
             msg: "the mixed-precision tensor-core kernel takes every operand in one buffer".into(),
         });
     }
+    if operands == Operands::F16 && !f16_pairs_suit(g, oa, ob) {
+        return Err(Error::Shape {
+            op: "matmul_coop_mixed",
+            msg: "f16 operands need even extents, offsets, leading dimensions and batch strides"
+                .into(),
+        });
+    }
     if g.m == 0 || g.n == 0 || g.batches() == 0 {
         return Ok(());
     }
     let (trans_a, trans_b) = (g.trans_a, g.trans_b);
     let causal = g.causal;
     let key = format!(
-        "gemm_coop_mixed_{}{}_{}{}{}",
+        "gemm_coop_mixed_{}{}_{}{}{}{}",
         if trans_a { 't' } else { 'n' },
         if trans_b { 't' } else { 'n' },
         tile.key(),
         causal_key(causal),
+        if operands == Operands::F16 {
+            "_f16in"
+        } else {
+            ""
+        },
         fault.map_or(String::new(), |f| format!("_fault{f:?}"))
     );
     let pipe = gb.pipeline(
         &key,
         &[Access::Read, Access::Read, Access::ReadWrite],
         PipelineOptions::default(),
-        || mixed_source(tile, trans_a, trans_b, causal, fault),
+        || mixed_source(tile, trans_a, trans_b, causal, operands, fault),
     )?;
     let p = super::params(g, [oa, ob, oc], g.m, g.n, g.k, g.beta);
     let bufs = [
@@ -755,15 +849,19 @@ mod tests {
         ];
         let mixed = MixedTile::CANDIDATES.into_iter().flat_map(|tile| {
             faults.into_iter().flat_map(move |f| {
-                [(false, false), (false, true), (true, false), (true, true)]
-                    .map(|(ta, tb)| mixed_source(tile, ta, tb, Causal::None, f))
+                [Operands::F32, Operands::F16]
+                    .into_iter()
+                    .flat_map(move |o| {
+                        [(false, false), (false, true), (true, false), (true, true)]
+                            .map(|(ta, tb)| mixed_source(tile, ta, tb, Causal::None, o, f))
+                    })
             })
         });
         let causal = [Causal::Output, Causal::ALower, Causal::AUpper]
             .into_iter()
             .flat_map(|c| {
                 [(false, false), (true, false)]
-                    .map(|(ta, tb)| mixed_source(MixedTile::SMALL, ta, tb, c, None))
+                    .map(|(ta, tb)| mixed_source(MixedTile::SMALL, ta, tb, c, Operands::F32, None))
             });
         for src in faults[..3]
             .iter()
@@ -787,19 +885,21 @@ mod tests {
     fn tiles_declare_what_shared_bytes_says() {
         for tile in MixedTile::CANDIDATES {
             for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
-                let src = mixed_source(tile, ta, tb, Causal::None, None);
-                let module = naga::front::wgsl::parse_str(&src).unwrap();
-                let declared: u32 = module
-                    .global_variables
-                    .iter()
-                    .filter(|(_, v)| v.space == naga::AddressSpace::WorkGroup)
-                    .map(|(_, v)| module.types[v.ty].inner.size(module.to_ctx()))
-                    .sum();
-                assert!(
-                    declared as usize <= tile.shared_bytes(),
-                    "{} declares {declared} bytes",
-                    tile.key()
-                );
+                for o in [Operands::F32, Operands::F16] {
+                    let src = mixed_source(tile, ta, tb, Causal::None, o, None);
+                    let module = naga::front::wgsl::parse_str(&src).unwrap();
+                    let declared: u32 = module
+                        .global_variables
+                        .iter()
+                        .filter(|(_, v)| v.space == naga::AddressSpace::WorkGroup)
+                        .map(|(_, v)| module.types[v.ty].inner.size(module.to_ctx()))
+                        .sum();
+                    assert!(
+                        declared as usize <= tile.shared_bytes(),
+                        "{} declares {declared} bytes",
+                        tile.key()
+                    );
+                }
             }
         }
         assert!(MixedTile::LARGE.shared_bytes() <= 48 << 10);

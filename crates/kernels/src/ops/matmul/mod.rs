@@ -30,11 +30,11 @@ pub mod quant;
 mod tiled;
 
 use crate::backend::{Backend, TMut, TRef, Tensor};
-use crate::error::{Error, Result};
+use crate::error::{self, Error, Result};
 use crate::gpu::{Access, GpuBackend, GpuTensor, PipelineOptions};
 use crate::path::{Fault, PathId, PathSet};
-pub use coop::MixedTile;
 pub(crate) use coop::mixed_tiles;
+pub use coop::{MixedTile, Operands};
 pub use cpu::gemm_reference;
 pub use f16::{pack_f16, packed_len, unpack_f16};
 pub use quant::{QKind, QMatrix, QuantSource, get_rows};
@@ -456,6 +456,69 @@ pub fn matmul<'a>(
     run(be, choice, a, b, c, g)
 }
 
+/// Whether [`matmul_f16_operands`] takes the product's layout: even extents, leading dimensions and
+/// batch strides (each staged pair of values is one word).
+pub fn f16_operands_suit(g: &Gemm) -> bool {
+    coop::f16_pairs_suit(g, 0, 0)
+}
+
+/// C = alpha · op(A) op(B) + beta · C with both operands f16, packed two per u32 word ([`pack_f16`];
+/// each view starts at a word, `g`'s extents, leading dimensions and batch strides count f16 elements
+/// and are even), summed in f32: on the tensor-core training kernel (`tile`, or the one
+/// [`MixedTile`] the product would take), or the CPU twin. The values are those the f32-operand
+/// tensor-core kernel stages from f32 operands that round to them.
+pub fn matmul_f16_operands(
+    be: &Backend,
+    a: TRef<'_>,
+    b: TRef<'_>,
+    mut c: TMut<'_>,
+    g: &Gemm,
+    tile: Option<MixedTile>,
+) -> Result<()> {
+    g.validate()?;
+    let [ea, eb, ec] = g.extents();
+    if !f16_operands_suit(g) {
+        return Err(error::shape(
+            "matmul_f16_operands",
+            "f16 operands need even extents, leading dimensions and batch strides",
+        ));
+    }
+    match be {
+        Backend::Cpu(cb) => {
+            let av = unpack_f16(a.cpu_u32("matmul", "A", packed_len(ea))?, ea);
+            let bv = unpack_f16(b.cpu_u32("matmul", "B", packed_len(eb))?, eb);
+            let c = c.cpu("matmul", "C", ec)?;
+            cb.install(|| cpu::gemm_rows(&av, &bv, c, g));
+            Ok(())
+        }
+        Backend::Gpu(gb) => {
+            if !gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+                || !coop::mixed_suits(g)
+            {
+                return Err(error::shape(
+                    "matmul_f16_operands",
+                    "f16 operands run on the tensor cores: this adapter has no cooperative \
+                     matrices, or the product is smaller than one fragment",
+                ));
+            }
+            let ta = a.gpu("matmul", "A", packed_len(ea))?;
+            let tb = b.gpu("matmul", "B", packed_len(eb))?;
+            let tc = c.gpu("matmul", "C", ec)?;
+            let tile = tile.unwrap_or_else(|| coop::mixed_tile(gb, g));
+            coop::matmul_coop_mixed(
+                gb,
+                (ta, 2 * a.offset()),
+                (tb, 2 * b.offset()),
+                (tc, c.offset()),
+                g,
+                tile,
+                coop::Operands::F16,
+                None,
+            )
+        }
+    }
+}
+
 /// Runs the product on the kernel `choice` names (benchmarks compare tiles this way; gates force the
 /// kernel of the path they check). The kernel must suit the backend and B's format.
 pub fn run(
@@ -529,7 +592,7 @@ pub fn run(
                 }),
                 Kernel::Scale => gpu_scale(gb, c, g),
                 Kernel::CoopMixed(tile) if !f16 => {
-                    coop::matmul_coop_mixed(gb, a, b, c, g, tile, fault)
+                    coop::matmul_coop_mixed(gb, a, b, c, g, tile, coop::Operands::F32, fault)
                 }
                 Kernel::CoopMixed(_) => Err(Error::Shape {
                     op: "matmul",
@@ -689,7 +752,7 @@ fn gpu_split_k(
         |a: (&GpuTensor, usize), b: (&GpuTensor, usize), c: (&GpuTensor, usize), sg: &Gemm| {
             if coop && coop::mixed_suits(sg) {
                 let tile = coop::mixed_tile(gb, sg);
-                return coop::matmul_coop_mixed(gb, a, b, c, sg, tile, fault);
+                return coop::matmul_coop_mixed(gb, a, b, c, sg, tile, coop::Operands::F32, fault);
             }
             let opts = GemmOpts {
                 trans_a: g.trans_a,

@@ -518,3 +518,136 @@ fn causal_skips_keep_the_bits() {
         }
     }
 }
+
+/// Operands stored as f16 pairs: the tensor-core kernel on every tile shape and layout, batched
+/// with word offsets, scaled and accumulating, gives the bits of the f32-operand kernel on the f32
+/// values the pairs hold (the same f16 values staged, the same fragments and sums), and the CPU twin
+/// agrees within f32 rounding of the order of sums. The GPU part runs where the adapter has
+/// cooperative matrices.
+#[test]
+fn f16_operands_match_the_f32_operand_kernel() {
+    let mut rng = SeedRng::new(12);
+    let mixed = PathSet::of(&[PathId::MixedTraining]);
+    let cases = |rng: &mut SeedRng| {
+        let mut v = Vec::new();
+        for (m, n, k) in [(16, 16, 16), (128, 128, 64), (130, 68, 34), (200, 300, 100)] {
+            for g in all_layouts(m, n, k) {
+                let g = g.alpha(0.5);
+                let [ea, eb, ec] = g.extents();
+                // Two batches, each operand's batch stride even and its view two words in.
+                let even = |e: usize| e + e % 2 + 2;
+                let g = g.batched([2, 1], [even(ea), 0], [even(eb), 0], [ec + 2, 0]);
+                for g in [g, g.accumulate()] {
+                    let (a, b, c0, _) = case(rng, &g);
+                    // The f16 values the pairs will hold, as f32.
+                    let round = |v: Vec<f32>| {
+                        v.into_iter()
+                            .map(|x| half::f16::from_f32(x).to_f32())
+                            .collect::<Vec<_>>()
+                    };
+                    v.push((g, round(a), round(b), c0));
+                }
+            }
+        }
+        v
+    };
+    let cpu = cpu_backend();
+    let gpu = gpu_backend(None).filter(|be| {
+        be.as_gpu()
+            .is_some_and(|g| g.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX))
+    });
+    let tiles: Vec<Option<MixedTile>> = match &gpu {
+        Some(be) => {
+            let room = be
+                .as_gpu()
+                .unwrap()
+                .limits
+                .max_compute_workgroup_storage_size as usize;
+            std::iter::once(None)
+                .chain(
+                    MixedTile::CANDIDATES
+                        .into_iter()
+                        .filter(|t| t.shared_bytes() <= room)
+                        .map(Some),
+                )
+                .collect()
+        }
+        None => vec![None],
+    };
+    for (g, a, b, c0) in cases(&mut rng) {
+        let pad = |v: &[f32]| [vec![7.0; 4], v.to_vec()].concat();
+        let packed = |be: &crate::Backend, v: &[f32]| {
+            let t = be.from_f32(&pad(v), 1).unwrap();
+            let mut p = be.zeros(packed_len(v.len() + 4), 1).unwrap();
+            super::pack_f16(be, (&t).into(), (&mut p).into(), v.len() + 4).unwrap();
+            p
+        };
+        // The CPU twin against the f64 reference of the rounded values.
+        let (pa, pb) = (packed(&cpu, &a), packed(&cpu, &b));
+        let mut c = cpu.from_f32(&c0, 1).unwrap();
+        super::matmul_f16_operands(
+            &cpu,
+            TRef::from(&pa).shift(2),
+            TRef::from(&pb).shift(2),
+            (&mut c).into(),
+            &g,
+            None,
+        )
+        .unwrap();
+        let mut want = c0.clone();
+        gemm_reference(&a, &b, &mut want, &g);
+        assert_nmse(
+            &format!("cpu {g:?}"),
+            &want,
+            &cpu.to_vec(&c).unwrap(),
+            1e-12,
+        );
+        let Some(be) = &gpu else { continue };
+        let (pa, pb) = (packed(be, &a), packed(be, &b));
+        let (ta, tb) = (be.from_f32(&a, 1).unwrap(), be.from_f32(&b, 1).unwrap());
+        for &tile in &tiles {
+            let t = tile.unwrap_or(MixedTile::LARGE);
+            let mut c = be.from_f32(&c0, 1).unwrap();
+            super::matmul_f16_operands(
+                be,
+                TRef::from(&pa).shift(2),
+                TRef::from(&pb).shift(2),
+                (&mut c).into(),
+                &g,
+                tile,
+            )
+            .unwrap();
+            let mut c32 = be.from_f32(&c0, 1).unwrap();
+            let kernel = match tile {
+                Some(t) => Kernel::CoopMixed(t),
+                None => {
+                    super::choose(
+                        be,
+                        (&ta).into(),
+                        (&tb).into(),
+                        &(&mut c32).into(),
+                        &g,
+                        mixed,
+                    )
+                    .kernel
+                }
+            };
+            let choice = Choice::forced(kernel, mixed);
+            super::run(
+                be,
+                choice,
+                (&ta).into(),
+                (&tb).into(),
+                (&mut c32).into(),
+                &g,
+            )
+            .unwrap();
+            assert_eq!(
+                be.to_vec(&c).unwrap(),
+                be.to_vec(&c32).unwrap(),
+                "{} {g:?}",
+                t.key()
+            );
+        }
+    }
+}
