@@ -1,5 +1,5 @@
-// Weight gradient, stage 2: dw[c] (+)= sum over blocks of partial[block, c]. A workgroup takes 64
-// columns; 4 lanes of 64 threads split the blocks.
+// Weight gradient, stage 2: dw[c] (+)= the sum over blocks of part[c * blocks + block] (the partial sums
+// of backward_fused.wgsl). A workgroup takes 8 columns, 32 threads a column splitting the blocks.
 struct Params { n: u32, start: u32, o_part: u32, o_dw: u32, blocks: u32, accumulate: u32 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> part: array<f32>;
@@ -10,16 +10,20 @@ var<workgroup> red: array<f32, 256>;
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
-  let c = group_index(wid, nwg) * 64u + (lid % 64u);
-  let lane = lid / 64u;
+  let c = group_index(wid, nwg) * 8u + lid / 32u;
+  let lane = lid % 32u;
   var s = 0.0;
   if (c < p.n) {
-    for (var b = lane; b < p.blocks; b = b + 4u) { s = s + part[p.o_part + b * p.n + c]; }
+    for (var b = lane; b < p.blocks; b = b + 32u) { s = s + part[p.o_part + c * p.blocks + b]; }
   }
   red[lid] = s;
   workgroupBarrier();
+  for (var h = 16u; h > 0u; h = h >> 1u) {
+    if (lane < h) { red[lid] = red[lid] + red[lid + h]; }
+    workgroupBarrier();
+  }
   if (lane == 0u && c < p.n) {
-    var t = red[lid] + red[lid + 64u] + red[lid + 128u] + red[lid + 192u];
+    var t = red[lid];
     if (p.accumulate != 0u) { t = t + dw[p.o_dw + c]; }
     dw[p.o_dw + c] = t;
   }

@@ -316,6 +316,9 @@ pub fn norm_backward(
     }
 }
 
+/// Rows of x a workgroup of the fused backward kernel takes (as RB in backward_fused.wgsl).
+const FUSED_ROWS: usize = 16;
+
 #[allow(clippy::too_many_arguments)]
 fn gpu_backward(
     g: &GpuBackend,
@@ -335,18 +338,32 @@ fn gpu_backward(
     let tx = x.gpu("norm_backward", "x", n)?;
     let tdy = dy.gpu("norm_backward", "dy", n)?;
     let ts = stats.gpu("norm_backward", "stats", 2 * rows)?;
+    let tw = w.gpu("norm_backward", "w", cols)?;
+    let tdx = dx.gpu("norm_backward", "dx", n)?;
     let ops = [
         Operand::rows(tx, x.offset(), cols),
-        Operand::whole(w.gpu("norm_backward", "w", cols)?, w.offset(), cols),
+        Operand::whole(tw, w.offset(), cols),
         Operand::rows(tdy, dy.offset(), cols),
         Operand::rows(ts, stats.offset(), 1),
         Operand::rows(ts, stats.offset() + rows, 1),
-        Operand::rows(dx.gpu("norm_backward", "dx", n)?, dx.offset(), cols),
+        Operand::rows(tdx, dx.offset(), cols),
     ];
-    let pipe = kernel_parts(
+    // dx and the weight gradient's partial sums (one per block of FUSED_ROWS rows and column, in a
+    // scratch buffer) in one pass; then the partial sums added up per column.
+    let segs = segments("norm_backward", rows, &ops)?;
+    let blocks: usize = segs.iter().map(|sg| sg.len().div_ceil(FUSED_ROWS)).sum();
+    let part = g.scratch("norm_dw_partial", blocks * cols)?;
+    let pbuf = &part.chunks[0].buffer;
+    let cpl = cols.div_ceil(64);
+    let fused = kernel_parts(
         g,
-        "norm_backward_dx",
-        &[ROW_REDUCE, ROWS4, include_str!("backward_dx.wgsl")],
+        &format!("norm_backward_fused_c{cpl}"),
+        &[
+            ROW_REDUCE,
+            ROWS4,
+            &format!("const CPL: u32 = {cpl}u;"),
+            include_str!("backward_fused.wgsl"),
+        ],
         &[
             Access::Read,
             Access::Read,
@@ -354,76 +371,24 @@ fn gpu_backward(
             Access::Read,
             Access::Read,
             Access::ReadWrite,
-        ],
-    )?;
-    let extra = [
-        cols as u32,
-        (kind == NormKind::Rms) as u32,
-        accumulate_dx as u32,
-    ];
-    // Four rows per workgroup (ROWS4).
-    run(
-        g,
-        "norm_backward",
-        &pipe,
-        rows,
-        &ops,
-        &extra,
-        Grid::Threads(4),
-    )?;
-
-    // dw in two stages through a scratch buffer of per-block partial sums (blocks of RB rows, as in
-    // backward_dw_partial.wgsl).
-    const RB: usize = 256;
-    let seg_ops = [
-        Operand::rows(tx, x.offset(), cols),
-        Operand::rows(tdy, dy.offset(), cols),
-        Operand::rows(ts, stats.offset(), 1),
-        Operand::rows(ts, stats.offset() + rows, 1),
-    ];
-    let segs = segments("norm_backward", rows, &seg_ops)?;
-    let blocks: usize = segs.iter().map(|sg| sg.len().div_ceil(RB)).sum();
-    let part = g.scratch("norm_dw_partial", blocks * cols)?;
-    let pbuf = &part.chunks[0].buffer;
-    let p1 = kernel(
-        g,
-        "norm_backward_dw_partial",
-        include_str!("backward_dw_partial.wgsl"),
-        &[
-            Access::Read,
-            Access::Read,
-            Access::Read,
-            Access::Read,
             Access::ReadWrite,
         ],
     )?;
     let mut block0 = 0usize;
     for sg in &segs {
-        let nb = sg.len().div_ceil(RB);
-        let params = [
-            sg.len() as u32,
-            sg.start as u32,
-            sg.places[0].offset as u32,
-            sg.places[1].offset as u32,
-            sg.places[2].offset as u32,
-            sg.places[3].offset as u32,
-            0,
+        let nb = sg.len().div_ceil(FUSED_ROWS);
+        let mut params = vec![sg.len() as u32, sg.start as u32];
+        params.extend(sg.places.iter().map(|pl| pl.offset as u32));
+        params.extend([
             cols as u32,
+            (kind == NormKind::Rms) as u32,
+            accumulate_dx as u32,
+            blocks as u32,
             block0 as u32,
-        ];
-        let bufs = [
-            &sg.places[0].buffer,
-            &sg.places[1].buffer,
-            &sg.places[2].buffer,
-            &sg.places[3].buffer,
-            pbuf,
-        ];
-        g.dispatch(
-            &p1,
-            &params,
-            &bufs,
-            [cols.div_ceil(64) as u32, nb as u32, 1],
-        )?;
+        ]);
+        let mut bufs: Vec<&wgpu::Buffer> = sg.places.iter().map(|pl| &pl.buffer).collect();
+        bufs.push(pbuf);
+        g.dispatch(&fused, &params, &bufs, g.grid(nb))?;
         block0 += nb;
     }
     let p2 = kernel(
@@ -444,7 +409,7 @@ fn gpu_backward(
         cols,
         &ops,
         &[blocks as u32, accumulate_dw as u32],
-        Grid::Threads(64),
+        Grid::Threads(8),
     )
 }
 

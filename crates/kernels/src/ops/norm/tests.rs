@@ -87,8 +87,9 @@ fn norms_match_their_twins_at_odd_sizes() {
         run_both(kind, 7, 384, None, 2);
         run_both(kind, 130, 65, Some(4096), 3);
         run_both(kind, 3, 1000, Some(8192), 4);
-        // The weight gradient's blocks of 256 rows: several per binding, a partial last one, and
-        // bindings that end inside a block.
+        // The backward pass's blocks of 16 rows (one workgroup each, its weight-gradient partial sums
+        // in one column of the scratch): several per binding, a partial last one, and bindings that
+        // end inside a block.
         run_both(kind, 700, 70, None, 5);
         run_both(kind, 700, 70, Some(70 * 4 * 300), 6);
     }
