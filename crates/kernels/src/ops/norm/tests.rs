@@ -92,6 +92,8 @@ fn norms_match_their_twins_at_odd_sizes() {
         // end inside a block.
         run_both(kind, 700, 70, None, 5);
         run_both(kind, 700, 70, Some(70 * 4 * 300), 6);
+        // Many blocks (188): each thread of the final sum adds several of a column's partial sums.
+        run_both(kind, 3000, 40, None, 7);
     }
 }
 
