@@ -454,31 +454,15 @@ pub(super) fn mixed_source(
                     format!("kk * {}u + {v} / {RUN}u", o.ms / RUN),
                 )
             };
+            // The run's loads into registers: one word holding both f16 values (every extent,
+            // offset and stride even), or RUN f32 values; register i holds element j of the run.
+            let run_loads: Vec<(usize, usize)> = if f16_in {
+                vec![(ci, 0)]
+            } else {
+                (0..RUN).map(|j| (ci * RUN + j, j)).collect()
+            };
             let mut body = String::new();
-            if f16_in {
-                // The pair is one word of the packed operand (every extent, offset and stride even).
-                let (idx, inside) = if o.k_contiguous {
-                    (
-                        format!("{base} + ({origin} + {v}) * p.{ld} + k0 + kk"),
-                        format!("{origin} + {v} < p.{extent} && k0 + kk < p.k"),
-                    )
-                } else {
-                    (
-                        format!("{base} + (k0 + kk) * p.{ld} + {origin} + {v}"),
-                        format!("{origin} + {v} < p.{extent} && k0 + kk < p.k"),
-                    )
-                };
-                let load = format!("{reg}[{ci}] = {mat}[({idx}) >> 1u];");
-                if checked {
-                    body.push_str(&format!(
-                        "\n      {reg}[{ci}] = 0u; if ({inside}) {{ {load} }}"
-                    ));
-                } else {
-                    body.push_str(&format!("\n      {load}"));
-                }
-            }
-            for j in (0..RUN).filter(|_| !f16_in) {
-                let i = ci * RUN + j;
+            for (i, j) in run_loads {
                 let (idx, inside) = if o.k_contiguous {
                     (
                         format!("{base} + ({origin} + {v}) * p.{ld} + k0 + kk + {j}u"),
@@ -490,12 +474,17 @@ pub(super) fn mixed_source(
                         format!("{origin} + {v} + {j}u < p.{extent} && k0 + kk < p.k"),
                     )
                 };
+                let (zero, value) = if f16_in {
+                    ("0u", format!("{mat}[({idx}) >> 1u]"))
+                } else {
+                    ("0.0", format!("{mat}[{idx}]"))
+                };
                 if checked {
                     body.push_str(&format!(
-                        "\n      {reg}[{i}] = 0.0; if ({inside}) {{ {reg}[{i}] = {mat}[{idx}]; }}"
+                        "\n      {reg}[{i}] = {zero}; if ({inside}) {{ {reg}[{i}] = {value}; }}"
                     ));
                 } else {
-                    body.push_str(&format!("\n      {reg}[{i}] = {mat}[{idx}];"));
+                    body.push_str(&format!("\n      {reg}[{i}] = {value};"));
                 }
             }
             loads.push_str(&format!(
