@@ -307,23 +307,22 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
             }
         }
         // The same product with both operands stored as f16 pairs (half the bytes a tile reads).
-        let packed = match coop && f16_operands_suit(g) {
-            true => {
-                let mut pa = be.zeros(packed_len(ea), 1)?;
-                let mut pb = be.zeros(packed_len(eb), 1)?;
-                ops::matmul::pack_f16(be, (&ta).into(), (&mut pa).into(), ea)?;
-                ops::matmul::pack_f16(be, (&tb).into(), (&mut pb).into(), eb)?;
-                runs.push(Bench::F16(None));
-                if sweep(TileSweep::TensorCores) {
-                    runs.extend(
-                        MixedTile::CANDIDATES
-                            .into_iter()
-                            .map(|t| Bench::F16(Some(t))),
-                    );
-                }
-                Some((pa, pb))
+        let packed = if coop && f16_operands_suit(g) {
+            let mut pa = be.zeros(packed_len(ea), 1)?;
+            let mut pb = be.zeros(packed_len(eb), 1)?;
+            ops::matmul::pack_f16(be, (&ta).into(), (&mut pa).into(), ea)?;
+            ops::matmul::pack_f16(be, (&tb).into(), (&mut pb).into(), eb)?;
+            runs.push(Bench::F16(None));
+            if sweep(TileSweep::TensorCores) {
+                runs.extend(
+                    MixedTile::CANDIDATES
+                        .into_iter()
+                        .map(|t| Bench::F16(Some(t))),
+                );
             }
-            false => None,
+            Some((pa, pb))
+        } else {
+            None
         };
         let mixed = PathSet::of(&[PathId::MixedTraining]);
         let mut reference: Option<Vec<f32>> = None;
@@ -336,23 +335,12 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
                 Bench::F16(None) => "  tensor cores, f16 operands in memory".to_string(),
                 Bench::F16(Some(t)) => format!("    f16-operand tile {}", t.key()),
             };
-            if let (Bench::F16(tile), Some((pa, pb))) = (run, &packed) {
-                let timed = time(be, reps, || {
-                    let c = (&mut tc).into();
-                    Ok(ops::matmul::matmul_f16_operands(
-                        be,
-                        pa.into(),
-                        pb.into(),
-                        c,
-                        g,
-                        tile,
-                    )?)
-                });
-                report(be, &label, timed, flops, &tc, reference.as_deref())?;
-                continue;
-            }
             let timed = time(be, reps, || {
                 let c = (&mut tc).into();
+                if let (Bench::F16(tile), Some((pa, pb))) = (run, &packed) {
+                    let (pa, pb) = (pa.into(), pb.into());
+                    return Ok(ops::matmul::matmul_f16_operands(be, pa, pb, c, g, tile)?);
+                }
                 let choice = match run {
                     Bench::F32(None) => choose(be, (&ta).into(), (&tb).into(), &c, g, PathSet::F32),
                     Bench::F32(Some(tile)) => Choice::forced(
@@ -365,7 +353,7 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
                     ),
                     Bench::Mixed(None) => choose(be, (&ta).into(), (&tb).into(), &c, g, mixed),
                     Bench::Mixed(Some(t)) => Choice::forced(Kernel::CoopMixed(t), mixed),
-                    Bench::F16(_) => unreachable!("f16-operand runs are timed above"),
+                    Bench::F16(_) => anyhow::bail!("f16 operands were not packed"),
                 };
                 Ok(ops::matmul::run(
                     be,
