@@ -687,7 +687,7 @@ pub(super) fn mixed_source(
   }}"
         )
     };
-    let header = format!(
+    format!(
         "enable f16;
 enable wgpu_cooperative_matrix;
 {PARAMS}@group(0) @binding(1) var<storage, read> mat_a: array<{elem}>;
@@ -697,10 +697,6 @@ enable wgpu_cooperative_matrix;
 var<workgroup> As: array<vec{RUN}<f16>, {shared_a}>;
 var<workgroup> Bs: array<vec{RUN}<f16>, {shared_b}>;
 var<workgroup> Cs: array<{acc}, {cs}>; // one 16x16 fragment per subgroup
-"
-    );
-    format!(
-        "{header}
 
 @compute @workgroup_size({nt})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
@@ -733,17 +729,15 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     )
 }
 
-/// Whether every operand word of [`Operands::F16`] holds one staged pair: even extents, offsets (in
-/// f16 elements), leading dimensions and batch strides of A and B.
-pub(super) fn f16_pairs_suit(g: &Gemm, oa: usize, ob: usize) -> bool {
+/// Whether the tensor-core kernel takes the product's layout with [`Operands::F16`] (each staged
+/// pair of values one word): even extents, leading dimensions and batch strides of A and B.
+pub fn f16_operands_suit(g: &Gemm) -> bool {
     [
         g.m,
         g.n,
         g.k,
         g.lda,
         g.ldb,
-        oa,
-        ob,
         g.stride_a[0],
         g.stride_a[1],
         g.stride_b[0],
@@ -772,7 +766,7 @@ pub(super) fn matmul_coop_mixed(
             msg: "the mixed-precision tensor-core kernel takes every operand in one buffer".into(),
         });
     }
-    if operands == Operands::F16 && !f16_pairs_suit(g, oa, ob) {
+    if operands == Operands::F16 && !(f16_operands_suit(g) && oa % 2 == 0 && ob % 2 == 0) {
         return Err(Error::Shape {
             op: "matmul_coop_mixed",
             msg: "f16 operands need even extents, offsets, leading dimensions and batch strides"

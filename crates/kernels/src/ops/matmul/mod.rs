@@ -34,7 +34,7 @@ use crate::error::{self, Error, Result};
 use crate::gpu::{Access, GpuBackend, GpuTensor, PipelineOptions};
 use crate::path::{Fault, PathId, PathSet};
 pub(crate) use coop::mixed_tiles;
-pub use coop::{MixedTile, Operands};
+pub use coop::{MixedTile, Operands, f16_operands_suit};
 pub use cpu::gemm_reference;
 pub use f16::{pack_f16, packed_len, unpack_f16};
 pub use quant::{QKind, QMatrix, QuantSource, get_rows};
@@ -456,15 +456,9 @@ pub fn matmul<'a>(
     run(be, choice, a, b, c, g)
 }
 
-/// Whether [`matmul_f16_operands`] takes the product's layout: even extents, leading dimensions and
-/// batch strides (each staged pair of values is one word).
-pub fn f16_operands_suit(g: &Gemm) -> bool {
-    coop::f16_pairs_suit(g, 0, 0)
-}
-
 /// C = alpha · op(A) op(B) + beta · C with both operands f16, packed two per u32 word ([`pack_f16`];
 /// each view starts at a word, `g`'s extents, leading dimensions and batch strides count f16 elements
-/// and are even), summed in f32: on the tensor-core training kernel (`tile`, or the one
+/// and are even: [`f16_operands_suit`]), summed in f32: on the tensor-core training kernel (`tile`, or the one
 /// [`MixedTile`] the product would take), or the CPU twin. The values are those the f32-operand
 /// tensor-core kernel stages from f32 operands that round to them.
 pub fn matmul_f16_operands(

@@ -582,31 +582,9 @@ fn f16_operands_match_the_f32_operand_kernel() {
             super::pack_f16(be, (&t).into(), (&mut p).into(), v.len() + 4).unwrap();
             p
         };
-        // The CPU twin against the f64 reference of the rounded values.
-        let (pa, pb) = (packed(&cpu, &a), packed(&cpu, &b));
-        let mut c = cpu.from_f32(&c0, 1).unwrap();
-        super::matmul_f16_operands(
-            &cpu,
-            TRef::from(&pa).shift(2),
-            TRef::from(&pb).shift(2),
-            (&mut c).into(),
-            &g,
-            None,
-        )
-        .unwrap();
-        let mut want = c0.clone();
-        gemm_reference(&a, &b, &mut want, &g);
-        assert_nmse(
-            &format!("cpu {g:?}"),
-            &want,
-            &cpu.to_vec(&c).unwrap(),
-            1e-12,
-        );
-        let Some(be) = &gpu else { continue };
-        let (pa, pb) = (packed(be, &a), packed(be, &b));
-        let (ta, tb) = (be.from_f32(&a, 1).unwrap(), be.from_f32(&b, 1).unwrap());
-        for &tile in &tiles {
-            let t = tile.unwrap_or(MixedTile::LARGE);
+        // C after the product on f16 pairs packed from a and b (each view two words in).
+        let f16_product = |be: &crate::Backend, tile: Option<MixedTile>| {
+            let (pa, pb) = (packed(be, &a), packed(be, &b));
             let mut c = be.from_f32(&c0, 1).unwrap();
             super::matmul_f16_operands(
                 be,
@@ -617,6 +595,21 @@ fn f16_operands_match_the_f32_operand_kernel() {
                 tile,
             )
             .unwrap();
+            be.to_vec(&c).unwrap()
+        };
+        // The CPU twin against the f64 reference of the rounded values.
+        let mut want = c0.clone();
+        gemm_reference(&a, &b, &mut want, &g);
+        assert_nmse(
+            &format!("cpu {g:?}"),
+            &want,
+            &f16_product(&cpu, None),
+            1e-12,
+        );
+        let Some(be) = &gpu else { continue };
+        let (ta, tb) = (be.from_f32(&a, 1).unwrap(), be.from_f32(&b, 1).unwrap());
+        for &tile in &tiles {
+            let got = f16_product(be, tile);
             let mut c32 = be.from_f32(&c0, 1).unwrap();
             let kernel = match tile {
                 Some(t) => Kernel::CoopMixed(t),
@@ -643,10 +636,10 @@ fn f16_operands_match_the_f32_operand_kernel() {
             )
             .unwrap();
             assert_eq!(
-                be.to_vec(&c).unwrap(),
+                got,
                 be.to_vec(&c32).unwrap(),
                 "{} {g:?}",
-                t.key()
+                tile.map_or("the chosen tile".into(), |t| t.key())
             );
         }
     }
