@@ -22,8 +22,9 @@ use tinygpt_kernels::{Backend, PathSet, Result, TMut, TRef, Tensor};
 /// LayerNorm's epsilon (nanoGPT's).
 pub(crate) const EPS: f32 = 1e-5;
 
-/// The parameters the forward pass reads: the flat f32 tensor, its f16 copy when the runner holds the
-/// f16-storage path (the block matrices are then read from it), and the path set every product runs on.
+/// The parameters the passes read: the flat f32 tensor, its f16 copy when the runner holds one (the
+/// f16-storage path, or a trainer on the tensor-core training path: the block matrices are then read
+/// from it), and the path set every product runs on.
 #[derive(Clone, Copy)]
 pub(crate) struct Params<'a> {
     pub f32: &'a Tensor,
@@ -31,14 +32,19 @@ pub(crate) struct Params<'a> {
     pub paths: PathSet,
 }
 
-impl Params<'_> {
-    /// y = x · Wᵀ for the block matrix at parameter offset `w`.
-    pub fn linear(&self, be: &Backend, x: TRef<'_>, w: usize, y: TMut<'_>, g: &Gemm) -> Result<()> {
+impl<'a> Params<'a> {
+    /// The block matrix at parameter offset `w`, from the f16 copy where there is one.
+    pub fn matrix(&self, w: usize) -> Weights<'a> {
         match self.f16 {
             // Layout offsets are multiples of 4 · n_embd, so even: word w / 2 starts the matrix.
-            Some(p) => matmul(be, self.paths, x, Weights::F16(p.at(w / 2)), y, g),
-            None => matmul(be, self.paths, x, self.f32.at(w), y, g),
+            Some(p) => Weights::F16(p.at(w / 2)),
+            None => self.f32.at(w).into(),
         }
+    }
+
+    /// y = x · Wᵀ for the block matrix at parameter offset `w`.
+    pub fn linear(&self, be: &Backend, x: TRef<'_>, w: usize, y: TMut<'_>, g: &Gemm) -> Result<()> {
+        matmul(be, self.paths, x, self.matrix(w), y, g)
     }
 }
 
@@ -275,8 +281,7 @@ pub(crate) struct BackScratch {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn block_backward(
     be: &Backend,
-    paths: PathSet,
-    params: &Tensor,
+    params: Params<'_>,
     grads: &mut Tensor,
     o: BlockOffsets,
     d: Dims,
@@ -288,7 +293,7 @@ pub(crate) fn block_backward(
     s: &mut BackScratch,
 ) -> Result<()> {
     let (n, c) = (d.rows, d.c);
-    let (w, ln) = (params, NormKind::Layer);
+    let (w, ln, paths) = (params.f32, NormKind::Layer, params.paths);
     // MLP branch: back through its dropout, mlp_proj, GELU, c_fc and ln_2 (into the residual's gradient).
     dropout(
         be,
@@ -304,7 +309,7 @@ pub(crate) fn block_backward(
         paths,
         s.tmp.at(0),
         a.act.at(0),
-        w.at(o.mlp_proj),
+        params.matrix(o.mlp_proj),
         dw,
         dmlp,
         n,
@@ -318,7 +323,7 @@ pub(crate) fn block_backward(
         paths,
         s.d4b.at(0),
         a.ln2.at(0),
-        w.at(o.c_fc),
+        params.matrix(o.c_fc),
         dw,
         dln,
         n,
@@ -353,7 +358,7 @@ pub(crate) fn block_backward(
         paths,
         s.tmp.at(0),
         a.atty.at(0),
-        w.at(o.attn_proj),
+        params.matrix(o.attn_proj),
         dw,
         datty,
         n,
@@ -378,7 +383,7 @@ pub(crate) fn block_backward(
         paths,
         s.dqkv.at(0),
         a.ln1.at(0),
-        w.at(o.c_attn),
+        params.matrix(o.c_attn),
         dw,
         dln,
         n,
@@ -400,16 +405,16 @@ pub(crate) fn block_backward(
     )
 }
 
-/// Gradients of y = x · Wᵀ for `rows` rows (W is `out` x `inp`): dW = dyᵀ · x and dx = dy · W, as
-/// llm.c's matmul_backward, on the kernels `paths` chooses (f32, or with the tensor-core training
-/// path f16 operands).
+/// Gradients of y = x · Wᵀ for `rows` rows (W is `out` x `inp`, f32 or the f16 copy the forward
+/// pass read): dW = dyᵀ · x and dx = dy · W, as llm.c's matmul_backward, on the kernels `paths`
+/// chooses (f32, or with the tensor-core training path f16 operands).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn linear_backward(
+pub(crate) fn linear_backward<'a>(
     be: &Backend,
     paths: PathSet,
     dy: TRef<'_>,
     x: TRef<'_>,
-    w: TRef<'_>,
+    w: impl Into<Weights<'a>>,
     dw: TMut<'_>,
     dx: TMut<'_>,
     rows: usize,

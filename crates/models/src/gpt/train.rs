@@ -94,8 +94,9 @@ pub struct Trainer {
     back: BackScratch,
     dresid: Tensor,
     dlogits: Tensor,
-    /// f16 copy of the parameters for the forward pass's block matrices, with `f16_forward` and the
-    /// f16-storage path; re-packed at the top of every forward pass, so it is never stale.
+    /// f16 copy of the parameters for the block matrices: the forward pass's with `f16_forward` and the
+    /// f16-storage path, both passes' on the tensor-core training path; re-packed at the top of every
+    /// forward pass, so it is never stale.
     packed: Option<Tensor>,
 }
 
@@ -185,8 +186,15 @@ impl Trainer {
             ),
         };
         let params = be.from_f32(params, layout.unit)?;
+        // The tensor-core training path reads the block matrices from the f16 copy too: the values its
+        // kernel would stage from the f32 weights, in half the bytes.
+        let copy_paths = if paths.has(PathId::MixedTraining) {
+            paths.with(PathId::F16Storage)
+        } else {
+            paths
+        };
         Ok(Trainer {
-            packed: packed_copy(be, &params, paths)?,
+            packed: packed_copy(be, &params, copy_paths)?,
             params,
             grads: z(layout.total, layout.unit)?,
             m,
@@ -418,6 +426,11 @@ impl Trainer {
             eps: EPS,
         };
         let w = &self.params;
+        let params = Params {
+            f32: w,
+            f16: self.packed.as_ref(),
+            paths: self.paths,
+        };
         let g = &mut self.grads;
         let s = &mut self.back;
         let paths = self.paths;
@@ -452,8 +465,7 @@ impl Trainer {
             let (o, x) = (lay.block(l), a.x.at(0));
             block_backward(
                 be,
-                paths,
-                w,
+                params,
                 g,
                 o,
                 d,

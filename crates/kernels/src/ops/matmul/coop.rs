@@ -343,15 +343,50 @@ pub(crate) fn mixed_tiles(gb: &GpuBackend) -> Vec<MixedTile> {
     vec![large_tile(gb), MixedTile::SMALL]
 }
 
-/// How the tensor-core training kernel's operands are stored.
+/// How one operand of the tensor-core training kernel is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Operands {
+pub enum Storage {
     /// f32 elements, each rounded to f16 as it is staged.
     F32,
     /// f16 values packed two per u32 word ([`super::pack_f16`]), staged as they are: half the bytes
-    /// each tile reads. Every extent, offset, leading dimension and batch stride is even, so each
-    /// staged pair is one word.
+    /// each tile reads. The operand's extents, offset, leading dimension and batch strides are even,
+    /// so each staged pair is one word.
     F16,
+}
+
+/// How the tensor-core training kernel's two operands are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Operands {
+    pub a: Storage,
+    pub b: Storage,
+}
+
+impl Operands {
+    /// Both f32.
+    pub const F32: Operands = Operands {
+        a: Storage::F32,
+        b: Storage::F32,
+    };
+    /// Both f16 pairs.
+    pub const F16: Operands = Operands {
+        a: Storage::F16,
+        b: Storage::F16,
+    };
+    /// f32 A (activations, gradients) and f16 B (training's weights, packed once a step).
+    pub const F16_B: Operands = Operands {
+        a: Storage::F32,
+        b: Storage::F16,
+    };
+
+    /// The pipeline key's suffix.
+    fn key(&self) -> &'static str {
+        match (self.a, self.b) {
+            (Storage::F32, Storage::F32) => "",
+            (Storage::F16, Storage::F16) => "_f16in",
+            (Storage::F16, Storage::F32) => "_f16a",
+            (Storage::F32, Storage::F16) => "_f16b",
+        }
+    }
 }
 
 /// Whether the mixed-precision tensor-core kernel can take a product: f32 operands in one buffer each,
@@ -379,7 +414,6 @@ pub(super) fn mixed_source(
     operands: Operands,
     fault: Option<Fault>,
 ) -> String {
-    let f16_in = operands == Operands::F16;
     let MixedTile {
         tm,
         tn,
@@ -420,6 +454,7 @@ pub(super) fn mixed_source(
         width: usize,
         ms: usize,
         per: usize,
+        f16: bool,
     }
     // Loads into registers (checked: zero outside the matrices) and stores into workgroup memory.
     let staging = |o: &Operand, checked: bool| -> (String, String) {
@@ -456,7 +491,7 @@ pub(super) fn mixed_source(
             };
             // The run's loads into registers: one word holding both f16 values (every extent,
             // offset and stride even), or RUN f32 values; register i holds element j of the run.
-            let run_loads: Vec<(usize, usize)> = if f16_in {
+            let run_loads: Vec<(usize, usize)> = if o.f16 {
                 vec![(ci, 0)]
             } else {
                 (0..RUN).map(|j| (ci * RUN + j, j)).collect()
@@ -474,7 +509,7 @@ pub(super) fn mixed_source(
                         format!("{origin} + {v} + {j}u < p.{extent} && k0 + kk < p.k"),
                     )
                 };
-                let (zero, value) = if f16_in {
+                let (zero, value) = if o.f16 {
                     ("0u", format!("{mat}[({idx}) >> 1u]"))
                 } else {
                     ("0.0", format!("{mat}[{idx}]"))
@@ -490,7 +525,7 @@ pub(super) fn mixed_source(
             loads.push_str(&format!(
                 "    {{ let {v} = {vi}; let kk = {ki};{body}\n    }}\n"
             ));
-            let val = if f16_in {
+            let val = if o.f16 {
                 format!("vec2<f16>(unpack2x16float({reg}[{ci}]))")
             } else {
                 let vals: Vec<String> = (0..RUN)
@@ -517,6 +552,7 @@ pub(super) fn mixed_source(
         width: tm,
         ms: msa,
         per: per_a,
+        f16: operands.a == Storage::F16,
     };
     let b = Operand {
         mat: "mat_b",
@@ -531,6 +567,7 @@ pub(super) fn mixed_source(
         width: tn,
         ms: msb,
         per: per_b,
+        f16: operands.b == Storage::F16,
     };
     let mut loads = String::new();
     let mut stores = String::new();
@@ -650,10 +687,16 @@ pub(super) fn mixed_source(
     let (shared_a, shared_b) = (shared_a.div_ceil(RUN), shared_b.div_ceil(RUN));
     let (ks_run, msa_run, msb_run) = (ks / RUN, msa / RUN, msb / RUN);
     let prologue = causal_prologue(causal, tm);
-    let (elem, reg_t, reg_a, reg_b) = if f16_in {
-        ("u32", "u32", per_a / RUN, per_b / RUN)
+    // Each operand's elements and staging registers: words of f16 pairs, or f32 values.
+    let (elem_a, reg_a) = if a.f16 {
+        ("u32", per_a / RUN)
     } else {
-        ("f32", "f32", per_a, per_b)
+        ("f32", per_a)
+    };
+    let (elem_b, reg_b) = if b.f16 {
+        ("u32", per_b / RUN)
+    } else {
+        ("f32", per_b)
     };
     let main_loop = if cfg.prefetch {
         format!(
@@ -690,8 +733,8 @@ pub(super) fn mixed_source(
     format!(
         "enable f16;
 enable wgpu_cooperative_matrix;
-{PARAMS}@group(0) @binding(1) var<storage, read> mat_a: array<{elem}>;
-@group(0) @binding(2) var<storage, read> mat_b: array<{elem}>;
+{PARAMS}@group(0) @binding(1) var<storage, read> mat_a: array<{elem_a}>;
+@group(0) @binding(2) var<storage, read> mat_b: array<{elem_b}>;
 @group(0) @binding(3) var<storage, read_write> mat_c: array<f32>;
 
 var<workgroup> As: array<vec{RUN}<f16>, {shared_a}>;
@@ -716,8 +759,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   let sma = {msa_run}u;
   let smb = {msb_run}u;
 {decl}
-  var ra: array<{reg_t}, {reg_a}>;
-  var rb: array<{reg_t}, {reg_b}>;
+  var ra: array<{elem_a}, {reg_a}>;
+  var rb: array<{elem_b}, {reg_b}>;
 {main_loop}
   let lane = lid % 32u;
   let cbase = sg * 256u;
@@ -732,19 +775,21 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 /// Whether the tensor-core kernel takes the product's layout with [`Operands::F16`] (each staged
 /// pair of values one word): even extents, leading dimensions and batch strides of A and B.
 pub fn f16_operands_suit(g: &Gemm) -> bool {
-    [
-        g.m,
-        g.n,
-        g.k,
-        g.lda,
-        g.ldb,
-        g.stride_a[0],
-        g.stride_a[1],
-        g.stride_b[0],
-        g.stride_b[1],
-    ]
-    .iter()
-    .all(|v| v % 2 == 0)
+    f16_a_suits(g) && f16_b_suits(g)
+}
+
+/// [`f16_operands_suit`] for A alone: even m, k, lda and batch strides of A.
+fn f16_a_suits(g: &Gemm) -> bool {
+    [g.m, g.k, g.lda, g.stride_a[0], g.stride_a[1]]
+        .iter()
+        .all(|v| v % 2 == 0)
+}
+
+/// [`f16_operands_suit`] for B alone: even n, k, ldb and batch strides of B.
+pub(super) fn f16_b_suits(g: &Gemm) -> bool {
+    [g.n, g.k, g.ldb, g.stride_b[0], g.stride_b[1]]
+        .iter()
+        .all(|v| v % 2 == 0)
 }
 
 /// C = alpha · op(A) op(B) + beta · C on the tensor cores with f16-rounded operands (see
@@ -766,7 +811,9 @@ pub(super) fn matmul_coop_mixed(
             msg: "the mixed-precision tensor-core kernel takes every operand in one buffer".into(),
         });
     }
-    if operands == Operands::F16 && !(f16_operands_suit(g) && oa % 2 == 0 && ob % 2 == 0) {
+    let a_fits = operands.a == Storage::F32 || (f16_a_suits(g) && oa % 2 == 0);
+    let b_fits = operands.b == Storage::F32 || (f16_b_suits(g) && ob % 2 == 0);
+    if !(a_fits && b_fits) {
         return Err(Error::Shape {
             op: "matmul_coop_mixed",
             msg: "f16 operands need even extents, offsets, leading dimensions and batch strides"
@@ -784,11 +831,7 @@ pub(super) fn matmul_coop_mixed(
         if trans_b { 't' } else { 'n' },
         tile.key(),
         causal_key(causal),
-        if operands == Operands::F16 {
-            "_f16in"
-        } else {
-            ""
-        },
+        operands.key(),
         fault.map_or(String::new(), |f| format!("_fault{f:?}"))
     );
     let pipe = gb.pipeline(
@@ -819,6 +862,12 @@ pub(super) fn matmul_coop_mixed(
 mod tests {
     use super::*;
 
+    /// Every pairing of the operands' storage.
+    fn every_storage() -> [Operands; 4] {
+        let (f32, f16) = (Storage::F32, Storage::F16);
+        [(f32, f32), (f16, f16), (f16, f32), (f32, f16)].map(|(a, b)| Operands { a, b })
+    }
+
     /// The generated kernels are valid WGSL for naga's front end and validator, at every tile shape
     /// (the tensor-core path itself only runs where the adapter has cooperative matrices; its gate
     /// then decides).
@@ -832,12 +881,10 @@ mod tests {
         ];
         let mixed = MixedTile::CANDIDATES.into_iter().flat_map(|tile| {
             faults.into_iter().flat_map(move |f| {
-                [Operands::F32, Operands::F16]
-                    .into_iter()
-                    .flat_map(move |o| {
-                        [(false, false), (false, true), (true, false), (true, true)]
-                            .map(|(ta, tb)| mixed_source(tile, ta, tb, Causal::None, o, f))
-                    })
+                every_storage().into_iter().flat_map(move |o| {
+                    [(false, false), (false, true), (true, false), (true, true)]
+                        .map(|(ta, tb)| mixed_source(tile, ta, tb, Causal::None, o, f))
+                })
             })
         });
         let causal = [Causal::Output, Causal::ALower, Causal::AUpper]
@@ -868,7 +915,7 @@ mod tests {
     fn tiles_declare_what_shared_bytes_says() {
         for tile in MixedTile::CANDIDATES {
             for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
-                for o in [Operands::F32, Operands::F16] {
+                for o in every_storage() {
                     let src = mixed_source(tile, ta, tb, Causal::None, o, None);
                     let module = naga::front::wgsl::parse_str(&src).unwrap();
                     let declared: u32 = module

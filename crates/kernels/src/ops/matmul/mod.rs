@@ -34,7 +34,7 @@ use crate::error::{self, Error, Result};
 use crate::gpu::{Access, GpuBackend, GpuTensor, PipelineOptions};
 use crate::path::{Fault, PathId, PathSet};
 pub(crate) use coop::mixed_tiles;
-pub use coop::{MixedTile, Operands, f16_operands_suit};
+pub use coop::{MixedTile, Operands, Storage, f16_operands_suit};
 pub use cpu::gemm_reference;
 pub use f16::{pack_f16, packed_len, unpack_f16};
 pub use quant::{QKind, QMatrix, QuantSource, get_rows};
@@ -326,8 +326,9 @@ pub enum Kernel {
     SplitK { splits: usize, mixed: bool },
     /// Tensor cores: x · Wᵀ with f16 weights, every operand in one buffer.
     Coop,
-    /// Tensor cores with f32 operands rounded to f16 in workgroup memory, f32 accumulation: any
-    /// layout, batched, every operand in one buffer (the tensor-core training path), on one tile shape.
+    /// Tensor cores with f32 operands rounded to f16 in workgroup memory (or f16 weights staged as they
+    /// are), f32 accumulation: any layout, batched, every operand in one buffer (the tensor-core
+    /// training path), on one tile shape.
     CoopMixed(MixedTile),
     /// Straight from the quantized blocks.
     Quant,
@@ -400,19 +401,21 @@ pub fn choose(
                     shader_f16,
                     subgroups: paths.has(PathId::Subgroups),
                 }
-            } else if !f16 && single && paths.has(PathId::MixedTraining) {
+            } else if single && paths.has(PathId::MixedTraining) {
                 // Training's products with f16 operands: on the tensor cores where the adapter has
                 // them (the path's gate requires it outside tests), else the tiled kernel's f16-operand
-                // form; long-K products (weight gradients) split over slices of K either way.
+                // form; long-K products of f32 data (weight gradients) split over slices of K either
+                // way. f16 weights (packed once a step) are staged as they are stored.
                 let coop = gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
-                    && coop::mixed_suits(g);
-                match split_k(gb, g) {
-                    Some(splits) => Kernel::SplitK {
+                    && coop::mixed_suits(g)
+                    && (!f16 || coop::f16_b_suits(g));
+                match (f16, split_k(gb, g)) {
+                    (false, Some(splits)) => Kernel::SplitK {
                         splits,
                         mixed: true,
                     },
-                    None if coop => Kernel::CoopMixed(coop::mixed_tile(gb, g)),
-                    None => Kernel::Tiled {
+                    _ if coop => Kernel::CoopMixed(coop::mixed_tile(gb, g)),
+                    _ => Kernel::Tiled {
                         tile: choose_tile(g),
                         shader_f16: true,
                         direct: false,
@@ -525,9 +528,19 @@ pub fn run(
 ) -> Result<()> {
     g.validate()?;
     let [ea, eb, ec] = g.extents();
-    match b {
-        Weights::F16(_) | Weights::Quant(_) => g.validate_nt(&b)?,
-        Weights::F32(_) => {}
+    match (b, choice.kernel) {
+        // The decode and inference tensor-core kernels take f16 weights in x·Wᵀ products only; the
+        // tiled kernel, the training kernel and the CPU twin take them in any layout.
+        (Weights::Quant(_), _) | (Weights::F16(_), Kernel::Gemv { .. } | Kernel::Coop) => {
+            g.validate_nt(&b)?
+        }
+        (Weights::F16(_), _) if !g.ldb.is_multiple_of(2) => {
+            return Err(Error::Shape {
+                op: "matmul",
+                msg: "f16 weights need an even row length (ldb)".into(),
+            });
+        }
+        _ => {}
     }
     let fault = match choice.fault {
         // Planted in weight gradients (Aᵀ·B) only, where it becomes f16 accumulators.
@@ -585,13 +598,14 @@ pub fn run(
                     msg: "the cooperative-matrix kernel reads f16 weights".into(),
                 }),
                 Kernel::Scale => gpu_scale(gb, c, g),
-                Kernel::CoopMixed(tile) if !f16 => {
-                    coop::matmul_coop_mixed(gb, a, b, c, g, tile, coop::Operands::F32, fault)
+                Kernel::CoopMixed(tile) => {
+                    let operands = if f16 {
+                        coop::Operands::F16_B
+                    } else {
+                        coop::Operands::F32
+                    };
+                    coop::matmul_coop_mixed(gb, a, b, c, g, tile, operands, fault)
                 }
-                Kernel::CoopMixed(_) => Err(Error::Shape {
-                    op: "matmul",
-                    msg: "the mixed-precision tensor-core kernel reads f32 operands".into(),
-                }),
                 Kernel::SplitK { splits, mixed } if !f16 => {
                     gpu_split_k(gb, a, b, c, g, splits, mixed, fault)
                 }

@@ -644,3 +644,71 @@ fn f16_operands_match_the_f32_operand_kernel() {
         }
     }
 }
+
+/// f16 weights on the tensor-core training path (training's block matrices, packed once a step): in
+/// every layout, unbatched and batched, scaled and accumulating, the product on the packed copy gives
+/// the bits of the same path on the f32 values the copy holds (the same f16 values staged), on the
+/// kernel the path chooses: the tensor-core kernel with f16 B where the adapter has cooperative
+/// matrices (an odd n takes the tiled kernel there), the tiled kernel's f16-operand form elsewhere.
+/// The CPU twin agrees within f32 rounding of the order of sums.
+#[test]
+fn f16_weights_on_the_training_path_keep_the_bits() {
+    let mut rng = SeedRng::new(13);
+    let mixed = PathSet::of(&[PathId::MixedTraining]);
+    let mut backends = vec![cpu_backend()];
+    backends.extend(gpu_backend(None));
+    for (m, n, k) in [(16, 16, 16), (130, 68, 34), (200, 300, 100), (64, 65, 48)] {
+        // f16 weights need an even row length: an odd n only where k is B's row length.
+        for g in all_layouts(m, n, k).into_iter().filter(|g| g.ldb % 2 == 0) {
+            let [ea, eb, ec] = g.extents();
+            let batched = g.batched([2, 1], [ea + 3, 0], [eb + eb % 2, 0], [ec, 0]);
+            for g in [g.alpha(0.5), batched.accumulate()] {
+                let (a, b, c0, _) = case(&mut rng, &g);
+                let b: Vec<f32> = b
+                    .into_iter()
+                    .map(|x| half::f16::from_f32(x).to_f32())
+                    .collect();
+                let mut want = c0.clone();
+                gemm_reference(&a, &b, &mut want, &g);
+                for be in &backends {
+                    let ta = be.from_f32(&a, 1).unwrap();
+                    let tb = be.from_f32(&b, 1).unwrap();
+                    let mut pb = be.zeros(packed_len(b.len()), 1).unwrap();
+                    super::pack_f16(be, (&tb).into(), (&mut pb).into(), b.len()).unwrap();
+                    let w16 = Weights::F16((&pb).into());
+                    let product = |w: Weights<'_>, kernel: Choice| {
+                        let mut c = be.from_f32(&c0, 1).unwrap();
+                        super::run(be, kernel, (&ta).into(), w, (&mut c).into(), &g).unwrap();
+                        be.to_vec(&c).unwrap()
+                    };
+                    let mut c = be.from_f32(&c0, 1).unwrap();
+                    let choice = super::choose(be, (&ta).into(), w16, &(&mut c).into(), &g, mixed);
+                    let k16 = choice.kernel;
+                    let got = product(w16, choice);
+                    let what = format!("{} {g:?} on {k16:?}", be.kind());
+                    if be.as_gpu().is_none() {
+                        assert_nmse(&what, &want, &got, 1e-12);
+                        continue;
+                    }
+                    let coop = be.as_gpu().is_some_and(|gb| {
+                        gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+                    });
+                    let tiled_f16 = matches!(
+                        k16,
+                        Kernel::Tiled {
+                            shader_f16: true,
+                            ..
+                        }
+                    );
+                    if coop && n % 2 == 0 {
+                        assert!(matches!(k16, Kernel::CoopMixed(_)), "{what}");
+                    } else {
+                        assert!(tiled_f16, "{what}");
+                    }
+                    // The same kernel on the f32 values the copy holds.
+                    assert_eq!(got, product((&tb).into(), choice), "{what}");
+                }
+            }
+        }
+    }
+}
