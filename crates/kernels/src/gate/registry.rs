@@ -162,18 +162,25 @@ pub static REGISTRY: &[PathDef] = &[
         name: "tc-training",
         pill: "+tensor-core training",
         active_text: "tensor-core training active",
-        kernel_version: 4,
+        kernel_version: 5,
         requires: &[PathId::CoopMatrix],
         on_cpu: false,
         detect: |g| (def(PathId::CoopMatrix).detect)(g),
-        // The op gate checks the mixed-precision kernel (f32 operands rounded to f16) at every shape,
-        // on every tile shape the adapter's products can choose; a trainer then runs the training
-        // gate (the first steps' losses against the f32 path) before it trains on it.
+        // The op gate checks the mixed-precision kernel (f32 operands rounded to f16, and f16 weights
+        // as the trainer reads its block matrices) at every shape, on every tile shape the adapter's
+        // products can choose; a trainer then runs the training gate (the first steps' losses against
+        // the f32 path) before it trains on it.
         evaluate: |be, c, seed, paths| {
             let mut all = Vec::new();
+            let pairs = c.n % 2 == 0 && c.k % 2 == 0;
             for tile in mixed_tiles(gpu_of(be)?) {
-                let force = |p| Some(Choice::forced(Kernel::CoopMixed(tile), p));
-                all.extend(evaluate_nt(be, c, seed, false, force, paths)?);
+                for f16_weights in [false, true] {
+                    if f16_weights && !pairs {
+                        continue;
+                    }
+                    let force = |p| Some(Choice::forced(Kernel::CoopMixed(tile), p));
+                    all.extend(evaluate_nt(be, c, seed, f16_weights, force, paths)?);
+                }
             }
             Ok(all)
         },
