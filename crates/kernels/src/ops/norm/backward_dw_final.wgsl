@@ -12,9 +12,23 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         @builtin(local_invocation_index) lid: u32) {
   let c = group_index(wid, nwg) * 8u + lid / 32u;
   let lane = lid % 32u;
+  // The thread's blocks lane, lane + 32, ... added in that order; four loads are issued before their
+  // four additions (the same running sum, so the same bits as one load and one addition at a time).
   var s = 0.0;
   if (c < p.n) {
-    for (var b = lane; b < p.blocks; b = b + 32u) { s = s + part[p.o_part + c * p.blocks + b]; }
+    let base = p.o_part + c * p.blocks;
+    var b = lane;
+    for (; b + 96u < p.blocks; b = b + 128u) {
+      let v0 = part[base + b];
+      let v1 = part[base + b + 32u];
+      let v2 = part[base + b + 64u];
+      let v3 = part[base + b + 96u];
+      s = s + v0;
+      s = s + v1;
+      s = s + v2;
+      s = s + v3;
+    }
+    for (; b < p.blocks; b = b + 32u) { s = s + part[base + b]; }
   }
   red[lid] = s;
   workgroupBarrier();
