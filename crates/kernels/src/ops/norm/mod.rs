@@ -104,10 +104,6 @@ pub fn norm_forward(
 /// step's (16,384 rows) took 975 → 559 µs in all.
 const FOUR_ROWS_FROM: usize = 1024;
 
-/// The longest row the four-rows-a-workgroup kernel takes (16 registers a lane); longer rows take the
-/// one-row kernel.
-const ROWS4_MAX_COLS: usize = 1024;
-
 /// [`norm_forward`] on the GPU: one row per workgroup (forward.wgsl), or four (forward_rows4.wgsl,
 /// which forms every sum in forward.wgsl's order). The fused decode kernels (matmul/fused.rs,
 /// rope/cache.rs) stage the norm in that order too, and give the same bits.
@@ -133,16 +129,10 @@ fn gpu_forward(
         Operand::rows(ts, stats.offset() + rows, 1),
     ];
     let extra = [cols as u32, s.eps.to_bits(), (kind == NormKind::Rms) as u32];
-    // The four-row kernel holds its row in registers: at most ROWS4_MAX_COLS columns.
-    let four_rows = four_rows && cols <= ROWS4_MAX_COLS;
     let (name, body, rows4) = if four_rows {
-        let consts = format!(
-            "const COLS: u32 = {cols}u;\nconst CPL: u32 = {}u;\n{ROWS4}",
-            cols.div_ceil(64)
-        );
-        (format!("norm_forward_rows4_c{cols}"), FORWARD_ROWS4, consts)
+        ("norm_forward_rows4", FORWARD_ROWS4, ROWS4)
     } else {
-        ("norm_forward".to_string(), FORWARD, String::new())
+        ("norm_forward", FORWARD, "")
     };
     for seg in segments("norm_forward", rows, &ops)? {
         // WebGPU forbids two bindings of one buffer when either is written: when the means and
@@ -151,7 +141,7 @@ fn gpu_forward(
         let (key, nb) = if shared {
             (format!("{name}_shared"), 4)
         } else {
-            (name.clone(), 5)
+            (name.to_string(), 5)
         };
         let mut access = vec![Access::Read, Access::Read];
         access.extend(std::iter::repeat_n(Access::ReadWrite, nb - 2));
