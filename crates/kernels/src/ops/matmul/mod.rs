@@ -810,13 +810,10 @@ fn gpu_split_k(
         let last = (splits - 1) * part;
         slice((ta, ra), (tb, rb), (ts, last), &tail)?;
     }
-    let pipe = crate::ops::common::kernel_parts(
+    let pipe = crate::ops::common::kernel(
         gb,
-        &format!("split_k_sum_s{splits}"),
-        &[
-            &format!("const SPLITS: u32 = {splits}u;"),
-            include_str!("split_k_sum.wgsl"),
-        ],
+        "split_k_sum",
+        include_str!("split_k_sum.wgsl"),
         &[Access::Read, Access::ReadWrite],
     )?;
     let [_, _, ec] = g.extents();
