@@ -426,9 +426,14 @@ impl Trainer {
             eps: EPS,
         };
         let w = &self.params;
+        // The backward products read the f16 copy on the tensor-core training path only (with
+        // `f16_forward` alone they stay f32).
         let params = Params {
             f32: w,
-            f16: self.packed.as_ref(),
+            f16: self
+                .packed
+                .as_ref()
+                .filter(|_| self.paths.has(PathId::MixedTraining)),
             paths: self.paths,
         };
         let g = &mut self.grads;
