@@ -209,11 +209,12 @@ impl Gemm {
         ]
     }
 
-    /// x · Wᵀ products of f16 or quantized weights: unbatched, and for quantized weights with contiguous
-    /// rows and the matrix's own shape.
-    fn validate_nt(&self, b: &Weights<'_>) -> Result<()> {
+    /// Products of f16 or quantized weights: f16 rows of even length; quantized weights with
+    /// contiguous rows and the matrix's own shape. With `nt` (quantized weights, and the kernels that
+    /// take f16 weights in x·Wᵀ only), x·Wᵀ products (Gemm::nt), unbatched.
+    fn validate_weights(&self, b: &Weights<'_>, nt: bool) -> Result<()> {
         let bad = |msg: String| Err(Error::Shape { op: "matmul", msg });
-        if self.trans_a || !self.trans_b || self.batches() != 1 {
+        if nt && (self.trans_a || !self.trans_b || self.batches() != 1) {
             return bad(
                 "f16 and quantized weights serve x·Wᵀ products (Gemm::nt), unbatched".into(),
             );
@@ -528,19 +529,12 @@ pub fn run(
 ) -> Result<()> {
     g.validate()?;
     let [ea, eb, ec] = g.extents();
-    match (b, choice.kernel) {
-        // The decode and inference tensor-core kernels take f16 weights in x·Wᵀ products only; the
-        // tiled kernel, the training kernel and the CPU twin take them in any layout.
-        (Weights::Quant(_), _) | (Weights::F16(_), Kernel::Gemv { .. } | Kernel::Coop) => {
-            g.validate_nt(&b)?
-        }
-        (Weights::F16(_), _) if !g.ldb.is_multiple_of(2) => {
-            return Err(Error::Shape {
-                op: "matmul",
-                msg: "f16 weights need an even row length (ldb)".into(),
-            });
-        }
-        _ => {}
+    // The decode and inference tensor-core kernels take f16 weights in x·Wᵀ products only; the tiled
+    // kernel, the training kernel and the CPU twin take them in any layout.
+    let nt = matches!(b, Weights::Quant(_))
+        || matches!(choice.kernel, Kernel::Gemv { .. } | Kernel::Coop);
+    if !matches!(b, Weights::F32(_)) {
+        g.validate_weights(&b, nt)?;
     }
     let fault = match choice.fault {
         // Planted in weight gradients (Aᵀ·B) only, where it becomes f16 accumulators.
