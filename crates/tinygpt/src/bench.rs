@@ -296,15 +296,15 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
         let coop = be.as_gpu().is_some_and(|g| {
             g.has_feature(tinygpt_kernels::wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
         });
-        if coop {
-            runs.push(Bench::Mixed(None));
+        // A tensor-core form as chosen, then (with the sweep) on every candidate tile.
+        let tensor_core_runs = |runs: &mut Vec<Bench>, form: fn(Option<MixedTile>) -> Bench| {
+            runs.push(form(None));
             if sweep(TileSweep::TensorCores) {
-                runs.extend(
-                    MixedTile::CANDIDATES
-                        .into_iter()
-                        .map(|t| Bench::Mixed(Some(t))),
-                );
+                runs.extend(MixedTile::CANDIDATES.into_iter().map(|t| form(Some(t))));
             }
+        };
+        if coop {
+            tensor_core_runs(&mut runs, Bench::Mixed);
         }
         // The same product with both operands stored as f16 pairs (half the bytes a tile reads).
         let packed = if coop && f16_operands_suit(g) {
@@ -312,14 +312,7 @@ fn ops_bench(be: &Backend, a: &OpsArgs) -> Result<()> {
             let mut pb = be.zeros(packed_len(eb), 1)?;
             ops::matmul::pack_f16(be, (&ta).into(), (&mut pa).into(), ea)?;
             ops::matmul::pack_f16(be, (&tb).into(), (&mut pb).into(), eb)?;
-            runs.push(Bench::F16(None));
-            if sweep(TileSweep::TensorCores) {
-                runs.extend(
-                    MixedTile::CANDIDATES
-                        .into_iter()
-                        .map(|t| Bench::F16(Some(t))),
-                );
-            }
+            tensor_core_runs(&mut runs, Bench::F16);
             Some((pa, pb))
         } else {
             None
