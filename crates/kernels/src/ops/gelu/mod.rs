@@ -5,6 +5,7 @@ use super::fastmath::{self, map1, map2};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::Result;
 use crate::gpu::{Access, GpuBackend, Operand, PipelineOptions, segments};
+use crate::ops::matmul::{pack_f16, packed_len};
 use rayon::prelude::*;
 
 const S2PI: f32 = 0.797_884_6;
@@ -35,6 +36,66 @@ pub fn gelu(be: &Backend, x: TRef<'_>, y: TMut<'_>, n: usize) -> Result<()> {
 }
 
 /// dx = dy · gelu'(x) over `n` elements.
+/// y = GELU(x) rounded to f16 pairs: `n` values into `packed_len(n)` words (the values [`gelu`]
+/// computes, each rounded as [`pack_f16`] rounds), for a tensor only the tensor-core training products
+/// read (the MLP's activation on that path): half the bytes written, and read by each product.
+pub fn gelu_f16(be: &Backend, x: TRef<'_>, mut y: TMut<'_>, n: usize) -> Result<()> {
+    let words = packed_len(n);
+    match be {
+        Backend::Cpu(c) => {
+            let xs = x.cpu("gelu", "x", n)?;
+            let ys = y.cpu_u32("gelu", "y", words)?;
+            const CHUNK: usize = 1 << 14;
+            c.install(|| {
+                ys.par_chunks_mut(CHUNK / 2)
+                    .zip(xs.par_chunks(CHUNK))
+                    .for_each(|(w, x)| {
+                        let mut v = vec![0.0; x.len()];
+                        map1(&mut v, x, gelu_scalar);
+                        for (w, pair) in w.iter_mut().zip(v.chunks(2)) {
+                            let half = |v: f32| half::f16::from_f32(v).to_bits() as u32;
+                            *w = half(pair[0]) | (pair.get(1).map_or(0, |&h| half(h)) << 16);
+                        }
+                    })
+            });
+            Ok(())
+        }
+        Backend::Gpu(g) => {
+            let tx = x.gpu("gelu", "x", n)?;
+            let ty = y.gpu("gelu", "y", words)?;
+            let (ox, oy) = (x.offset(), y.offset());
+            let whole_vectors = n.is_multiple_of(4) && ox.is_multiple_of(4) && oy.is_multiple_of(2);
+            if !whole_vectors || tx.num_chunks() != 1 || ty.num_chunks() != 1 {
+                // Elsewhere, the f32 values, then packed.
+                let mut wide = be.scratch("gelu_f16", n, 4)?;
+                gpu_launch(g, x, None, (&mut wide).into(), n, true)?;
+                return pack_f16(be, (&wide).into(), y, n);
+            }
+            let pipe = g.pipeline(
+                "gelu_f16",
+                &[Access::Read, Access::ReadWrite],
+                PipelineOptions::default(),
+                || {
+                    format!(
+                        "{PRELUDE}\n{}{FOUR_A_THREAD_MAIN}",
+                        include_str!("gelu_f16.wgsl")
+                    )
+                },
+            )?;
+            let ops = [Operand::whole(tx, ox, n), Operand::whole(ty, oy, words)];
+            run(
+                g,
+                "gelu",
+                &pipe,
+                n / 4,
+                &ops,
+                &[],
+                Grid::Threads(FOUR_A_THREAD),
+            )
+        }
+    }
+}
+
 pub fn gelu_backward(
     be: &Backend,
     x: TRef<'_>,
@@ -203,6 +264,41 @@ mod tests {
                 (gelu_scalar(x[i] + h) as f64 - gelu_scalar(x[i] - h) as f64) / (2.0 * h as f64);
             let an = out[3][i] as f64 / dy[i] as f64;
             assert!((fd - an).abs() < 2e-3, "x={} fd={fd} analytic={an}", x[i]);
+        }
+    }
+
+    /// The f16-pairs form writes the f32 form's values rounded as `pack_f16` rounds them, bit for bit,
+    /// whole-vector views and others (an odd count, an offset not a multiple of four: the f32 values,
+    /// then packed); the CPU twin does the same with its own GELU. Operands split across bindings are
+    /// an error, not a wrong answer.
+    #[test]
+    fn f16_pairs_hold_the_f32_values_rounded() {
+        let mut rng = SeedRng::new(22);
+        let mut backends = vec![crate::testing::cpu_backend()];
+        backends.extend(crate::testing::gpu_backend(None));
+        for be in &backends {
+            for (n, shift) in [(4usize, 0usize), (4104, 4), (5001, 0), (3000, 2)] {
+                let x = rng.vec(n + shift, -6.0, 6.0);
+                let tx = be.from_f32(&x, 2).unwrap();
+                let mut wide = be.zeros(n, 2).unwrap();
+                gelu(be, tx.at(shift), wide.at_mut(0), n).unwrap();
+                let mut want = be.zeros(packed_len(n), 1).unwrap();
+                pack_f16(be, (&wide).into(), (&mut want).into(), n).unwrap();
+                let mut got = be
+                    .zeros_typed(packed_len(n) + 2, 1, crate::DType::U32)
+                    .unwrap();
+                gelu_f16(be, tx.at(shift), got.at_mut(2), n).unwrap();
+                let words = |t: &crate::Tensor| -> Vec<u32> {
+                    be.to_vec(t).unwrap().iter().map(|f| f.to_bits()).collect()
+                };
+                let what = format!("{} n {n} shift {shift}", be.kind());
+                assert_eq!(&words(&got)[2..], &words(&want)[..], "{what}");
+            }
+        }
+        if let Some(be) = crate::testing::gpu_backend(Some(4096)) {
+            let tx = be.from_f32(&rng.vec(4096, -6.0, 6.0), 4).unwrap();
+            let mut y = be.zeros_typed(2048, 1, crate::DType::U32).unwrap();
+            assert!(gelu_f16(&be, tx.at(0), y.at_mut(0), 4096).is_err());
         }
     }
 }

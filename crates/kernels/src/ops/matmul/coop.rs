@@ -779,7 +779,7 @@ pub fn f16_operands_suit(g: &Gemm) -> bool {
 }
 
 /// [`f16_operands_suit`] for A alone: even m, k, lda and batch strides of A.
-fn f16_a_suits(g: &Gemm) -> bool {
+pub(super) fn f16_a_suits(g: &Gemm) -> bool {
     [g.m, g.k, g.lda, g.stride_a[0], g.stride_a[1]]
         .iter()
         .all(|v| v % 2 == 0)

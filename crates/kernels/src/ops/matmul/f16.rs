@@ -65,6 +65,41 @@ pub fn pack_f16(be: &Backend, src: TRef<'_>, mut dst: TMut<'_>, n: usize) -> Res
     }
 }
 
+/// dst ← the `n` f16 values of src's pairs (starting at its first word) as f32: [`pack_f16`]'s
+/// inverse, for kernels that read f32 where an operand is stored packed.
+pub fn unpack_f16_to(be: &Backend, src: TRef<'_>, mut dst: TMut<'_>, n: usize) -> Result<()> {
+    let words = packed_len(n);
+    match be {
+        Backend::Cpu(_) => {
+            let s = src.cpu_u32("unpack_f16", "src", words)?;
+            let d = dst.cpu("unpack_f16", "dst", n)?;
+            d.copy_from_slice(&unpack_f16(s, n));
+            Ok(())
+        }
+        Backend::Gpu(g) => {
+            let ts = src.gpu("unpack_f16", "src", words)?;
+            let td = dst.gpu("unpack_f16", "dst", n)?;
+            if ts.num_chunks() != 1 || td.num_chunks() != 1 {
+                return Err(Error::Shape {
+                    op: "unpack_f16",
+                    msg: "unpacking works on tensors in one buffer".into(),
+                });
+            }
+            let pipe = kernel(
+                g,
+                "unpack_f16",
+                include_str!("unpack_f16.wgsl"),
+                &[Access::Read, Access::ReadWrite],
+            )?;
+            let ops = [
+                Operand::whole(ts, src.offset(), words),
+                Operand::whole(td, dst.offset(), n),
+            ];
+            run(g, "unpack_f16", &pipe, n, &ops, &[], Grid::Threads(256))
+        }
+    }
+}
+
 /// Unpacks f16 pairs (the CPU twin's view of a packed weight).
 pub fn unpack_f16(words: &[u32], n: usize) -> Vec<f32> {
     (0..n)

@@ -36,7 +36,7 @@ use crate::path::{Fault, PathId, PathSet};
 pub(crate) use coop::mixed_tiles;
 pub use coop::{MixedTile, Operands, Storage, f16_operands_suit};
 pub use cpu::gemm_reference;
-pub use f16::{pack_f16, packed_len, unpack_f16};
+pub use f16::{pack_f16, packed_len, unpack_f16, unpack_f16_to};
 pub use quant::{QKind, QMatrix, QuantSource, get_rows};
 pub use tiled::Tile;
 use tiled::{GemmOpts, gemm_source};
@@ -405,18 +405,19 @@ pub fn choose(
             } else if single && paths.has(PathId::MixedTraining) {
                 // Training's products with f16 operands: on the tensor cores where the adapter has
                 // them (the path's gate requires it outside tests), else the tiled kernel's f16-operand
-                // form; long-K products of f32 data (weight gradients) split over slices of K either
-                // way. f16 weights (packed once a step) are staged as they are stored.
+                // form; long-K products (weight gradients) split over slices of K either way. f16
+                // operands (weights packed once a step, activations written as f16) are staged as they
+                // are stored.
                 let coop = gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
                     && coop::mixed_suits(g)
                     && (!f16 || coop::f16_b_suits(g));
-                match (f16, split_k(gb, g)) {
-                    (false, Some(splits)) => Kernel::SplitK {
+                match split_k(gb, g) {
+                    Some(splits) => Kernel::SplitK {
                         splits,
                         mixed: true,
                     },
-                    _ if coop => Kernel::CoopMixed(coop::mixed_tile(gb, g)),
-                    _ => Kernel::Tiled {
+                    None if coop => Kernel::CoopMixed(coop::mixed_tile(gb, g)),
+                    None => Kernel::Tiled {
                         tile: choose_tile(g),
                         shader_f16: true,
                         direct: false,
@@ -517,6 +518,69 @@ pub fn matmul_f16_operands(
     }
 }
 
+/// The fault a planted fault of the path set becomes in the product `g`.
+fn product_fault(fault: Option<Fault>, g: &Gemm) -> Option<Fault> {
+    match fault {
+        // Planted in weight gradients (Aᵀ·B) only, where it becomes f16 accumulators.
+        Some(Fault::WeightGradF16Accumulation) => g.trans_a.then_some(Fault::F16Accumulation),
+        // Not a product's fault.
+        Some(Fault::CausalMaskPast128) => None,
+        f => f,
+    }
+}
+
+/// C = alpha · op(A) op(B) + beta · C with A stored as f16 pairs ([`pack_f16`]; its view starts at a
+/// word, and `g`'s extents, lda and batch strides count f16 elements) and B in either f32 or f16:
+/// training's products whose input a producer wrote as f16 for the tensor cores (the MLP's
+/// activation, [`crate::ops::gelu::gelu_f16`]). With the tensor-core training path on an adapter with
+/// cooperative matrices the training kernel stages both operands as they are stored; elsewhere A's
+/// values are unpacked into scratch and the product runs as [`matmul`] runs it. The values are the
+/// same either way.
+pub fn matmul_f16_a<'a>(
+    be: &Backend,
+    paths: PathSet,
+    a: TRef<'_>,
+    b: impl Into<Weights<'a>>,
+    c: TMut<'_>,
+    g: &Gemm,
+) -> Result<()> {
+    g.validate()?;
+    let b = b.into();
+    let [ea, eb, ec] = g.extents();
+    if let (Backend::Gpu(gb), Weights::F32(bv) | Weights::F16(bv)) = (be, b) {
+        let b_f16 = matches!(b, Weights::F16(_));
+        let coop = paths.has(PathId::MixedTraining)
+            && gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+            && coop::mixed_suits(g)
+            && coop::f16_a_suits(g)
+            && (!b_f16 || coop::f16_b_suits(g));
+        let ta = a.gpu("matmul", "A", packed_len(ea))?;
+        let tb = bv.gpu("matmul", "B", if b_f16 { packed_len(eb) } else { eb })?;
+        let tc = c.gpu("matmul", "C", ec)?;
+        if coop && [ta, tb, tc].iter().all(|t| t.num_chunks() == 1) {
+            let operands = Operands {
+                a: Storage::F16,
+                b: if b_f16 { Storage::F16 } else { Storage::F32 },
+            };
+            let ob = if b_f16 { 2 * bv.offset() } else { bv.offset() };
+            return coop::matmul_coop_mixed(
+                gb,
+                (ta, 2 * a.offset()),
+                (tb, ob),
+                (tc, c.offset()),
+                g,
+                coop::mixed_tile(gb, g),
+                operands,
+                product_fault(paths.fault(), g),
+            );
+        }
+    }
+    // Elsewhere: A's values as f32, then the product as `matmul` picks it.
+    let mut wide = be.scratch("matmul_f16_a", ea, 1)?;
+    unpack_f16_to(be, a, (&mut wide).into(), ea)?;
+    matmul(be, paths, (&wide).into(), b, c, g)
+}
+
 /// Runs the product on the kernel `choice` names (benchmarks compare tiles this way; gates force the
 /// kernel of the path they check). The kernel must suit the backend and B's format.
 pub fn run(
@@ -536,13 +600,7 @@ pub fn run(
     if !matches!(b, Weights::F32(_)) {
         g.validate_weights(&b, nt)?;
     }
-    let fault = match choice.fault {
-        // Planted in weight gradients (Aᵀ·B) only, where it becomes f16 accumulators.
-        Some(Fault::WeightGradF16Accumulation) => g.trans_a.then_some(Fault::F16Accumulation),
-        // Not a product's fault.
-        Some(Fault::CausalMaskPast128) => None,
-        f => f,
-    };
+    let fault = product_fault(choice.fault, g);
     match (be, b, choice.kernel) {
         (Backend::Cpu(cb), b, Kernel::Cpu) => {
             let a = a.cpu("matmul", "A", ea)?;
@@ -600,13 +658,9 @@ pub fn run(
                     };
                     coop::matmul_coop_mixed(gb, a, b, c, g, tile, operands, fault)
                 }
-                Kernel::SplitK { splits, mixed } if !f16 => {
-                    gpu_split_k(gb, a, b, c, g, splits, mixed, fault)
+                Kernel::SplitK { splits, mixed } => {
+                    gpu_split_k(gb, a, b, c, g, splits, mixed, f16, fault)
                 }
-                Kernel::SplitK { .. } => Err(Error::Shape {
-                    op: "matmul",
-                    msg: "the split-K kernel reads f32 weights".into(),
-                }),
                 Kernel::Gemv {
                     shader_f16,
                     subgroups,
@@ -742,23 +796,31 @@ fn gpu_split_k(
     g: &Gemm,
     splits: usize,
     mixed: bool,
+    b_f16: bool,
     fault: Option<Fault>,
 ) -> Result<()> {
     if g.m == 0 || g.n == 0 {
         return Ok(());
     }
     // One slice product: on the tensor cores (mixed precision, where the adapter has them), on the
-    // tiled kernel with f16 operands (mixed, elsewhere), or on the f32 tiled kernel.
+    // tiled kernel with f16 operands (mixed, elsewhere), or on the f32 tiled kernel. B may be f16
+    // pairs (its offsets and strides count f16 elements).
     let coop = mixed && gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX);
     let slice =
         |a: (&GpuTensor, usize), b: (&GpuTensor, usize), c: (&GpuTensor, usize), sg: &Gemm| {
-            if coop && coop::mixed_suits(sg) {
+            if coop && coop::mixed_suits(sg) && (!b_f16 || coop::f16_b_suits(sg)) {
                 let tile = coop::mixed_tile(gb, sg);
-                return coop::matmul_coop_mixed(gb, a, b, c, sg, tile, coop::Operands::F32, fault);
+                let operands = if b_f16 {
+                    coop::Operands::F16_B
+                } else {
+                    coop::Operands::F32
+                };
+                return coop::matmul_coop_mixed(gb, a, b, c, sg, tile, operands, fault);
             }
             let opts = GemmOpts {
                 trans_a: g.trans_a,
                 trans_b: g.trans_b,
+                b_f16,
                 shader_f16: mixed,
                 ..GemmOpts::default()
             };

@@ -712,3 +712,98 @@ fn f16_weights_on_the_training_path_keep_the_bits() {
         }
     }
 }
+
+/// A stored as f16 pairs (training's MLP activation on the tensor-core path): in every layout, with
+/// f32 and f16 B, unbatched and batched, the product gives the bits of the training path's product on
+/// the f32 values the pairs hold (on the tensor cores the same f16 values are staged; elsewhere A is
+/// unpacked and the same kernel runs); the CPU twin agrees with the f64 reference.
+#[test]
+fn f16_activations_keep_the_bits() {
+    let mut rng = SeedRng::new(14);
+    let mixed = PathSet::of(&[PathId::MixedTraining]);
+    let mut backends = vec![cpu_backend()];
+    backends.extend(gpu_backend(None));
+    for (m, n, k) in [(16, 16, 16), (130, 68, 34), (200, 300, 100)] {
+        for g in all_layouts(m, n, k) {
+            let [ea, eb, ec] = g.extents();
+            let even = |e: usize| e + e % 2;
+            let batched = g.batched([2, 1], [even(ea) + 2, 0], [even(eb), 0], [ec, 0]);
+            for (g, b16) in [(g.alpha(0.5), false), (batched.accumulate(), true)] {
+                let (a, b, c0, _) = case(&mut rng, &g);
+                let round = |v: Vec<f32>| -> Vec<f32> {
+                    v.into_iter()
+                        .map(|x| half::f16::from_f32(x).to_f32())
+                        .collect()
+                };
+                let (a, b) = (round(a), if b16 { round(b) } else { b });
+                let mut want = c0.clone();
+                gemm_reference(&a, &b, &mut want, &g);
+                for be in &backends {
+                    let packed = |v: &[f32]| {
+                        let t = be.from_f32(v, 1).unwrap();
+                        let mut p = be.zeros(packed_len(v.len()), 1).unwrap();
+                        super::pack_f16(be, (&t).into(), (&mut p).into(), v.len()).unwrap();
+                        (t, p)
+                    };
+                    let ((ta, pa), (tb, pb)) = (packed(&a), packed(&b));
+                    let wb = |t| {
+                        if b16 {
+                            Weights::F16(t)
+                        } else {
+                            Weights::F32(t)
+                        }
+                    };
+                    let mut c = be.from_f32(&c0, 1).unwrap();
+                    let b_arg = wb((if b16 { &pb } else { &tb }).into());
+                    super::matmul_f16_a(be, mixed, (&pa).into(), b_arg, (&mut c).into(), &g)
+                        .unwrap();
+                    let got = be.to_vec(&c).unwrap();
+                    let what = format!("{} {g:?} f16 B {b16}", be.kind());
+                    if be.as_gpu().is_none() {
+                        assert_nmse(&what, &want, &got, 1e-12);
+                        continue;
+                    }
+                    let mut c32 = be.from_f32(&c0, 1).unwrap();
+                    matmul(be, mixed, (&ta).into(), b_arg, (&mut c32).into(), &g).unwrap();
+                    assert_eq!(got, be.to_vec(&c32).unwrap(), "{what}");
+                }
+            }
+        }
+    }
+}
+
+/// Split-K over slices of K with B stored as f16 pairs (a weight gradient whose input is training's
+/// f16 activation) gives the bits of the same split on the f32 values the pairs hold.
+#[test]
+fn split_k_takes_f16_b() {
+    let mut rng = SeedRng::new(15);
+    let Some(be) = gpu_backend(None) else { return };
+    let mixed = PathSet::of(&[PathId::MixedTraining]);
+    for g in [Gemm::tn(96, 64, 1030), Gemm::nn(40, 66, 700).alpha(-2.0)] {
+        let (a, b, c0, _) = case(&mut rng, &g);
+        let b: Vec<f32> = b
+            .into_iter()
+            .map(|x| half::f16::from_f32(x).to_f32())
+            .collect();
+        let ta = be.from_f32(&a, 1).unwrap();
+        let tb = be.from_f32(&b, 1).unwrap();
+        let mut pb = be.zeros(packed_len(b.len()), 1).unwrap();
+        super::pack_f16(&be, (&tb).into(), (&mut pb).into(), b.len()).unwrap();
+        for splits in [2, 3] {
+            let choice = Choice::forced(
+                Kernel::SplitK {
+                    splits,
+                    mixed: true,
+                },
+                mixed,
+            );
+            let product = |w: Weights<'_>| {
+                let mut c = be.from_f32(&c0, 1).unwrap();
+                super::run(&be, choice, (&ta).into(), w, (&mut c).into(), &g).unwrap();
+                be.to_vec(&c).unwrap()
+            };
+            let got = product(Weights::F16((&pb).into()));
+            assert_eq!(got, product((&tb).into()), "{g:?} in {splits} slices");
+        }
+    }
+}
