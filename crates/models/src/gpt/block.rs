@@ -14,10 +14,10 @@ use tinygpt_kernels::ops::attention::{
     AttnDropout, AttnShape, DecodeShape, attend, attention_backward, attention_forward,
 };
 use tinygpt_kernels::ops::dropout::{dropout, dropout_add};
-use tinygpt_kernels::ops::gelu::{gelu, gelu_backward};
-use tinygpt_kernels::ops::matmul::{Gemm, Weights, matmul};
+use tinygpt_kernels::ops::gelu::{gelu, gelu_backward, gelu_f16};
+use tinygpt_kernels::ops::matmul::{Gemm, Weights, matmul, matmul_f16_a, packed_len};
 use tinygpt_kernels::ops::norm::{NormKind, NormShape, norm_backward, norm_forward};
-use tinygpt_kernels::{Backend, PathSet, Result, TMut, TRef, Tensor};
+use tinygpt_kernels::{Backend, DType, PathSet, Result, TMut, TRef, Tensor};
 
 /// LayerNorm's epsilon (nanoGPT's).
 pub(crate) const EPS: f32 = 1e-5;
@@ -77,15 +77,23 @@ pub(crate) struct BlockActs {
     pub xmid: Tensor,      // residual after the attention branch [rows, C]
     pub ln2: Tensor,
     pub ln2_stats: Tensor,
-    pub fc: Tensor,  // MLP hidden before GELU [rows, 4C]
-    pub act: Tensor, // after GELU [rows, 4C]
+    pub fc: Tensor, // MLP hidden before GELU [rows, 4C]
+    /// After GELU [rows, 4C]: f32, or f16 pairs (`act_f16`) where only tensor-core products read it.
+    pub act: Tensor,
+    pub act_f16: bool,
 }
 
 impl BlockActs {
     /// For `rows` token rows of width `c`; tensors holding whole sequences split (on the GPU) at
-    /// multiples of `seq` rows.
-    pub fn new(be: &Backend, rows: usize, c: usize, seq: usize) -> Result<Self> {
+    /// multiples of `seq` rows. With `act_f16` the GELU output is kept as f16 pairs (the tensor-core
+    /// training path: the values its products would stage, in half the bytes).
+    pub fn new(be: &Backend, rows: usize, c: usize, seq: usize, act_f16: bool) -> Result<Self> {
         let z = |len: usize, unit: usize| be.zeros(len, unit);
+        let act = if act_f16 {
+            be.zeros_typed(packed_len(rows * 4 * c), 2 * c, DType::U32)?
+        } else {
+            z(rows * 4 * c, 4 * c)?
+        };
         Ok(BlockActs {
             ln1: z(rows * c, c)?,
             ln1_stats: z(2 * rows, 1)?,
@@ -94,7 +102,8 @@ impl BlockActs {
             ln2: z(rows * c, c)?,
             ln2_stats: z(2 * rows, 1)?,
             fc: z(rows * 4 * c, 4 * c)?,
-            act: z(rows * 4 * c, 4 * c)?,
+            act,
+            act_f16,
         })
     }
 }
@@ -236,14 +245,21 @@ pub(crate) fn block_forward(
         a.fc.at_mut(0),
         &Gemm::nt(n, 4 * c, c),
     )?;
-    gelu(be, a.fc.at(0), a.act.at_mut(0), n * 4 * c)?;
-    w.linear(
-        be,
-        a.act.at(0),
-        o.mlp_proj,
-        tmp.at_mut(0),
-        &Gemm::nt(n, c, 4 * c),
-    )?;
+    let proj = Gemm::nt(n, c, 4 * c);
+    if a.act_f16 {
+        gelu_f16(be, a.fc.at(0), a.act.at_mut(0), n * 4 * c)?;
+        matmul_f16_a(
+            be,
+            w.paths,
+            a.act.at(0),
+            w.matrix(o.mlp_proj),
+            tmp.at_mut(0),
+            &proj,
+        )?;
+    } else {
+        gelu(be, a.fc.at(0), a.act.at_mut(0), n * 4 * c)?;
+        w.linear(be, a.act.at(0), o.mlp_proj, tmp.at_mut(0), &proj)?;
+    }
     dropout_add(
         be,
         a.xmid.at(0),
@@ -304,11 +320,16 @@ pub(crate) fn block_backward(
         drop.mlp_seed,
     )?;
     let (dmlp, dw) = (s.d4a.at_mut(0), grads.at_mut(o.mlp_proj));
+    let act = if a.act_f16 {
+        Weights::F16(a.act.at(0))
+    } else {
+        a.act.at(0).into()
+    };
     linear_backward(
         be,
         paths,
         s.tmp.at(0),
-        a.act.at(0),
+        act,
         params.matrix(o.mlp_proj),
         dw,
         dmlp,
@@ -413,7 +434,7 @@ pub(crate) fn linear_backward<'a>(
     be: &Backend,
     paths: PathSet,
     dy: TRef<'_>,
-    x: TRef<'_>,
+    x: impl Into<Weights<'a>>,
     w: impl Into<Weights<'a>>,
     dw: TMut<'_>,
     dx: TMut<'_>,

@@ -158,12 +158,15 @@ impl Trainer {
             head_dim: cfg.head_dim(),
         };
         let probs_unit = h * t * t;
+        // On the tensor-core training path the GELU output is read only by tensor-core products
+        // (mlp_proj forward, its weight gradient): kept as the f16 values they stage.
+        let act_f16 = be.as_gpu().is_some() && paths.has(PathId::MixedTraining);
         let z = |len: usize, unit: usize| be.zeros(len, unit);
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for _ in 0..cfg.n_layer {
             layers.push(LayerActs {
                 x: z(n * c, t * c)?,
-                acts: BlockActs::new(be, n, c, t)?,
+                acts: BlockActs::new(be, n, c, t, act_f16)?,
                 qkv: z(n * 3 * c, t * 3 * c)?,
                 probs: z(shape.probs_len(), probs_unit)?,
                 dropped: if cfg.dropout > 0.0 {
