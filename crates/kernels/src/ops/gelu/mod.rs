@@ -35,7 +35,6 @@ pub fn gelu(be: &Backend, x: TRef<'_>, y: TMut<'_>, n: usize) -> Result<()> {
     launch(be, x, None, y, n)
 }
 
-/// dx = dy · gelu'(x) over `n` elements.
 /// y = GELU(x) rounded to f16 pairs: `n` values into `packed_len(n)` words (the values [`gelu`]
 /// computes, each rounded as [`pack_f16`] rounds), for a tensor only the tensor-core training products
 /// read (the MLP's activation on that path): half the bytes written, and read by each product.
@@ -96,6 +95,7 @@ pub fn gelu_f16(be: &Backend, x: TRef<'_>, mut y: TMut<'_>, n: usize) -> Result<
     }
 }
 
+/// dx = dy · gelu'(x) over `n` elements.
 pub fn gelu_backward(
     be: &Backend,
     x: TRef<'_>,

@@ -2,7 +2,7 @@
 //   LN:  y = (x - mean) * rstd * w,  rstd = 1 / sqrt(mean((x - mean)^2) + eps)
 //   RMS: y = x * rstd * w,           rstd = 1 / sqrt(mean(x^2) + eps)
 // mean and rstd are saved per row for the backward pass (mean = 0 for RMS).
-// Params and bindings: forward_params.wgsl.
+// Params and bindings: forward_params.wgsl; store_row: store.wgsl or store_f16.wgsl.
 
 // reduce_sum / reduce_max and WG: ops/common.rs, ROW_REDUCE.
 @compute @workgroup_size(256)
@@ -21,10 +21,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   var q = 0.0;
   for (var c = lid; c < p.cols; c = c + WG) { let d = x[base + c] - mean; q = q + d * d; }
   let rstd = 1.0 / sqrt(reduce_sum(q, lid) * inv + p.eps);
-  let ybase = p.o_y + row * p.cols;
-  for (var c = lid; c < p.cols; c = c + WG) {
-    y[ybase + c] = (x[base + c] - mean) * rstd * w[p.o_w + c];
-  }
+  store_row(row, base, mean, rstd, lid, WG);
   if (lid == 0u) {
     mean_out[p.o_mean + row] = mean;
     rstd_out[p.o_rstd + row] = rstd;

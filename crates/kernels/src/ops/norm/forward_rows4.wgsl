@@ -3,7 +3,7 @@
 // kernel's threads l, l + 64, l + 128 and l + 192: it forms their four partial sums as they do, adds
 // them as the tree's first two levels do (128 apart, then 64), and row_sum takes the levels below.
 // Four rows share the workgroup's launch and its barriers, which forward.wgsl spends on each row.
-// Params and bindings: forward_params.wgsl.
+// Params and bindings: forward_params.wgsl; store_row: store.wgsl or store_f16.wgsl.
 
 // WG (256) and red: ops/common.rs, ROW_REDUCE; TPR (64), ROWS and row_sum: ROWS4.
 const_assert WG == 4u * TPR;
@@ -40,10 +40,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let q = (part_q(base, lane, mean) + part_q(base, lane + 2u * TPR, mean)) + (part_q(base, lane + TPR, mean) + part_q(base, lane + 3u * TPR, mean));
   let rstd = 1.0 / sqrt(row_sum(q, lid) * inv + p.eps);
   if (!live) { return; }
-  let ybase = p.o_y + row * p.cols;
-  for (var c = lane; c < p.cols; c = c + TPR) {
-    y[ybase + c] = (x[base + c] - mean) * rstd * w[p.o_w + c];
-  }
+  store_row(row, base, mean, rstd, lane, TPR);
   if (lane == 0u) {
     mean_out[p.o_mean + row] = mean;
     rstd_out[p.o_rstd + row] = rstd;

@@ -9,6 +9,7 @@ use super::fastmath;
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, GpuBackend, Operand, PipelineOptions, segments};
+use crate::ops::matmul::pack_f16;
 use rayon::prelude::*;
 
 /// The forward kernels' parameters and bindings, the kernels (one row and four rows a workgroup), and
@@ -16,6 +17,8 @@ use rayon::prelude::*;
 const FORWARD_PARAMS: &str = include_str!("forward_params.wgsl");
 const FORWARD: &str = include_str!("forward.wgsl");
 const FORWARD_ROWS4: &str = include_str!("forward_rows4.wgsl");
+const STORE: &str = include_str!("store.wgsl");
+const STORE_F16: &str = include_str!("store_f16.wgsl");
 const SECOND_STATS: &str = "@group(0) @binding(5) var<storage, read_write> rstd_out: array<f32>;";
 
 /// Which normalisation.
@@ -94,8 +97,42 @@ pub fn norm_forward(
             });
             Ok(())
         }
-        Backend::Gpu(g) => gpu_forward(g, kind, x, w, y, stats, s, rows >= FOUR_ROWS_FROM),
+        Backend::Gpu(g) => {
+            gpu_forward(g, kind, x, w, y, stats, s, rows >= FOUR_ROWS_FROM, Out::F32)
+        }
     }
+}
+
+/// [`norm_forward`] with y rounded to f16 pairs: `rows · cols` values into `packed_len(rows · cols)`
+/// words (the values [`norm_forward`] computes, each rounded as [`pack_f16`] rounds), for a tensor
+/// only the tensor-core training products read (the block's normed inputs on that path). On the GPU,
+/// rows of even length are written as pairs by the norm's own kernels; rows of odd length (pairs that
+/// straddle rows) and the CPU twin form the f32 values in scratch, then pack them.
+pub fn norm_forward_f16(
+    be: &Backend,
+    kind: NormKind,
+    x: TRef<'_>,
+    w: TRef<'_>,
+    y: TMut<'_>,
+    stats: TMut<'_>,
+    s: NormShape,
+) -> Result<()> {
+    check(&s)?;
+    let n = s.rows * s.cols;
+    if let (Backend::Gpu(g), true) = (be, s.cols.is_multiple_of(2)) {
+        let four_rows = s.rows >= FOUR_ROWS_FROM;
+        return gpu_forward(g, kind, x, w, y, stats, s, four_rows, Out::F16);
+    }
+    let mut wide = be.scratch("norm_forward_f16", n, s.cols)?;
+    norm_forward(be, kind, x, w, (&mut wide).into(), stats, s)?;
+    pack_f16(be, (&wide).into(), y, n)
+}
+
+/// How a forward kernel writes y: f32, or f16 pairs ([`norm_forward_f16`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Out {
+    F32,
+    F16,
 }
 
 /// Batches of at least this many rows take the four-rows-a-workgroup kernel (the same bits). Fewer rows
@@ -117,14 +154,16 @@ fn gpu_forward(
     stats: TMut<'_>,
     s: NormShape,
     four_rows: bool,
+    out: Out,
 ) -> Result<()> {
     let (rows, cols) = (s.rows, s.cols);
     let n = rows * cols;
     let ts = stats.gpu("norm", "stats", 2 * rows)?;
+    let y_row = if out == Out::F16 { cols / 2 } else { cols };
     let ops = [
         Operand::rows(x.gpu("norm", "x", n)?, x.offset(), cols),
         Operand::whole(w.gpu("norm", "w", cols)?, w.offset(), cols),
-        Operand::rows(y.gpu("norm", "y", n)?, y.offset(), cols),
+        Operand::rows(y.gpu("norm", "y", rows * y_row)?, y.offset(), y_row),
         Operand::rows(ts, stats.offset(), 1),
         Operand::rows(ts, stats.offset() + rows, 1),
     ];
@@ -134,6 +173,10 @@ fn gpu_forward(
     } else {
         ("norm_forward", FORWARD, "")
     };
+    let (name, store) = match out {
+        Out::F32 => (name.to_string(), STORE),
+        Out::F16 => (format!("{name}_f16"), STORE_F16),
+    };
     for seg in segments("norm_forward", rows, &ops)? {
         // WebGPU forbids two bindings of one buffer when either is written: when the means and
         // the rstds share a buffer (the usual case), the kernel writes both through one binding.
@@ -141,12 +184,16 @@ fn gpu_forward(
         let (key, nb) = if shared {
             (format!("{name}_shared"), 4)
         } else {
-            (name.to_string(), 5)
+            (name.clone(), 5)
         };
         let mut access = vec![Access::Read, Access::Read];
         access.extend(std::iter::repeat_n(Access::ReadWrite, nb - 2));
         let pipe = g.pipeline(&key, &access, PipelineOptions::default(), || {
-            let src = format!("{PRELUDE}\n{ROW_REDUCE}\n{rows4}\n{FORWARD_PARAMS}{body}");
+            let params = match out {
+                Out::F32 => FORWARD_PARAMS.to_string(),
+                Out::F16 => FORWARD_PARAMS.replace("y: array<f32>", "y: array<u32>"),
+            };
+            let src = format!("{PRELUDE}\n{ROW_REDUCE}\n{rows4}\n{params}{store}\n{body}");
             if shared {
                 src.replace(SECOND_STATS, "")
                     .replace("rstd_out[", "mean_out[")

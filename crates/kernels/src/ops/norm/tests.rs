@@ -1,5 +1,6 @@
 use super::*;
 use crate::ops::Grad;
+use crate::ops::matmul::packed_len;
 use crate::testing::{Arg, SeedRng, check_twin, cpu_backend};
 
 fn run_both(kind: NormKind, rows: usize, cols: usize, split: Option<u64>, seed: u64) {
@@ -308,6 +309,7 @@ fn four_rows_a_workgroup_keep_the_bits() {
                         st.at_mut(0),
                         s,
                         four,
+                        Out::F32,
                     )
                     .unwrap();
                     (be.to_vec(&y).unwrap(), be.to_vec(&st).unwrap())
@@ -317,6 +319,92 @@ fn four_rows_a_workgroup_keep_the_bits() {
                 let what = format!("{kind:?} {rows}x{cols} binding {max_binding:?}");
                 assert_eq!(bits(&one.0), bits(&four.0), "{what}: outputs");
                 assert_eq!(bits(&one.1), bits(&four.1), "{what}: statistics");
+            }
+        }
+    }
+}
+
+/// The f16-pairs forward writes the f32 forward's values rounded as `pack_f16` rounds them, and the
+/// same statistics, bit for bit: on the CPU twin, on the GPU's one-row and four-row kernels writing
+/// pairs (even rows, in one binding at a word offset that leaves the words before it alone, or split
+/// across bindings), and through the fallback for odd rows (the f32 values, then packed).
+#[test]
+fn f16_pairs_hold_the_f32_values_rounded() {
+    let mut rng = SeedRng::new(62);
+    let mut backends = vec![(cpu_backend(), None)];
+    for max_binding in [None, Some(4096u64)] {
+        backends.extend(crate::testing::gpu_backend(max_binding).map(|b| (b, max_binding)));
+    }
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    for (be, max_binding) in &backends {
+        let split = max_binding.is_some();
+        for kind in [NormKind::Layer, NormKind::Rms] {
+            for (rows, cols) in [(5usize, 37usize), (9, 64), (13, 384), (1030, 384), (6, 576)] {
+                if split && cols % 2 == 1 {
+                    continue;
+                }
+                let n = rows * cols;
+                let x: Vec<f32> = rng.normal_vec(n, 2.0).iter().map(|v| v + 0.7).collect();
+                let w = rng.vec(cols, 0.5, 1.5);
+                let s = NormShape {
+                    rows,
+                    cols,
+                    eps: 1e-5,
+                };
+                let tx = be.from_f32(&x, cols).unwrap();
+                let tw = be.from_f32(&w, cols).unwrap();
+                let mut wide = be.zeros(n, cols).unwrap();
+                let mut st = be.zeros(2 * rows, 1).unwrap();
+                norm_forward(
+                    be,
+                    kind,
+                    tx.at(0),
+                    tw.at(0),
+                    wide.at_mut(0),
+                    st.at_mut(0),
+                    s,
+                )
+                .unwrap();
+                let wide = be.to_vec(&wide).unwrap();
+                let cpu = cpu_backend();
+                let mut want = cpu
+                    .zeros_typed(packed_len(n), 1, crate::DType::U32)
+                    .unwrap();
+                let tw16 = cpu.from_f32(&wide, 1).unwrap();
+                pack_f16(&cpu, tw16.at(0), want.at_mut(0), n).unwrap();
+                let (want, want_st) = (bits(cpu.to_vec(&want).unwrap()), be.to_vec(&st).unwrap());
+                let what = format!(
+                    "{} {kind:?} {rows}x{cols} binding {max_binding:?}",
+                    be.kind()
+                );
+                let mut forms = vec![None];
+                if be.as_gpu().is_some() && cols % 2 == 0 {
+                    forms.extend([Some(false), Some(true)]);
+                }
+                // Split bindings: y in rows of cols / 2 words from word 0.
+                let (lead, unit) = if split { (0, cols / 2) } else { (2, 1) };
+                for four in forms {
+                    let len = lead + packed_len(n);
+                    let mut y = be.zeros_typed(len, unit, crate::DType::U32).unwrap();
+                    let mut st = crate::testing::poisoned(be, 2 * rows, 1).unwrap();
+                    let (ty, ts) = (y.at_mut(lead), st.at_mut(0));
+                    match (four, be.as_gpu()) {
+                        (Some(four), Some(g)) => {
+                            gpu_forward(g, kind, tx.at(0), tw.at(0), ty, ts, s, four, Out::F16)
+                        }
+                        _ => norm_forward_f16(be, kind, tx.at(0), tw.at(0), ty, ts, s),
+                    }
+                    .unwrap();
+                    let got = bits(be.to_vec(&y).unwrap());
+                    assert_eq!(
+                        &got[..lead],
+                        &vec![0; lead][..],
+                        "{what} {four:?}: before y"
+                    );
+                    assert_eq!(&got[lead..], &want[..], "{what} {four:?}: outputs");
+                    let st = bits(be.to_vec(&st).unwrap());
+                    assert_eq!(st, bits(want_st.clone()), "{what} {four:?}: statistics");
+                }
             }
         }
     }
