@@ -16,7 +16,9 @@ use tinygpt_kernels::ops::attention::{
 use tinygpt_kernels::ops::dropout::{dropout, dropout_add};
 use tinygpt_kernels::ops::gelu::{gelu, gelu_backward, gelu_f16};
 use tinygpt_kernels::ops::matmul::{Gemm, Weights, matmul, matmul_f16_a, packed_len};
-use tinygpt_kernels::ops::norm::{NormKind, NormShape, norm_backward, norm_forward};
+use tinygpt_kernels::ops::norm::{
+    NormKind, NormShape, norm_backward, norm_forward, norm_forward_f16,
+};
 use tinygpt_kernels::{Backend, DType, PathSet, Result, TMut, TRef, Tensor};
 
 /// LayerNorm's epsilon (nanoGPT's).
@@ -46,6 +48,14 @@ impl<'a> Params<'a> {
     pub fn linear(&self, be: &Backend, x: TRef<'_>, w: usize, y: TMut<'_>, g: &Gemm) -> Result<()> {
         matmul(be, self.paths, x, self.matrix(w), y, g)
     }
+
+    /// [`Params::linear`] of an activation the block keeps: f32, or f16 pairs (`BlockActs::f16`).
+    fn linear_of(&self, be: &Backend, x: Act<'_>, w: usize, y: TMut<'_>, g: &Gemm) -> Result<()> {
+        match x {
+            Act::F32(x) => self.linear(be, x, w, y, g),
+            Act::F16(x) => matmul_f16_a(be, self.paths, x, self.matrix(w), y, g),
+        }
+    }
 }
 
 /// Sizes of one block call.
@@ -70,6 +80,9 @@ impl Dims {
 
 /// Activations of one block: training keeps one set per layer for the backward pass, inference reuses
 /// one set for every layer.
+///
+/// `ln1`, `ln2` and `act` are read only by products: with `f16` they hold f16 pairs (the tensor-core
+/// training path, whose products stage exactly those values: half the bytes written and read).
 pub(crate) struct BlockActs {
     pub ln1: Tensor,       // ln_1(x) [rows, C]
     pub ln1_stats: Tensor, // [2 rows]
@@ -77,34 +90,74 @@ pub(crate) struct BlockActs {
     pub xmid: Tensor,      // residual after the attention branch [rows, C]
     pub ln2: Tensor,
     pub ln2_stats: Tensor,
-    pub fc: Tensor, // MLP hidden before GELU [rows, 4C]
-    /// After GELU [rows, 4C]: f32, or f16 pairs (`act_f16`) where only tensor-core products read it.
-    pub act: Tensor,
-    pub act_f16: bool,
+    pub fc: Tensor,  // MLP hidden before GELU [rows, 4C]
+    pub act: Tensor, // after GELU [rows, 4C]
+    pub f16: bool,
+}
+
+/// An activation as a product's operand: f32 values or f16 pairs.
+#[derive(Clone, Copy)]
+enum Act<'a> {
+    F32(TRef<'a>),
+    F16(TRef<'a>),
+}
+
+impl<'a> From<Act<'a>> for Weights<'a> {
+    fn from(a: Act<'a>) -> Self {
+        match a {
+            Act::F32(t) => Weights::F32(t),
+            Act::F16(t) => Weights::F16(t),
+        }
+    }
 }
 
 impl BlockActs {
     /// For `rows` token rows of width `c`; tensors holding whole sequences split (on the GPU) at
-    /// multiples of `seq` rows. With `act_f16` the GELU output is kept as f16 pairs (the tensor-core
-    /// training path: the values its products would stage, in half the bytes).
-    pub fn new(be: &Backend, rows: usize, c: usize, seq: usize, act_f16: bool) -> Result<Self> {
+    /// multiples of `seq` rows; `f16`: the products' inputs as f16 pairs.
+    pub fn new(be: &Backend, rows: usize, c: usize, seq: usize, f16: bool) -> Result<Self> {
         let z = |len: usize, unit: usize| be.zeros(len, unit);
-        let act = if act_f16 {
-            be.zeros_typed(packed_len(rows * 4 * c), 2 * c, DType::U32)?
-        } else {
-            z(rows * 4 * c, 4 * c)?
+        let input = |width: usize| {
+            if f16 {
+                be.zeros_typed(packed_len(rows * width), width / 2, DType::U32)
+            } else {
+                z(rows * width, width)
+            }
         };
         Ok(BlockActs {
-            ln1: z(rows * c, c)?,
+            ln1: input(c)?,
             ln1_stats: z(2 * rows, 1)?,
             atty: z(rows * c, seq * c)?,
             xmid: z(rows * c, c)?,
-            ln2: z(rows * c, c)?,
+            ln2: input(c)?,
             ln2_stats: z(2 * rows, 1)?,
             fc: z(rows * 4 * c, 4 * c)?,
-            act,
-            act_f16,
+            act: input(4 * c)?,
+            f16,
         })
+    }
+
+    /// One of the products' inputs (`ln1`, `ln2`, `act`) as an operand.
+    fn input<'a>(&self, t: &'a Tensor) -> Act<'a> {
+        if self.f16 {
+            Act::F16(t.at(0))
+        } else {
+            Act::F32(t.at(0))
+        }
+    }
+
+    /// ln(x) into one of the products' inputs, as f32 or f16 pairs.
+    #[allow(clippy::too_many_arguments)]
+    fn norm(
+        f16: bool,
+        be: &Backend,
+        x: TRef<'_>,
+        w: TRef<'_>,
+        y: &mut Tensor,
+        stats: &mut Tensor,
+        s: NormShape,
+    ) -> Result<()> {
+        let norm = if f16 { norm_forward_f16 } else { norm_forward };
+        norm(be, NormKind::Layer, x, w, y.at_mut(0), stats.at_mut(0), s)
     }
 }
 
@@ -157,15 +210,14 @@ pub(crate) fn block_forward(
 ) -> Result<()> {
     let (n, c) = (d.rows, d.c);
     // Attention branch.
-    let ln = NormKind::Layer;
     let p = w.f32;
-    norm_forward(
+    BlockActs::norm(
+        a.f16,
         be,
-        ln,
         x,
         p.at(o.ln_1),
-        a.ln1.at_mut(0),
-        a.ln1_stats.at_mut(0),
+        &mut a.ln1,
+        &mut a.ln1_stats,
         d.norm(),
     )?;
     let qkv_g = Gemm::nt(n, 3 * c, c);
@@ -177,7 +229,7 @@ pub(crate) fn block_forward(
             shape,
             drop,
         } => {
-            w.linear(be, a.ln1.at(0), o.c_attn, qkv.at_mut(0), &qkv_g)?;
+            w.linear_of(be, a.input(&a.ln1), o.c_attn, qkv.at_mut(0), &qkv_g)?;
             attention_forward(
                 be,
                 w.paths,
@@ -191,7 +243,8 @@ pub(crate) fn block_forward(
         }
         Attention::Cached { cache, pos } => {
             // The new rows' q | k | v land in the cache rows of their positions.
-            w.linear(be, a.ln1.at(0), o.c_attn, cache.at_mut(pos * 3 * c), &qkv_g)?;
+            let qkv = cache.at_mut(pos * 3 * c);
+            w.linear_of(be, a.input(&a.ln1), o.c_attn, qkv, &qkv_g)?;
             let hd = c / d.heads;
             let shape = DecodeShape {
                 rows: n,
@@ -228,38 +281,22 @@ pub(crate) fn block_forward(
         drop.attn_seed,
     )?;
     // MLP branch.
-    let (xmid, ln2) = (a.xmid.at(0), a.ln2.at_mut(0));
-    norm_forward(
+    let xmid = a.xmid.at(0);
+    BlockActs::norm(
+        a.f16,
         be,
-        ln,
         xmid,
         p.at(o.ln_2),
-        ln2,
-        a.ln2_stats.at_mut(0),
+        &mut a.ln2,
+        &mut a.ln2_stats,
         d.norm(),
     )?;
-    w.linear(
-        be,
-        a.ln2.at(0),
-        o.c_fc,
-        a.fc.at_mut(0),
-        &Gemm::nt(n, 4 * c, c),
-    )?;
+    let fc = Gemm::nt(n, 4 * c, c);
+    w.linear_of(be, a.input(&a.ln2), o.c_fc, a.fc.at_mut(0), &fc)?;
+    let gelu = if a.f16 { gelu_f16 } else { gelu };
+    gelu(be, a.fc.at(0), a.act.at_mut(0), n * 4 * c)?;
     let proj = Gemm::nt(n, c, 4 * c);
-    if a.act_f16 {
-        gelu_f16(be, a.fc.at(0), a.act.at_mut(0), n * 4 * c)?;
-        matmul_f16_a(
-            be,
-            w.paths,
-            a.act.at(0),
-            w.matrix(o.mlp_proj),
-            tmp.at_mut(0),
-            &proj,
-        )?;
-    } else {
-        gelu(be, a.fc.at(0), a.act.at_mut(0), n * 4 * c)?;
-        w.linear(be, a.act.at(0), o.mlp_proj, tmp.at_mut(0), &proj)?;
-    }
+    w.linear_of(be, a.input(&a.act), o.mlp_proj, tmp.at_mut(0), &proj)?;
     dropout_add(
         be,
         a.xmid.at(0),
@@ -320,16 +357,11 @@ pub(crate) fn block_backward(
         drop.mlp_seed,
     )?;
     let (dmlp, dw) = (s.d4a.at_mut(0), grads.at_mut(o.mlp_proj));
-    let act = if a.act_f16 {
-        Weights::F16(a.act.at(0))
-    } else {
-        a.act.at(0).into()
-    };
     linear_backward(
         be,
         paths,
         s.tmp.at(0),
-        act,
+        a.input(&a.act),
         params.matrix(o.mlp_proj),
         dw,
         dmlp,
@@ -343,7 +375,7 @@ pub(crate) fn block_backward(
         be,
         paths,
         s.d4b.at(0),
-        a.ln2.at(0),
+        a.input(&a.ln2),
         params.matrix(o.c_fc),
         dw,
         dln,
@@ -403,7 +435,7 @@ pub(crate) fn block_backward(
         be,
         paths,
         s.dqkv.at(0),
-        a.ln1.at(0),
+        a.input(&a.ln1),
         params.matrix(o.c_attn),
         dw,
         dln,

@@ -158,8 +158,9 @@ impl Trainer {
             head_dim: cfg.head_dim(),
         };
         let probs_unit = h * t * t;
-        // On the tensor-core training path the GELU output is read only by tensor-core products
-        // (mlp_proj forward, its weight gradient): kept as the f16 values they stage.
+        // On the tensor-core training path the norms' and the GELU's outputs are read only by
+        // tensor-core products (the forward products and the weight gradients): kept as the f16
+        // values those stage.
         let act_f16 = be.as_gpu().is_some() && paths.has(PathId::MixedTraining);
         let z = |len: usize, unit: usize| be.zeros(len, unit);
         let mut layers = Vec::with_capacity(cfg.n_layer);
@@ -240,6 +241,17 @@ impl Trainer {
     /// The fast paths the forward pass runs on.
     pub fn paths(&self) -> PathSet {
         self.paths
+    }
+
+    /// Keeps the products' inputs as f32 (as every path but the tensor-core one does), for tests that
+    /// hold the f16 pairs to the values they replace.
+    #[cfg(test)]
+    fn keep_f32_activations(&mut self, be: &Backend) -> Result<()> {
+        let (t, c) = (self.cfg.block_size, self.cfg.n_embd);
+        for l in &mut self.layers {
+            l.acts = BlockActs::new(be, self.batch * t, c, t, false)?;
+        }
+        Ok(())
     }
 
     fn attn_shape(&self) -> AttnShape {

@@ -212,3 +212,43 @@ fn f16_storage_forward_keeps_the_training_losses() {
         );
     }
 }
+
+/// On the tensor-core training path the norms' and the GELU's outputs are kept as f16 pairs: the
+/// values its products stage from f32 (here the tiled kernel's f16 operands: the tensor cores need an
+/// adapter that has them). Training on them gives the losses and weights of training on f32
+/// activations, bit for bit.
+#[test]
+fn f16_activations_keep_the_tensor_core_path_s_bits() {
+    let Some(gpu) = gpu_backend(None) else { return };
+    let cfg = GptConfig {
+        vocab_size: 13,
+        block_size: 16,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        dropout: 0.1,
+    };
+    let params = Layout::new(&cfg).init(&cfg, 9);
+    let b = 4;
+    let mixed = PathSet::of(&[tinygpt_kernels::PathId::MixedTraining]);
+    let run = |f32_acts: bool| -> (Vec<u32>, Vec<u32>) {
+        let optim = OptimConfig::default();
+        let mut t = Trainer::new(&gpu, &cfg, b, &params, None, optim, mixed).unwrap();
+        assert!(t.paths().has(tinygpt_kernels::PathId::MixedTraining));
+        if f32_acts {
+            t.keep_f32_activations(&gpu).unwrap();
+        }
+        let losses = (0..4)
+            .map(|i| {
+                let (ids, tg) = batch(&cfg, b, 300 + i);
+                t.train_step(&gpu, &ids, &tg, 1e-2, 9).unwrap();
+                t.last_loss(&gpu).unwrap().to_bits()
+            })
+            .collect();
+        let weights = gpu.to_vec(&t.params).unwrap();
+        (losses, weights.iter().map(|w| w.to_bits()).collect())
+    };
+    let (pairs, wide) = (run(false), run(true));
+    assert_eq!(pairs.0, wide.0, "losses");
+    assert!(pairs.1 == wide.1, "weights after four steps differ");
+}
