@@ -6,6 +6,7 @@ use super::fastmath::{map1i, map2i};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, Operand};
+use crate::ops::matmul::{pack_f16, packed_len};
 use rayon::prelude::*;
 
 /// "lowbias32" (Chris Wellons' hash-prospector): a fast, well-mixed 32-bit integer hash.
@@ -60,6 +61,53 @@ pub(crate) fn threshold(p: f32) -> u32 {
 /// dropout(dy) with the same seed). `seed` should differ per layer, site and step.
 pub fn dropout(be: &Backend, x: TRef<'_>, y: TMut<'_>, n: usize, p: f32, seed: u32) -> Result<()> {
     launch(be, None, x, y, n, p, seed)
+}
+
+/// y = dropout(x) rounded to f16 pairs: `n` values into `packed_len(n)` words (the values [`dropout`]
+/// writes, each rounded as [`pack_f16`] rounds), for a tensor only the tensor-core training products
+/// read (the gradient at a product's output on that path). On the GPU, whole vectors in one binding
+/// are written as pairs by one kernel; elsewhere (and on the CPU twin) the f32 values are formed in
+/// scratch, then packed.
+pub fn dropout_f16(
+    be: &Backend,
+    x: TRef<'_>,
+    y: TMut<'_>,
+    n: usize,
+    p: f32,
+    seed: u32,
+) -> Result<()> {
+    const OP: &str = "dropout";
+    check_probability(OP, p)?;
+    if let Backend::Gpu(g) = be {
+        let (tx, ty) = (x.gpu(OP, "x", n)?, y.gpu(OP, "y", packed_len(n))?);
+        let aligned = n.is_multiple_of(4)
+            && x.offset().is_multiple_of(4)
+            && y.offset().is_multiple_of(2)
+            && tx.num_chunks() == 1
+            && ty.num_chunks() == 1;
+        if aligned {
+            let pipe = kernel_parts(
+                g,
+                "dropout_f16",
+                &[
+                    HASH_WGSL,
+                    include_str!("dropout_f16.wgsl"),
+                    FOUR_A_THREAD_MAIN,
+                ],
+                &[Access::Read, Access::ReadWrite],
+            )?;
+            let ops = [
+                Operand::whole(tx, x.offset(), n),
+                Operand::whole(ty, y.offset(), packed_len(n)),
+            ];
+            let extra = [threshold(p), seed, (1.0 / (1.0 - p)).to_bits()];
+            let grid = Grid::Threads(FOUR_A_THREAD);
+            return run(g, OP, &pipe, n / 4, &ops, &extra, grid);
+        }
+    }
+    let mut wide = be.scratch("dropout_f16", n, 1)?;
+    dropout(be, x, (&mut wide).into(), n, p, seed)?;
+    pack_f16(be, (&wide).into(), y, n)
 }
 
 /// out = residual + dropout(x): a dropped-out branch joining the residual stream, in one pass (the
@@ -165,6 +213,37 @@ mod tests {
             out[1],
             "another seed must give another mask"
         );
+    }
+
+    /// The f16-pairs form writes dropout's values rounded as `pack_f16` rounds them, bit for bit: the
+    /// vector kernel (at a word offset, the words before it left alone) and the fallback (an odd count,
+    /// an offset not a multiple of four), on the CPU twin and the GPU.
+    #[test]
+    fn f16_pairs_hold_the_f32_values_rounded() {
+        let mut rng = SeedRng::new(24);
+        let mut backends = vec![crate::testing::cpu_backend()];
+        backends.extend(crate::testing::gpu_backend(None));
+        for be in &backends {
+            for (n, shift) in [(4096usize, 0usize), (40_000, 4), (5001, 0), (3000, 2)] {
+                let x = rng.vec(n + shift, -3.0, 3.0);
+                let tx = be.from_f32(&x, 1).unwrap();
+                let mut wide = be.zeros(n, 1).unwrap();
+                dropout(be, tx.at(shift), wide.at_mut(0), n, 0.2, 99).unwrap();
+                let mut want = be.zeros_typed(packed_len(n), 1, crate::DType::U32).unwrap();
+                pack_f16(be, (&wide).into(), (&mut want).into(), n).unwrap();
+                let mut got = be
+                    .zeros_typed(packed_len(n) + 2, 1, crate::DType::U32)
+                    .unwrap();
+                dropout_f16(be, tx.at(shift), got.at_mut(2), n, 0.2, 99).unwrap();
+                let words = |t: &crate::Tensor| -> Vec<u32> {
+                    be.to_vec(t).unwrap().iter().map(|f| f.to_bits()).collect()
+                };
+                let what = format!("{} n {n} shift {shift}", be.kind());
+                let got = words(&got);
+                assert_eq!(&got[..2], &[0, 0], "{what}: before y");
+                assert_eq!(&got[2..], &words(&want)[..], "{what}");
+            }
+        }
     }
 
     #[test]

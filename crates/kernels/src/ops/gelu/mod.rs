@@ -38,41 +38,48 @@ pub fn gelu(be: &Backend, x: TRef<'_>, y: TMut<'_>, n: usize) -> Result<()> {
 /// y = GELU(x) rounded to f16 pairs: `n` values into `packed_len(n)` words (the values [`gelu`]
 /// computes, each rounded as [`pack_f16`] rounds), for a tensor only the tensor-core training products
 /// read (the MLP's activation on that path): half the bytes written, and read by each product.
-pub fn gelu_f16(be: &Backend, x: TRef<'_>, mut y: TMut<'_>, n: usize) -> Result<()> {
+pub fn gelu_f16(be: &Backend, x: TRef<'_>, y: TMut<'_>, n: usize) -> Result<()> {
+    launch_f16(be, x, None, y, n)
+}
+
+/// dx = dy · gelu'(x) rounded to f16 pairs, as [`gelu_f16`] rounds [`gelu`]'s values: the gradient at
+/// c_fc's output on the tensor-core training path, which only that product's backward products read.
+pub fn gelu_backward_f16(
+    be: &Backend,
+    x: TRef<'_>,
+    dy: TRef<'_>,
+    dx: TMut<'_>,
+    n: usize,
+) -> Result<()> {
+    launch_f16(be, x, Some(dy), dx, n)
+}
+
+/// [`launch`] with its output rounded to f16 pairs: on the GPU by one kernel where every operand is in
+/// one binding at whole vectors; elsewhere (and on the CPU twin) the f32 values in scratch, then packed.
+fn launch_f16(
+    be: &Backend,
+    x: TRef<'_>,
+    dy: Option<TRef<'_>>,
+    y: TMut<'_>,
+    n: usize,
+) -> Result<()> {
     let words = packed_len(n);
-    match be {
-        Backend::Cpu(c) => {
-            let xs = x.cpu("gelu", "x", n)?;
-            let ys = y.cpu_u32("gelu", "y", words)?;
-            const CHUNK: usize = 1 << 14;
-            c.install(|| {
-                ys.par_chunks_mut(CHUNK / 2)
-                    .zip(xs.par_chunks(CHUNK))
-                    .for_each(|(w, x)| {
-                        let mut v = vec![0.0; x.len()];
-                        map1(&mut v, x, gelu_scalar);
-                        for (w, pair) in w.iter_mut().zip(v.chunks(2)) {
-                            let half = |v: f32| half::f16::from_f32(v).to_bits() as u32;
-                            *w = half(pair[0]) | (pair.get(1).map_or(0, |&h| half(h)) << 16);
-                        }
-                    })
-            });
-            Ok(())
-        }
-        Backend::Gpu(g) => {
-            let tx = x.gpu("gelu", "x", n)?;
-            let ty = y.gpu("gelu", "y", words)?;
-            let (ox, oy) = (x.offset(), y.offset());
-            let whole_vectors = n.is_multiple_of(4) && ox.is_multiple_of(4) && oy.is_multiple_of(2);
-            if !whole_vectors || tx.num_chunks() != 1 || ty.num_chunks() != 1 {
-                // Elsewhere, the f32 values, then packed.
-                let mut wide = be.scratch("gelu_f16", n, 4)?;
-                gpu_launch(g, x, None, (&mut wide).into(), n, true)?;
-                return pack_f16(be, (&wide).into(), y, n);
-            }
+    if let Backend::Gpu(g) = be {
+        let tx = x.gpu("gelu", "x", n)?;
+        let ty = y.gpu("gelu", "y", words)?;
+        let (td, od) = match &dy {
+            Some(d) => (d.gpu("gelu", "dy", n)?, d.offset()),
+            None => (tx, x.offset()),
+        };
+        let (ox, oy) = (x.offset(), y.offset());
+        let whole_vectors = n.is_multiple_of(4)
+            && ox.is_multiple_of(4)
+            && od.is_multiple_of(4)
+            && oy.is_multiple_of(2);
+        if whole_vectors && [tx, td, ty].iter().all(|t| t.num_chunks() == 1) {
             let pipe = g.pipeline(
                 "gelu_f16",
-                &[Access::Read, Access::ReadWrite],
+                &[Access::Read, Access::Read, Access::ReadWrite],
                 PipelineOptions::default(),
                 || {
                     format!(
@@ -81,18 +88,26 @@ pub fn gelu_f16(be: &Backend, x: TRef<'_>, mut y: TMut<'_>, n: usize) -> Result<
                     )
                 },
             )?;
-            let ops = [Operand::whole(tx, ox, n), Operand::whole(ty, oy, words)];
-            run(
+            let ops = [
+                Operand::whole(tx, ox, n),
+                Operand::whole(td, od, n),
+                Operand::whole(ty, oy, words),
+            ];
+            let extra = [dy.is_some() as u32];
+            return run(
                 g,
                 "gelu",
                 &pipe,
                 n / 4,
                 &ops,
-                &[],
+                &extra,
                 Grid::Threads(FOUR_A_THREAD),
-            )
+            );
         }
     }
+    let mut wide = be.scratch("gelu_f16", n, 4)?;
+    launch(be, x, dy, (&mut wide).into(), n)?;
+    pack_f16(be, (&wide).into(), y, n)
 }
 
 /// dx = dy · gelu'(x) over `n` elements.
@@ -267,10 +282,10 @@ mod tests {
         }
     }
 
-    /// The f16-pairs form writes the f32 form's values rounded as `pack_f16` rounds them, bit for bit,
-    /// whole-vector views and others (an odd count, an offset not a multiple of four: the f32 values,
-    /// then packed); the CPU twin does the same with its own GELU. Operands split across bindings are
-    /// an error, not a wrong answer.
+    /// The f16-pairs forms (forward and backward) write the f32 forms' values rounded as `pack_f16`
+    /// rounds them, bit for bit, whole-vector views and others (an odd count, an offset not a multiple
+    /// of four: the f32 values, then packed); the CPU twin does the same with its own GELU. Operands
+    /// split across bindings are an error, not a wrong answer.
     #[test]
     fn f16_pairs_hold_the_f32_values_rounded() {
         let mut rng = SeedRng::new(22);
@@ -279,20 +294,32 @@ mod tests {
         for be in &backends {
             for (n, shift) in [(4usize, 0usize), (4104, 4), (5001, 0), (3000, 2)] {
                 let x = rng.vec(n + shift, -6.0, 6.0);
-                let tx = be.from_f32(&x, 2).unwrap();
-                let mut wide = be.zeros(n, 2).unwrap();
-                gelu(be, tx.at(shift), wide.at_mut(0), n).unwrap();
-                let mut want = be.zeros(packed_len(n), 1).unwrap();
-                pack_f16(be, (&wide).into(), (&mut want).into(), n).unwrap();
-                let mut got = be
-                    .zeros_typed(packed_len(n) + 2, 1, crate::DType::U32)
+                let dy = rng.vec(n + shift, -2.0, 2.0);
+                let (tx, tdy) = (be.from_f32(&x, 2).unwrap(), be.from_f32(&dy, 2).unwrap());
+                for backward in [false, true] {
+                    let mut wide = be.zeros(n, 2).unwrap();
+                    let (x, dy, w) = (tx.at(shift), tdy.at(shift), wide.at_mut(0));
+                    match backward {
+                        false => gelu(be, x, w, n),
+                        true => gelu_backward(be, x, dy, w, n),
+                    }
                     .unwrap();
-                gelu_f16(be, tx.at(shift), got.at_mut(2), n).unwrap();
-                let words = |t: &crate::Tensor| -> Vec<u32> {
-                    be.to_vec(t).unwrap().iter().map(|f| f.to_bits()).collect()
-                };
-                let what = format!("{} n {n} shift {shift}", be.kind());
-                assert_eq!(&words(&got)[2..], &words(&want)[..], "{what}");
+                    let mut want = be.zeros(packed_len(n), 1).unwrap();
+                    pack_f16(be, (&wide).into(), (&mut want).into(), n).unwrap();
+                    let mut got = be
+                        .zeros_typed(packed_len(n) + 2, 1, crate::DType::U32)
+                        .unwrap();
+                    match backward {
+                        false => gelu_f16(be, x, got.at_mut(2), n),
+                        true => gelu_backward_f16(be, x, dy, got.at_mut(2), n),
+                    }
+                    .unwrap();
+                    let words = |t: &crate::Tensor| -> Vec<u32> {
+                        be.to_vec(t).unwrap().iter().map(|f| f.to_bits()).collect()
+                    };
+                    let what = format!("{} n {n} shift {shift} backward {backward}", be.kind());
+                    assert_eq!(&words(&got)[2..], &words(&want)[..], "{what}");
+                }
             }
         }
         if let Some(be) = crate::testing::gpu_backend(Some(4096)) {

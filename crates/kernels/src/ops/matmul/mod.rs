@@ -531,11 +531,12 @@ fn product_fault(fault: Option<Fault>, g: &Gemm) -> Option<Fault> {
 
 /// C = alpha · op(A) op(B) + beta · C with A stored as f16 pairs ([`pack_f16`]; its view starts at a
 /// word, and `g`'s extents, lda and batch strides count f16 elements) and B in either f32 or f16:
-/// training's products whose input a producer wrote as f16 for the tensor cores (the MLP's
-/// activation, [`crate::ops::gelu::gelu_f16`]). With the tensor-core training path on an adapter with
-/// cooperative matrices the training kernel stages both operands as they are stored; elsewhere A's
-/// values are unpacked into scratch and the product runs as [`matmul`] runs it. The values are the
-/// same either way.
+/// training's products whose input a producer wrote as f16 for the tensor cores (the norms' and the
+/// MLP's activations, the gradients at the products' outputs). With the tensor-core training path on
+/// an adapter with cooperative matrices the training kernel stages both operands as they are stored
+/// (long-K products split over slices of K as [`matmul`] splits them, where each slice's K is even);
+/// elsewhere A's values are unpacked into scratch and the product runs as [`matmul`] runs it. The
+/// values are the same either way.
 pub fn matmul_f16_a<'a>(
     be: &Backend,
     paths: PathSet,
@@ -563,16 +564,13 @@ pub fn matmul_f16_a<'a>(
                 b: if b_f16 { Storage::F16 } else { Storage::F32 },
             };
             let ob = if b_f16 { 2 * bv.offset() } else { bv.offset() };
-            return coop::matmul_coop_mixed(
-                gb,
-                (ta, 2 * a.offset()),
-                (tb, ob),
-                (tc, c.offset()),
-                g,
-                coop::mixed_tile(gb, g),
-                operands,
-                product_fault(paths.fault(), g),
-            );
+            let (a, b, c) = ((ta, 2 * a.offset()), (tb, ob), (tc, c.offset()));
+            let fault = product_fault(paths.fault(), g);
+            if let Some(splits) = split_k(gb, g).filter(|s| g.k.is_multiple_of(2 * s)) {
+                return gpu_split_k(gb, a, b, c, g, splits, true, operands, fault);
+            }
+            let tile = coop::mixed_tile(gb, g);
+            return coop::matmul_coop_mixed(gb, a, b, c, g, tile, operands, fault);
         }
     }
     // Elsewhere: A's values as f32, then the product as `matmul` picks it.
@@ -659,7 +657,12 @@ pub fn run(
                     coop::matmul_coop_mixed(gb, a, b, c, g, tile, operands, fault)
                 }
                 Kernel::SplitK { splits, mixed } => {
-                    gpu_split_k(gb, a, b, c, g, splits, mixed, f16, fault)
+                    let operands = if f16 {
+                        coop::Operands::F16_B
+                    } else {
+                        coop::Operands::F32
+                    };
+                    gpu_split_k(gb, a, b, c, g, splits, mixed, operands, fault)
                 }
                 Kernel::Gemv {
                     shader_f16,
@@ -796,7 +799,7 @@ fn gpu_split_k(
     g: &Gemm,
     splits: usize,
     mixed: bool,
-    b_f16: bool,
+    operands: coop::Operands,
     fault: Option<Fault>,
 ) -> Result<()> {
     if g.m == 0 || g.n == 0 {
@@ -804,18 +807,28 @@ fn gpu_split_k(
     }
     // One slice product: on the tensor cores (mixed precision, where the adapter has them), on the
     // tiled kernel with f16 operands (mixed, elsewhere), or on the f32 tiled kernel. B may be f16
-    // pairs (its offsets and strides count f16 elements).
+    // pairs, and on the tensor cores A too (their offsets and strides count f16 elements).
     let coop = mixed && gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX);
+    let (a_f16, b_f16) = (
+        operands.a == coop::Storage::F16,
+        operands.b == coop::Storage::F16,
+    );
     let slice =
         |a: (&GpuTensor, usize), b: (&GpuTensor, usize), c: (&GpuTensor, usize), sg: &Gemm| {
-            if coop && coop::mixed_suits(sg) && (!b_f16 || coop::f16_b_suits(sg)) {
+            if coop
+                && coop::mixed_suits(sg)
+                && (!a_f16 || coop::f16_a_suits(sg))
+                && (!b_f16 || coop::f16_b_suits(sg))
+            {
                 let tile = coop::mixed_tile(gb, sg);
-                let operands = if b_f16 {
-                    coop::Operands::F16_B
-                } else {
-                    coop::Operands::F32
-                };
                 return coop::matmul_coop_mixed(gb, a, b, c, sg, tile, operands, fault);
+            }
+            if a_f16 {
+                return Err(Error::Shape {
+                    op: "matmul",
+                    msg: "an f16 A is read by the tensor-core kernel only, on slices of even K"
+                        .into(),
+                });
             }
             let opts = GemmOpts {
                 trans_a: g.trans_a,

@@ -713,22 +713,29 @@ fn f16_weights_on_the_training_path_keep_the_bits() {
     }
 }
 
-/// A stored as f16 pairs (training's MLP activation on the tensor-core path): in every layout, with
-/// f32 and f16 B, unbatched and batched, the product gives the bits of the training path's product on
-/// the f32 values the pairs hold (on the tensor cores the same f16 values are staged; elsewhere A is
-/// unpacked and the same kernel runs); the CPU twin agrees with the f64 reference.
+/// A stored as f16 pairs (training's activations and output gradients on the tensor-core path): in
+/// every layout, with f32 and f16 B, unbatched and batched, split over slices of K or not, the product
+/// gives the bits of the training path's product on the f32 values the pairs hold (on the tensor cores
+/// the same f16 values are staged; elsewhere A is unpacked and the same kernel runs); the CPU twin
+/// agrees with the f64 reference.
 #[test]
 fn f16_activations_keep_the_bits() {
     let mut rng = SeedRng::new(14);
     let mixed = PathSet::of(&[PathId::MixedTraining]);
     let mut backends = vec![cpu_backend()];
     backends.extend(gpu_backend(None));
-    for (m, n, k) in [(16, 16, 16), (130, 68, 34), (200, 300, 100)] {
+    // K = 4096: a single product splits over slices of K on a hardware adapter.
+    for (m, n, k) in [(16, 16, 16), (130, 68, 34), (200, 300, 100), (32, 48, 4096)] {
         for g in all_layouts(m, n, k) {
             let [ea, eb, ec] = g.extents();
             let even = |e: usize| e + e % 2;
             let batched = g.batched([2, 1], [even(ea) + 2, 0], [even(eb), 0], [ec, 0]);
-            for (g, b16) in [(g.alpha(0.5), false), (batched.accumulate(), true)] {
+            let forms = [
+                (g.alpha(0.5), false),
+                (g, true),
+                (batched.accumulate(), true),
+            ];
+            for (g, b16) in forms {
                 let (a, b, c0, _) = case(&mut rng, &g);
                 let round = |v: Vec<f32>| -> Vec<f32> {
                     v.into_iter()
