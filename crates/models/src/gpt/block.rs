@@ -13,8 +13,8 @@ use tinygpt_kernels::ops::Grad;
 use tinygpt_kernels::ops::attention::{
     AttnDropout, AttnShape, DecodeShape, attend, attention_backward, attention_forward,
 };
-use tinygpt_kernels::ops::dropout::{dropout, dropout_add};
-use tinygpt_kernels::ops::gelu::{gelu, gelu_backward, gelu_f16};
+use tinygpt_kernels::ops::dropout::{dropout, dropout_add, dropout_f16};
+use tinygpt_kernels::ops::gelu::{gelu, gelu_backward, gelu_backward_f16, gelu_f16};
 use tinygpt_kernels::ops::matmul::{Gemm, Weights, matmul, matmul_f16_a, packed_len};
 use tinygpt_kernels::ops::norm::{
     NormKind, NormShape, norm_backward, norm_forward, norm_forward_f16,
@@ -95,11 +95,28 @@ pub(crate) struct BlockActs {
     pub f16: bool,
 }
 
-/// An activation as a product's operand: f32 values or f16 pairs.
+/// An activation or a gradient as a product's operand: f32 values or f16 pairs.
 #[derive(Clone, Copy)]
-enum Act<'a> {
+pub(crate) enum Act<'a> {
     F32(TRef<'a>),
     F16(TRef<'a>),
+}
+
+impl<'a> Act<'a> {
+    /// The whole of `t`: f16 pairs if `f16`, else f32.
+    fn of(t: &'a Tensor, f16: bool) -> Self {
+        if f16 {
+            Act::F16(t.at(0))
+        } else {
+            Act::F32(t.at(0))
+        }
+    }
+}
+
+impl<'a> From<TRef<'a>> for Act<'a> {
+    fn from(t: TRef<'a>) -> Self {
+        Act::F32(t)
+    }
 }
 
 impl<'a> From<Act<'a>> for Weights<'a> {
@@ -138,11 +155,7 @@ impl BlockActs {
 
     /// One of the products' inputs (`ln1`, `ln2`, `act`) as an operand.
     fn input<'a>(&self, t: &'a Tensor) -> Act<'a> {
-        if self.f16 {
-            Act::F16(t.at(0))
-        } else {
-            Act::F32(t.at(0))
-        }
+        Act::of(t, self.f16)
     }
 
     /// ln(x) into one of the products' inputs, as f32 or f16 pairs.
@@ -319,14 +332,60 @@ pub(crate) struct SavedAttention<'a> {
 }
 
 /// Scratch of the backward pass, shared by every block.
+///
+/// `dy` and `d4b` are read only by products: with `f16` they hold f16 pairs, as [`BlockActs`] does.
 pub(crate) struct BackScratch {
-    pub tmp: Tensor,
+    pub dy: Tensor, // gradient at attn_proj's or mlp_proj's output [rows, C]
     pub dln: Tensor,
     pub datty: Tensor,
     pub dqkv: Tensor,
     pub d4a: Tensor,
-    pub d4b: Tensor,
+    pub d4b: Tensor, // gradient at c_fc's output [rows, 4C]
     pub dprobs: Tensor,
+    pub f16: bool,
+}
+
+impl BackScratch {
+    /// For `rows` token rows of width `c` (tensors split at multiples of `seq` rows) and attention
+    /// probabilities of `probs` elements (split every `probs_unit`).
+    pub fn new(
+        be: &Backend,
+        (rows, c, seq): (usize, usize, usize),
+        (probs, probs_unit): (usize, usize),
+        f16: bool,
+    ) -> Result<Self> {
+        let z = |len: usize, unit: usize| be.zeros(len, unit);
+        let grad = |width: usize, unit: usize| {
+            if f16 {
+                be.zeros_typed(packed_len(rows * width), unit / 2, DType::U32)
+            } else {
+                z(rows * width, unit)
+            }
+        };
+        Ok(BackScratch {
+            dy: grad(c, seq * c)?,
+            dln: z(rows * c, c)?,
+            datty: z(rows * c, seq * c)?,
+            dqkv: z(rows * 3 * c, seq * 3 * c)?,
+            d4a: z(rows * 4 * c, 4 * c)?,
+            d4b: grad(4 * c, 4 * c)?,
+            dprobs: z(probs, probs_unit)?,
+            f16,
+        })
+    }
+
+    /// dy = dropout(g) (the gradient at a dropped-out product's output), as f32 or f16 pairs.
+    fn dropout_into_dy(
+        &mut self,
+        be: &Backend,
+        g: TRef<'_>,
+        n: usize,
+        p: f32,
+        seed: u32,
+    ) -> Result<()> {
+        let dropout = if self.f16 { dropout_f16 } else { dropout };
+        dropout(be, g, self.dy.at_mut(0), n, p, seed)
+    }
 }
 
 /// The block's backward pass. `dresid` holds the gradient of the block's output and leaves holding the
@@ -348,19 +407,12 @@ pub(crate) fn block_backward(
     let (n, c) = (d.rows, d.c);
     let (w, ln, paths) = (params.f32, NormKind::Layer, params.paths);
     // MLP branch: back through its dropout, mlp_proj, GELU, c_fc and ln_2 (into the residual's gradient).
-    dropout(
-        be,
-        dresid.at(0),
-        s.tmp.at_mut(0),
-        n * c,
-        drop.p,
-        drop.mlp_seed,
-    )?;
+    s.dropout_into_dy(be, dresid.at(0), n * c, drop.p, drop.mlp_seed)?;
     let (dmlp, dw) = (s.d4a.at_mut(0), grads.at_mut(o.mlp_proj));
     linear_backward(
         be,
         paths,
-        s.tmp.at(0),
+        Act::of(&s.dy, s.f16),
         a.input(&a.act),
         params.matrix(o.mlp_proj),
         dw,
@@ -369,12 +421,17 @@ pub(crate) fn block_backward(
         c,
         4 * c,
     )?;
+    let gelu_backward = if s.f16 {
+        gelu_backward_f16
+    } else {
+        gelu_backward
+    };
     gelu_backward(be, a.fc.at(0), s.d4a.at(0), s.d4b.at_mut(0), n * 4 * c)?;
     let (dln, dw) = (s.dln.at_mut(0), grads.at_mut(o.c_fc));
     linear_backward(
         be,
         paths,
-        s.d4b.at(0),
+        Act::of(&s.d4b, s.f16),
         a.input(&a.ln2),
         params.matrix(o.c_fc),
         dw,
@@ -397,19 +454,12 @@ pub(crate) fn block_backward(
         Grad::Overwrite,
     )?;
     // Attention branch: dresid now holds the gradient of xmid.
-    dropout(
-        be,
-        dresid.at(0),
-        s.tmp.at_mut(0),
-        n * c,
-        drop.p,
-        drop.attn_seed,
-    )?;
+    s.dropout_into_dy(be, dresid.at(0), n * c, drop.p, drop.attn_seed)?;
     let (datty, dw) = (s.datty.at_mut(0), grads.at_mut(o.attn_proj));
     linear_backward(
         be,
         paths,
-        s.tmp.at(0),
+        Act::of(&s.dy, s.f16),
         a.atty.at(0),
         params.matrix(o.attn_proj),
         dw,
@@ -465,7 +515,7 @@ pub(crate) fn block_backward(
 pub(crate) fn linear_backward<'a>(
     be: &Backend,
     paths: PathSet,
-    dy: TRef<'_>,
+    dy: impl Into<Act<'a>>,
     x: impl Into<Weights<'a>>,
     w: impl Into<Weights<'a>>,
     dw: TMut<'_>,
@@ -474,6 +524,15 @@ pub(crate) fn linear_backward<'a>(
     out: usize,
     inp: usize,
 ) -> Result<()> {
-    matmul(be, paths, dy, x, dw, &Gemm::tn(out, inp, rows))?;
-    matmul(be, paths, dy, w, dx, &Gemm::nn(rows, inp, out))
+    let (dwg, dxg) = (Gemm::tn(out, inp, rows), Gemm::nn(rows, inp, out));
+    match dy.into() {
+        Act::F32(dy) => {
+            matmul(be, paths, dy, x, dw, &dwg)?;
+            matmul(be, paths, dy, w, dx, &dxg)
+        }
+        Act::F16(dy) => {
+            matmul_f16_a(be, paths, dy, x, dw, &dwg)?;
+            matmul_f16_a(be, paths, dy, w, dx, &dxg)
+        }
+    }
 }

@@ -90,6 +90,8 @@ pub struct Trainer {
     losses: Tensor,
     /// [0]: mean loss of the last forward pass; [1]: squared global gradient norm.
     stats: Tensor,
+    /// [N, C] f32 scratch: the embedding's output and its gradient, each block's projection outputs.
+    tmp: Tensor,
     // Scratch for the backward pass.
     back: BackScratch,
     dresid: Tensor,
@@ -158,9 +160,9 @@ impl Trainer {
             head_dim: cfg.head_dim(),
         };
         let probs_unit = h * t * t;
-        // On the tensor-core training path the norms' and the GELU's outputs are read only by
-        // tensor-core products (the forward products and the weight gradients): kept as the f16
-        // values those stage.
+        // On the tensor-core training path the norms' and the GELU's outputs, and the gradients at
+        // the outputs of attn_proj, c_fc and mlp_proj, are read only by tensor-core products: kept as
+        // the f16 values those stage.
         let act_f16 = be.as_gpu().is_some() && paths.has(PathId::MixedTraining);
         let z = |len: usize, unit: usize| be.zeros(len, unit);
         let mut layers = Vec::with_capacity(cfg.n_layer);
@@ -216,15 +218,8 @@ impl Trainer {
             logits: z(n * v, v)?,
             losses: z(n, 1)?,
             stats: z(2, 1)?,
-            back: BackScratch {
-                tmp: z(n * c, t * c)?,
-                dln: z(n * c, c)?,
-                datty: z(n * c, t * c)?,
-                dqkv: z(n * 3 * c, t * 3 * c)?,
-                d4a: z(n * 4 * c, 4 * c)?,
-                d4b: z(n * 4 * c, 4 * c)?,
-                dprobs: z(shape.probs_len(), probs_unit)?,
-            },
+            tmp: z(n * c, t * c)?,
+            back: BackScratch::new(be, (n, c, t), (shape.probs_len(), probs_unit), act_f16)?,
             dresid: z(n * c, t * c)?,
             dlogits: z(n * v, v)?,
             cfg: cfg.clone(),
@@ -243,14 +238,20 @@ impl Trainer {
         self.paths
     }
 
-    /// Keeps the products' inputs as f32 (as every path but the tensor-core one does), for tests that
-    /// hold the f16 pairs to the values they replace.
+    /// Keeps the products' inputs and output gradients as f32 (as every path but the tensor-core one
+    /// does), for tests that hold the f16 pairs to the values they replace.
     #[cfg(test)]
     fn keep_f32_activations(&mut self, be: &Backend) -> Result<()> {
-        let (t, c) = (self.cfg.block_size, self.cfg.n_embd);
+        let (t, c, n) = (
+            self.cfg.block_size,
+            self.cfg.n_embd,
+            self.batch * self.cfg.block_size,
+        );
         for l in &mut self.layers {
-            l.acts = BlockActs::new(be, self.batch * t, c, t, false)?;
+            l.acts = BlockActs::new(be, n, c, t, false)?;
         }
+        let probs = (self.attn_shape().probs_len(), self.cfg.n_head * t * t);
+        self.back = BackScratch::new(be, (n, c, t), probs, false)?;
         Ok(())
     }
 
@@ -329,7 +330,7 @@ impl Trainer {
             period: t,
             pos0: 0,
         };
-        let tmp = &mut self.back.tmp;
+        let tmp = &mut self.tmp;
         embedding(
             be,
             self.ids.at(0),
@@ -501,7 +502,8 @@ impl Trainer {
         // Embedding dropout, then the scatter-add into wte (which already holds the head's gradient)
         // and the position table's gradient.
         let seed0 = drop_seed(seed, self.step, n_layer, 0);
-        dropout(be, self.dresid.at(0), s.tmp.at_mut(0), n * c, p, seed0)?;
+        let tmp = &mut self.tmp;
+        dropout(be, self.dresid.at(0), tmp.at_mut(0), n * c, p, seed0)?;
         let emb = EmbedShape {
             tokens: n,
             vocab: v,
@@ -514,7 +516,7 @@ impl Trainer {
         embedding_backward(
             be,
             &self.index,
-            s.tmp.at(0),
+            tmp.at(0),
             g.at_mut(gw),
             Some((s.dln.at_mut(0), t)),
             emb,
