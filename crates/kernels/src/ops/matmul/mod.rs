@@ -411,7 +411,9 @@ pub fn choose(
                 let coop = gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
                     && coop::mixed_suits(g)
                     && (!f16 || coop::f16_b_suits(g));
-                match split_k(gb, g) {
+                // f16 operands split only into slices of even K (each slice's pairs whole).
+                let splits = split_k(gb, g).filter(|&s| !f16 || g.k.is_multiple_of(2 * s));
+                match splits {
                     Some(splits) => Kernel::SplitK {
                         splits,
                         mixed: true,

@@ -780,13 +780,15 @@ fn f16_activations_keep_the_bits() {
 }
 
 /// Split-K over slices of K with B stored as f16 pairs (a weight gradient whose input is training's
-/// f16 activation) gives the bits of the same split on the f32 values the pairs hold.
+/// f16 activation) gives the bits of the same split on the f32 values the pairs hold, for slices of
+/// even K (the splits training's products take: on the tensor cores a slice of odd K cannot stage
+/// f16 pairs and takes the tiled kernel).
 #[test]
 fn split_k_takes_f16_b() {
     let mut rng = SeedRng::new(15);
     let Some(be) = gpu_backend(None) else { return };
     let mixed = PathSet::of(&[PathId::MixedTraining]);
-    for g in [Gemm::tn(96, 64, 1030), Gemm::nn(40, 66, 700).alpha(-2.0)] {
+    for g in [Gemm::tn(96, 64, 1032), Gemm::nn(40, 66, 708).alpha(-2.0)] {
         let (a, b, c0, _) = case(&mut rng, &g);
         let b: Vec<f32> = b
             .into_iter()
