@@ -13,6 +13,18 @@ fn tiny(dropout: f32) -> GptConfig {
     }
 }
 
+/// Two layers 16 wide over 16 positions: the GPU tests' model.
+fn small(dropout: f32) -> GptConfig {
+    GptConfig {
+        vocab_size: 13,
+        block_size: 16,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        dropout,
+    }
+}
+
 fn batch(cfg: &GptConfig, b: usize, seed: u64) -> (Vec<u32>, Vec<u32>) {
     let mut rng = SeedRng::new(seed);
     let ids: Vec<u32> = (0..b * cfg.block_size)
@@ -120,14 +132,7 @@ fn gpu_gradients_match_the_cpu_twin_for_every_parameter() {
 #[test]
 fn first_ten_steps_give_the_same_losses_on_cpu_and_gpu() {
     let Some(gpu) = gpu_backend(None) else { return };
-    let cfg = GptConfig {
-        vocab_size: 13,
-        block_size: 16,
-        n_layer: 2,
-        n_head: 2,
-        n_embd: 16,
-        dropout: 0.1,
-    };
+    let cfg = small(0.1);
     let params = Layout::new(&cfg).init(&cfg, 8);
     let b = 4;
     let run = |be: &Backend| -> Vec<f32> {
@@ -173,14 +178,7 @@ fn learning_rate_schedule_is_nanogpt_s() {
 #[test]
 fn f16_storage_forward_keeps_the_training_losses() {
     let Some(gpu) = gpu_backend(None) else { return };
-    let cfg = GptConfig {
-        vocab_size: 13,
-        block_size: 16,
-        n_layer: 2,
-        n_head: 2,
-        n_embd: 16,
-        dropout: 0.0,
-    };
+    let cfg = small(0.0);
     let params = Layout::new(&cfg).init(&cfg, 8);
     let b = 4;
     let run = |be: &Backend, paths: PathSet| -> Vec<f32> {
@@ -220,14 +218,7 @@ fn f16_storage_forward_keeps_the_training_losses() {
 #[test]
 fn f16_activations_keep_the_tensor_core_path_s_bits() {
     let Some(gpu) = gpu_backend(None) else { return };
-    let cfg = GptConfig {
-        vocab_size: 13,
-        block_size: 16,
-        n_layer: 2,
-        n_head: 2,
-        n_embd: 16,
-        dropout: 0.1,
-    };
+    let cfg = small(0.1);
     let params = Layout::new(&cfg).init(&cfg, 9);
     let b = 4;
     let mixed = PathSet::of(&[tinygpt_kernels::PathId::MixedTraining]);
