@@ -159,7 +159,6 @@ impl BlockActs {
     }
 
     /// ln(x) into one of the products' inputs, as f32 or f16 pairs.
-    #[allow(clippy::too_many_arguments)]
     fn norm(
         f16: bool,
         be: &Backend,
