@@ -280,8 +280,9 @@ pub fn cpu_gemm(a: &[f32], b: &[f32], c: &mut [f32], g: &Gemm) {
 pub enum Weights<'a> {
     /// f32 elements, in any layout the [`Gemm`] describes.
     F32(TRef<'a>),
-    /// f16 values packed two per u32 word ([`pack_f16`]), for x · Wᵀ products (`Gemm::nt`, unbatched):
-    /// the view starts at a word, and `ldb` counts f16 elements (even).
+    /// f16 values packed two per u32 word ([`pack_f16`]): the view starts at a word, and `ldb` and
+    /// B's batch strides count f16 elements (even). The decode and inference tensor-core kernels take
+    /// them in x · Wᵀ products only; the tiled and training kernels and the CPU twin in any layout.
     F16(TRef<'a>),
     /// A block-quantized matrix, for x · Wᵀ with contiguous rows (`Gemm::nt(m, rows, cols)`).
     Quant(&'a QMatrix),
