@@ -354,6 +354,13 @@ pub enum Storage {
     F16,
 }
 
+impl Storage {
+    /// `F16` if `f16`, else `F32`.
+    pub fn of(f16: bool) -> Storage {
+        if f16 { Storage::F16 } else { Storage::F32 }
+    }
+}
+
 /// How the tensor-core training kernel's two operands are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Operands {
@@ -372,11 +379,12 @@ impl Operands {
         a: Storage::F16,
         b: Storage::F16,
     };
-    /// f32 A (activations, gradients) and f16 B (training's weights, packed once a step).
-    pub const F16_B: Operands = Operands {
-        a: Storage::F32,
-        b: Storage::F16,
-    };
+
+    /// Whether the kernel can stage `g`'s operands as stored: each f16 operand's extents, leading
+    /// dimension and batch strides even ([`f16_a_suits`], [`f16_b_suits`]).
+    pub(super) fn suit(&self, g: &Gemm) -> bool {
+        (self.a == Storage::F32 || f16_a_suits(g)) && (self.b == Storage::F32 || f16_b_suits(g))
+    }
 
     /// The pipeline key's suffix.
     fn key(&self) -> &'static str {
@@ -811,9 +819,10 @@ pub(super) fn matmul_coop_mixed(
             msg: "the mixed-precision tensor-core kernel takes every operand in one buffer".into(),
         });
     }
-    let a_fits = operands.a == Storage::F32 || (f16_a_suits(g) && oa % 2 == 0);
-    let b_fits = operands.b == Storage::F32 || (f16_b_suits(g) && ob % 2 == 0);
-    if !(a_fits && b_fits) {
+    let even_offsets = [(operands.a, oa), (operands.b, ob)]
+        .iter()
+        .all(|&(s, o)| s == Storage::F32 || o % 2 == 0);
+    if !(operands.suit(g) && even_offsets) {
         return Err(Error::Shape {
             op: "matmul_coop_mixed",
             msg: "f16 operands need even extents, offsets, leading dimensions and batch strides"

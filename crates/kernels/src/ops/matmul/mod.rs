@@ -409,12 +409,14 @@ pub fn choose(
                 // form; long-K products (weight gradients) split over slices of K either way. f16
                 // operands (weights packed once a step, activations written as f16) are staged as they
                 // are stored.
+                let operands = Operands {
+                    a: Storage::F32,
+                    b: Storage::of(f16),
+                };
                 let coop = gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
                     && coop::mixed_suits(g)
-                    && (!f16 || coop::f16_b_suits(g));
-                // f16 operands split only into slices of even K (each slice's pairs whole).
-                let splits = split_k(gb, g).filter(|&s| !f16 || g.k.is_multiple_of(2 * s));
-                match splits {
+                    && operands.suit(g);
+                match training_splits(gb, g, operands) {
                     Some(splits) => Kernel::SplitK {
                         splits,
                         mixed: true,
@@ -553,23 +555,22 @@ pub fn matmul_f16_a<'a>(
     let [ea, eb, ec] = g.extents();
     if let (Backend::Gpu(gb), Weights::F32(bv) | Weights::F16(bv)) = (be, b) {
         let b_f16 = matches!(b, Weights::F16(_));
+        let operands = Operands {
+            a: Storage::F16,
+            b: Storage::of(b_f16),
+        };
         let coop = paths.has(PathId::MixedTraining)
             && gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
             && coop::mixed_suits(g)
-            && coop::f16_a_suits(g)
-            && (!b_f16 || coop::f16_b_suits(g));
+            && operands.suit(g);
         let ta = a.gpu("matmul", "A", packed_len(ea))?;
         let tb = bv.gpu("matmul", "B", if b_f16 { packed_len(eb) } else { eb })?;
         let tc = c.gpu("matmul", "C", ec)?;
         if coop && [ta, tb, tc].iter().all(|t| t.num_chunks() == 1) {
-            let operands = Operands {
-                a: Storage::F16,
-                b: if b_f16 { Storage::F16 } else { Storage::F32 },
-            };
             let ob = if b_f16 { 2 * bv.offset() } else { bv.offset() };
             let (a, b, c) = ((ta, 2 * a.offset()), (tb, ob), (tc, c.offset()));
             let fault = product_fault(paths.fault(), g);
-            if let Some(splits) = split_k(gb, g).filter(|s| g.k.is_multiple_of(2 * s)) {
+            if let Some(splits) = training_splits(gb, g, operands) {
                 return gpu_split_k(gb, a, b, c, g, splits, true, operands, fault);
             }
             let tile = coop::mixed_tile(gb, g);
@@ -644,6 +645,10 @@ pub fn run(
             // Packed B counts f16 elements from the view's first word.
             let ob = if f16 { 2 * bv.offset() } else { bv.offset() };
             let (a, b, c) = ((ta, a.offset()), (tb, ob), (tc, c.offset()));
+            let operands = Operands {
+                a: Storage::F32,
+                b: Storage::of(f16),
+            };
             match k {
                 Kernel::Coop if f16 => coop::matmul_coop(gb, a, b, c, g, fault),
                 Kernel::Coop => Err(Error::Shape {
@@ -652,19 +657,9 @@ pub fn run(
                 }),
                 Kernel::Scale => gpu_scale(gb, c, g),
                 Kernel::CoopMixed(tile) => {
-                    let operands = if f16 {
-                        coop::Operands::F16_B
-                    } else {
-                        coop::Operands::F32
-                    };
                     coop::matmul_coop_mixed(gb, a, b, c, g, tile, operands, fault)
                 }
                 Kernel::SplitK { splits, mixed } => {
-                    let operands = if f16 {
-                        coop::Operands::F16_B
-                    } else {
-                        coop::Operands::F32
-                    };
                     gpu_split_k(gb, a, b, c, g, splits, mixed, operands, fault)
                 }
                 Kernel::Gemv {
@@ -775,6 +770,13 @@ fn split_k(gb: &GpuBackend, g: &Gemm) -> Option<usize> {
     split_slices(g, ((gb.max_chunk_bytes() / 4) as usize).min(16 << 20))
 }
 
+/// [`split_k`] for training's products on operands stored as `operands`: f16 operands split only into
+/// slices of even K (each slice's pairs whole; a slice of odd K could not stage them on the tensor
+/// cores).
+fn training_splits(gb: &GpuBackend, g: &Gemm, operands: Operands) -> Option<usize> {
+    split_k(gb, g).filter(|&s| operands == Operands::F32 || g.k.is_multiple_of(2 * s))
+}
+
 /// [`split_k`]'s rule, with at most `max` elements of partial products.
 fn split_slices(g: &Gemm, max: usize) -> Option<usize> {
     if g.batches() != 1 || g.k < 4096 {
@@ -812,21 +814,13 @@ fn gpu_split_k(
     // tiled kernel with f16 operands (mixed, elsewhere), or on the f32 tiled kernel. B may be f16
     // pairs, and on the tensor cores A too (their offsets and strides count f16 elements).
     let coop = mixed && gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX);
-    let (a_f16, b_f16) = (
-        operands.a == coop::Storage::F16,
-        operands.b == coop::Storage::F16,
-    );
     let slice =
         |a: (&GpuTensor, usize), b: (&GpuTensor, usize), c: (&GpuTensor, usize), sg: &Gemm| {
-            if coop
-                && coop::mixed_suits(sg)
-                && (!a_f16 || coop::f16_a_suits(sg))
-                && (!b_f16 || coop::f16_b_suits(sg))
-            {
+            if coop && coop::mixed_suits(sg) && operands.suit(sg) {
                 let tile = coop::mixed_tile(gb, sg);
                 return coop::matmul_coop_mixed(gb, a, b, c, sg, tile, operands, fault);
             }
-            if a_f16 {
+            if operands.a == Storage::F16 {
                 return Err(Error::Shape {
                     op: "matmul",
                     msg: "an f16 A is read by the tensor-core kernel only, on slices of even K"
@@ -836,7 +830,7 @@ fn gpu_split_k(
             let opts = GemmOpts {
                 trans_a: g.trans_a,
                 trans_b: g.trans_b,
-                b_f16,
+                b_f16: operands.b == Storage::F16,
                 shader_f16: mixed,
                 ..GemmOpts::default()
             };
