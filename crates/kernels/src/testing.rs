@@ -121,6 +121,33 @@ pub fn poisoned(be: &Backend, len: usize, unit: usize) -> crate::Result<Tensor> 
     be.from_f32(&vec![f32::NAN; len], unit)
 }
 
+/// Asserts that `f16_form`, writing `n` values as f16 pairs from word 2 of a zeroed u32 tensor, writes
+/// the pairs [`crate::ops::matmul::pack_f16`] makes of the values `f32_form` writes, bit for bit, and
+/// leaves the words before them alone: the check of every op that writes f16 pairs for the tensor
+/// cores against its f32 form.
+pub fn assert_f16_pairs(
+    be: &Backend,
+    n: usize,
+    what: &str,
+    f32_form: impl FnOnce(crate::TMut<'_>) -> crate::Result<()>,
+    f16_form: impl FnOnce(crate::TMut<'_>) -> crate::Result<()>,
+) {
+    use crate::ops::matmul::{pack_f16, packed_len};
+    let mut wide = be.zeros(n, 1).unwrap();
+    f32_form(wide.at_mut(0)).unwrap();
+    let mut want = be.zeros_typed(packed_len(n), 1, crate::DType::U32).unwrap();
+    pack_f16(be, wide.at(0), want.at_mut(0), n).unwrap();
+    let mut got = be
+        .zeros_typed(packed_len(n) + 2, 1, crate::DType::U32)
+        .unwrap();
+    f16_form(got.at_mut(2)).unwrap();
+    let words =
+        |t: &Tensor| -> Vec<u32> { be.to_vec(t).unwrap().iter().map(|f| f.to_bits()).collect() };
+    let got = words(&got);
+    assert_eq!(&got[..2], &[0, 0], "{what}: the words before the pairs");
+    assert_eq!(&got[2..], &words(&want)[..], "{what}");
+}
+
 /// One input or output of a twin comparison.
 pub struct Arg {
     /// Initial contents (raw words for u32 data); `None` for an output that starts poisoned.

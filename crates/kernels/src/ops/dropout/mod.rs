@@ -6,7 +6,7 @@ use super::fastmath::{map1i, map2i};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, Operand};
-use crate::ops::matmul::{pack_f16, packed_len};
+use crate::ops::matmul::{pack_f16_of, packed_len};
 use rayon::prelude::*;
 
 /// "lowbias32" (Chris Wellons' hash-prospector): a fast, well-mixed 32-bit integer hash.
@@ -105,9 +105,9 @@ pub fn dropout_f16(
             return run(g, OP, &pipe, n / 4, &ops, &extra, grid);
         }
     }
-    let mut wide = be.scratch("dropout_f16", n, 1)?;
-    dropout(be, x, (&mut wide).into(), n, p, seed)?;
-    pack_f16(be, (&wide).into(), y, n)
+    pack_f16_of(be, "dropout_f16", (n, 1), y, |wide| {
+        dropout(be, x, wide, n, p, seed)
+    })
 }
 
 /// out = residual + dropout(x): a dropped-out branch joining the residual stream, in one pass (the
@@ -227,21 +227,14 @@ mod tests {
             for (n, shift) in [(4096usize, 0usize), (40_000, 4), (5001, 0), (3000, 2)] {
                 let x = rng.vec(n + shift, -3.0, 3.0);
                 let tx = be.from_f32(&x, 1).unwrap();
-                let mut wide = be.zeros(n, 1).unwrap();
-                dropout(be, tx.at(shift), wide.at_mut(0), n, 0.2, 99).unwrap();
-                let mut want = be.zeros_typed(packed_len(n), 1, crate::DType::U32).unwrap();
-                pack_f16(be, (&wide).into(), (&mut want).into(), n).unwrap();
-                let mut got = be
-                    .zeros_typed(packed_len(n) + 2, 1, crate::DType::U32)
-                    .unwrap();
-                dropout_f16(be, tx.at(shift), got.at_mut(2), n, 0.2, 99).unwrap();
-                let words = |t: &crate::Tensor| -> Vec<u32> {
-                    be.to_vec(t).unwrap().iter().map(|f| f.to_bits()).collect()
-                };
                 let what = format!("{} n {n} shift {shift}", be.kind());
-                let got = words(&got);
-                assert_eq!(&got[..2], &[0, 0], "{what}: before y");
-                assert_eq!(&got[2..], &words(&want)[..], "{what}");
+                crate::testing::assert_f16_pairs(
+                    be,
+                    n,
+                    &what,
+                    |w| dropout(be, tx.at(shift), w, n, 0.2, 99),
+                    |y| dropout_f16(be, tx.at(shift), y, n, 0.2, 99),
+                );
             }
         }
     }

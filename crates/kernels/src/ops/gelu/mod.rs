@@ -5,7 +5,7 @@ use super::fastmath::{self, map1, map2};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::Result;
 use crate::gpu::{Access, GpuBackend, Operand, PipelineOptions, segments};
-use crate::ops::matmul::{pack_f16, packed_len};
+use crate::ops::matmul::{pack_f16_of, packed_len};
 use rayon::prelude::*;
 
 const S2PI: f32 = 0.797_884_6;
@@ -105,9 +105,7 @@ fn launch_f16(
             );
         }
     }
-    let mut wide = be.scratch("gelu_f16", n, 4)?;
-    launch(be, x, dy, (&mut wide).into(), n)?;
-    pack_f16(be, (&wide).into(), y, n)
+    pack_f16_of(be, "gelu_f16", (n, 4), y, |wide| launch(be, x, dy, wide, n))
 }
 
 /// dx = dy · gelu'(x) over `n` elements.
@@ -297,28 +295,21 @@ mod tests {
                 let dy = rng.vec(n + shift, -2.0, 2.0);
                 let (tx, tdy) = (be.from_f32(&x, 2).unwrap(), be.from_f32(&dy, 2).unwrap());
                 for backward in [false, true] {
-                    let mut wide = be.zeros(n, 2).unwrap();
-                    let (x, dy, w) = (tx.at(shift), tdy.at(shift), wide.at_mut(0));
-                    match backward {
-                        false => gelu(be, x, w, n),
-                        true => gelu_backward(be, x, dy, w, n),
-                    }
-                    .unwrap();
-                    let mut want = be.zeros(packed_len(n), 1).unwrap();
-                    pack_f16(be, (&wide).into(), (&mut want).into(), n).unwrap();
-                    let mut got = be
-                        .zeros_typed(packed_len(n) + 2, 1, crate::DType::U32)
-                        .unwrap();
-                    match backward {
-                        false => gelu_f16(be, x, got.at_mut(2), n),
-                        true => gelu_backward_f16(be, x, dy, got.at_mut(2), n),
-                    }
-                    .unwrap();
-                    let words = |t: &crate::Tensor| -> Vec<u32> {
-                        be.to_vec(t).unwrap().iter().map(|f| f.to_bits()).collect()
-                    };
+                    let (x, dy) = (tx.at(shift), tdy.at(shift));
                     let what = format!("{} n {n} shift {shift} backward {backward}", be.kind());
-                    assert_eq!(&words(&got)[2..], &words(&want)[..], "{what}");
+                    crate::testing::assert_f16_pairs(
+                        be,
+                        n,
+                        &what,
+                        |w| match backward {
+                            false => gelu(be, x, w, n),
+                            true => gelu_backward(be, x, dy, w, n),
+                        },
+                        |y| match backward {
+                            false => gelu_f16(be, x, y, n),
+                            true => gelu_backward_f16(be, x, dy, y, n),
+                        },
+                    );
                 }
             }
         }

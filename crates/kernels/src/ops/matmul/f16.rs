@@ -65,6 +65,21 @@ pub fn pack_f16(be: &Backend, src: TRef<'_>, mut dst: TMut<'_>, n: usize) -> Res
     }
 }
 
+/// dst ← the f16 pairs ([`pack_f16`]) of the `n` values `f32_form` writes into scratch (`slot`, split
+/// every `unit`): how an op that writes f16 pairs forms them where its own kernel does not apply, and
+/// on the CPU twin.
+pub(crate) fn pack_f16_of(
+    be: &Backend,
+    slot: &'static str,
+    (n, unit): (usize, usize),
+    dst: TMut<'_>,
+    f32_form: impl FnOnce(TMut<'_>) -> Result<()>,
+) -> Result<()> {
+    let mut wide = be.scratch(slot, n, unit)?;
+    f32_form((&mut wide).into())?;
+    pack_f16(be, (&wide).into(), dst, n)
+}
+
 /// dst ← the `n` f16 values of src's pairs (starting at its first word) as f32: [`pack_f16`]'s
 /// inverse, for kernels that read f32 where an operand is stored packed.
 pub fn unpack_f16_to(be: &Backend, src: TRef<'_>, mut dst: TMut<'_>, n: usize) -> Result<()> {

@@ -36,6 +36,7 @@ use crate::path::{Fault, PathId, PathSet};
 pub(crate) use coop::mixed_tiles;
 pub use coop::{MixedTile, Operands, Storage, f16_operands_suit};
 pub use cpu::gemm_reference;
+pub(crate) use f16::pack_f16_of;
 pub use f16::{pack_f16, packed_len, unpack_f16, unpack_f16_to};
 pub use quant::{QKind, QMatrix, QuantSource, get_rows};
 pub use tiled::Tile;

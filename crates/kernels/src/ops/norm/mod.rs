@@ -9,7 +9,7 @@ use super::fastmath;
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, GpuBackend, Operand, PipelineOptions, segments};
-use crate::ops::matmul::pack_f16;
+use crate::ops::matmul::pack_f16_of;
 use rayon::prelude::*;
 
 /// The forward kernels' parameters and bindings, the kernels (one row and four rows a workgroup), and
@@ -123,9 +123,9 @@ pub fn norm_forward_f16(
         let four_rows = s.rows >= FOUR_ROWS_FROM;
         return gpu_forward(g, kind, x, w, y, stats, s, four_rows, Out::F16);
     }
-    let mut wide = be.scratch("norm_forward_f16", n, s.cols)?;
-    norm_forward(be, kind, x, w, (&mut wide).into(), stats, s)?;
-    pack_f16(be, (&wide).into(), y, n)
+    pack_f16_of(be, "norm_forward_f16", (n, s.cols), y, |wide| {
+        norm_forward(be, kind, x, w, wide, stats, s)
+    })
 }
 
 /// How a forward kernel writes y: f32, or f16 pairs ([`norm_forward_f16`]).

@@ -1,6 +1,6 @@
 use super::*;
 use crate::ops::Grad;
-use crate::ops::matmul::packed_len;
+use crate::ops::matmul::{pack_f16, packed_len};
 use crate::testing::{Arg, SeedRng, check_twin, cpu_backend};
 
 fn run_both(kind: NormKind, rows: usize, cols: usize, split: Option<u64>, seed: u64) {
