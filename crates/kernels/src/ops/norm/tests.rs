@@ -3,6 +3,31 @@ use crate::ops::Grad;
 use crate::ops::matmul::{pack_f16, packed_len};
 use crate::testing::{Arg, SeedRng, check_twin, cpu_backend};
 
+/// A forward case on `be`: x (normal, offset from zero) and w of `rows` x `cols`, and its shape.
+fn forward_case(
+    be: &Backend,
+    rng: &mut SeedRng,
+    rows: usize,
+    cols: usize,
+) -> (crate::Tensor, crate::Tensor, NormShape) {
+    let x: Vec<f32> = rng
+        .normal_vec(rows * cols, 2.0)
+        .iter()
+        .map(|v| v + 0.7)
+        .collect();
+    let w = rng.vec(cols, 0.5, 1.5);
+    let s = NormShape {
+        rows,
+        cols,
+        eps: 1e-5,
+    };
+    let (tx, tw) = (
+        be.from_f32(&x, cols).unwrap(),
+        be.from_f32(&w, cols).unwrap(),
+    );
+    (tx, tw, s)
+}
+
 fn run_both(kind: NormKind, rows: usize, cols: usize, split: Option<u64>, seed: u64) {
     let mut rng = SeedRng::new(seed);
     let x: Vec<f32> = rng
@@ -284,19 +309,7 @@ fn four_rows_a_workgroup_keep_the_bits() {
                 (6, 576),
                 (4, 1000),
             ] {
-                let x: Vec<f32> = rng
-                    .normal_vec(rows * cols, 2.0)
-                    .iter()
-                    .map(|v| v + 0.7)
-                    .collect();
-                let w = rng.vec(cols, 0.5, 1.5);
-                let s = NormShape {
-                    rows,
-                    cols,
-                    eps: 1e-5,
-                };
-                let tx = be.from_f32(&x, cols).unwrap();
-                let tw = be.from_f32(&w, cols).unwrap();
+                let (tx, tw, s) = forward_case(&be, &mut rng, rows, cols);
                 let run = |four: bool| {
                     let mut y = crate::testing::poisoned(&be, rows * cols, cols).unwrap();
                     let mut st = crate::testing::poisoned(&be, 2 * rows, 1).unwrap();
@@ -344,15 +357,7 @@ fn f16_pairs_hold_the_f32_values_rounded() {
                     continue;
                 }
                 let n = rows * cols;
-                let x: Vec<f32> = rng.normal_vec(n, 2.0).iter().map(|v| v + 0.7).collect();
-                let w = rng.vec(cols, 0.5, 1.5);
-                let s = NormShape {
-                    rows,
-                    cols,
-                    eps: 1e-5,
-                };
-                let tx = be.from_f32(&x, cols).unwrap();
-                let tw = be.from_f32(&w, cols).unwrap();
+                let (tx, tw, s) = forward_case(be, &mut rng, rows, cols);
                 let mut wide = be.zeros(n, cols).unwrap();
                 let mut st = be.zeros(2 * rows, 1).unwrap();
                 norm_forward(
