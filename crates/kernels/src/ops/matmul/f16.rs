@@ -3,12 +3,14 @@
 //! forward products whose weight is only read ([`super::Weights::F16`]). With the shader-f16 path, the
 //! same kernels stage tiles as f16 and multiply f16 operands (`enable f16`), still accumulating in f32.
 //!
-//! Backward products and the optimizer stay f32; a trainer re-packs its weights at the top of every
-//! step, so the packed copy never goes stale.
+//! A trainer re-packs its weights at the top of every step, so the packed copy never goes stale; the
+//! optimizer stays f32. On the tensor-core training path the backward products read the packed
+//! weights too, and the activations and gradients only that path's products read are written as f16
+//! pairs by their producers ([`pack_f16_of`] where a producer has no pairs kernel of its own).
 
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
-use crate::gpu::{Access, Operand};
+use crate::gpu::{Access, GpuBackend, Operand};
 use crate::ops::common::{Grid, kernel, run};
 
 /// Words needed to pack `n` f32 values.
@@ -34,33 +36,9 @@ pub fn pack_f16(be: &Backend, src: TRef<'_>, mut dst: TMut<'_>, n: usize) -> Res
             Ok(())
         }
         Backend::Gpu(g) => {
-            let ts = src.gpu("pack_f16", "src", n)?;
-            let td = dst.gpu("pack_f16", "dst", words)?;
-            if ts.num_chunks() != 1 || td.num_chunks() != 1 {
-                return Err(Error::Shape {
-                    op: "pack_f16",
-                    msg: "packing works on tensors in one buffer".into(),
-                });
-            }
-            let pipe = kernel(
-                g,
-                "pack_f16",
-                include_str!("pack_f16.wgsl"),
-                &[Access::Read, Access::ReadWrite],
-            )?;
-            let ops = [
-                Operand::whole(ts, src.offset(), n),
-                Operand::whole(td, dst.offset(), words),
-            ];
-            run(
-                g,
-                "pack_f16",
-                &pipe,
-                words,
-                &ops,
-                &[n as u32],
-                Grid::Threads(256),
-            )
+            let source = include_str!("pack_f16.wgsl");
+            let (from, to) = ((src, n), (dst, words));
+            gpu_convert(g, "pack_f16", source, from, to, words, &[n as u32])
         }
     }
 }
@@ -92,27 +70,38 @@ pub fn unpack_f16_to(be: &Backend, src: TRef<'_>, mut dst: TMut<'_>, n: usize) -
             Ok(())
         }
         Backend::Gpu(g) => {
-            let ts = src.gpu("unpack_f16", "src", words)?;
-            let td = dst.gpu("unpack_f16", "dst", n)?;
-            if ts.num_chunks() != 1 || td.num_chunks() != 1 {
-                return Err(Error::Shape {
-                    op: "unpack_f16",
-                    msg: "unpacking works on tensors in one buffer".into(),
-                });
-            }
-            let pipe = kernel(
-                g,
-                "unpack_f16",
-                include_str!("unpack_f16.wgsl"),
-                &[Access::Read, Access::ReadWrite],
-            )?;
-            let ops = [
-                Operand::whole(ts, src.offset(), words),
-                Operand::whole(td, dst.offset(), n),
-            ];
-            run(g, "unpack_f16", &pipe, n, &ops, &[], Grid::Threads(256))
+            let source = include_str!("unpack_f16.wgsl");
+            let (from, to) = ((src, words), (dst, n));
+            gpu_convert(g, "unpack_f16", source, from, to, n, &[])
         }
     }
+}
+
+/// [`pack_f16`]'s or [`unpack_f16_to`]'s kernel (`op`, `source`) from `len` elements of `src` to `len`
+/// of `dst`, one thread each of `units`; both in one buffer.
+fn gpu_convert(
+    g: &GpuBackend,
+    op: &'static str,
+    source: &str,
+    (src, src_len): (TRef<'_>, usize),
+    (dst, dst_len): (TMut<'_>, usize),
+    units: usize,
+    extra: &[u32],
+) -> Result<()> {
+    let ts = src.gpu(op, "src", src_len)?;
+    let td = dst.gpu(op, "dst", dst_len)?;
+    if ts.num_chunks() != 1 || td.num_chunks() != 1 {
+        return Err(Error::Shape {
+            op,
+            msg: "f16 packing and unpacking work on tensors in one buffer".into(),
+        });
+    }
+    let pipe = kernel(g, op, source, &[Access::Read, Access::ReadWrite])?;
+    let ops = [
+        Operand::whole(ts, src.offset(), src_len),
+        Operand::whole(td, dst.offset(), dst_len),
+    ];
+    run(g, op, &pipe, units, &ops, extra, Grid::Threads(256))
 }
 
 /// Unpacks f16 pairs (the CPU twin's view of a packed weight).
