@@ -45,6 +45,7 @@ fn main() {
         adapter: std::env::var("TINYGPT_ADAPTER").ok(),
         low_end,
         max_binding_override: None,
+        shader_checks: std::env::var("TINYGPT_SHADER_CHECKS").is_ok_and(|v| v == "1"),
         cpu_threads: None,
     };
     let be = match pollster::block_on(open(&opts)) {

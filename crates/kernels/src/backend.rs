@@ -305,7 +305,7 @@ impl Backend {
             Backend::Gpu(g) => {
                 let i = g.info();
                 format!(
-                    "{} ({}, {}){}",
+                    "{} ({}, {}){}{}",
                     i.name,
                     i.backend,
                     if i.driver_info.is_empty() {
@@ -313,7 +313,12 @@ impl Backend {
                     } else {
                         &i.driver_info
                     },
-                    if i.low_end { ", low-end profile" } else { "" }
+                    if i.low_end { ", low-end profile" } else { "" },
+                    if i.shader_checks {
+                        ", shader runtime checks"
+                    } else {
+                        ""
+                    }
                 )
             }
         }

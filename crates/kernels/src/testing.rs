@@ -62,11 +62,38 @@ pub fn skip_gpu() -> bool {
     std::env::var("TINYGPT_SKIP_GPU_TESTS").is_ok_and(|v| v == "1")
 }
 
+/// Whether tests compile the kernels with naga's runtime checks (`TINYGPT_SHADER_CHECKS=1`; off by
+/// default, as the program runs them).
+pub fn shader_checks() -> bool {
+    std::env::var("TINYGPT_SHADER_CHECKS").is_ok_and(|v| v == "1")
+}
+
 /// Opens the GPU backend tests run on, under the low-end profile (WebGPU's default limits), optionally
 /// splitting tensors at `max_binding` bytes. Returns None only when `TINYGPT_SKIP_GPU_TESTS=1`; with no
 /// adapter otherwise, panics with instructions.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn gpu_backend(max_binding: Option<u64>) -> Option<Backend> {
+    let low_end = std::env::var("TINYGPT_TEST_FULL_LIMITS").is_err();
+    open_test_gpu(max_binding, low_end, shader_checks())
+}
+
+/// The GPU backend under the low-end profile whatever `TINYGPT_TEST_FULL_LIMITS` says (tests of the
+/// 128 MiB binding limit itself).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn gpu_backend_low_end() -> Option<Backend> {
+    open_test_gpu(None, true, shader_checks())
+}
+
+/// [`gpu_backend`] with the kernels compiled with (`true`) or without naga's runtime checks, whatever
+/// `TINYGPT_SHADER_CHECKS` says (tests that the two compiles compute the same values).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn gpu_backend_with_checks(checks: bool) -> Option<Backend> {
+    let low_end = std::env::var("TINYGPT_TEST_FULL_LIMITS").is_err();
+    open_test_gpu(None, low_end, checks)
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+fn open_test_gpu(max_binding: Option<u64>, low_end: bool, checks: bool) -> Option<Backend> {
     if skip_gpu() {
         eprintln!("TINYGPT_SKIP_GPU_TESTS=1: skipping a GPU test");
         return None;
@@ -74,8 +101,9 @@ pub fn gpu_backend(max_binding: Option<u64>) -> Option<Backend> {
     let opts = DeviceOptions {
         backend: BackendChoice::Gpu,
         adapter: std::env::var("TINYGPT_ADAPTER").ok(),
-        low_end: std::env::var("TINYGPT_TEST_FULL_LIMITS").is_err(),
+        low_end,
         max_binding_override: max_binding,
+        shader_checks: checks,
         cpu_threads: None,
     };
     match pollster::block_on(crate::device::open(&opts)) {
@@ -86,29 +114,6 @@ pub fn gpu_backend(max_binding: Option<u64>) -> Option<Backend> {
              Vulkan adapter), or set TINYGPT_SKIP_GPU_TESTS=1 to skip GPU tests explicitly."
         ),
     }
-}
-
-/// The GPU backend under the low-end profile whatever `TINYGPT_TEST_FULL_LIMITS` says (tests of the
-/// 128 MiB binding limit itself).
-#[cfg(not(target_arch = "wasm32"))]
-pub fn gpu_backend_low_end() -> Option<Backend> {
-    if skip_gpu() {
-        return None;
-    }
-    let opts = DeviceOptions {
-        backend: BackendChoice::Gpu,
-        adapter: std::env::var("TINYGPT_ADAPTER").ok(),
-        low_end: true,
-        max_binding_override: None,
-        cpu_threads: None,
-    };
-    Some(
-        pollster::block_on(crate::device::open(&opts))
-            .map(|(b, _)| b)
-            .unwrap_or_else(|e| {
-                panic!("GPU tests need a GPU adapter and none could be opened: {e}")
-            }),
-    )
 }
 
 /// The CPU backend for tests.

@@ -5,7 +5,9 @@
 
 use tinygpt_formats::{GgmlType, GgufFile, GgufWriter, MetadataValue};
 use tinygpt_kernels::Backend;
-use tinygpt_kernels::testing::{SeedRng, assert_nmse, cpu_backend, gpu_backend};
+use tinygpt_kernels::testing::{
+    SeedRng, assert_nmse, cpu_backend, gpu_backend, gpu_backend_with_checks,
+};
 use tinygpt_kernels::{PathId, PathSet};
 use tinygpt_models::llm::{Llm, LlmError, LoadOptions};
 
@@ -312,6 +314,29 @@ fn gpu_agrees_with_cpu_quantized_and_dequantized() {
                 &got,
                 1e-9,
             );
+        }
+    }
+}
+
+/// The kernels run compiled without naga's runtime checks (indices clamped, loops bounded): a prompt
+/// and three decoded tokens of both architectures give the logits of the same kernels compiled with
+/// them, bit for bit, on the quantized kernels and on the f32 path.
+#[test]
+fn decoding_gives_the_same_bits_with_and_without_shader_runtime_checks() {
+    let (Some(plain), Some(checked)) = (
+        gpu_backend_with_checks(false),
+        gpu_backend_with_checks(true),
+    ) else {
+        return;
+    };
+    for s in [LLAMA, GEMMA3] {
+        let (q, _) = quantized_and_dense(&s, &mixed_types);
+        for paths in [PathSet::of(&[PathId::QuantMatmul]), PathSet::F32] {
+            let a = run(&plain, &mut load_with(&plain, &q, 5, paths));
+            let c = run(&checked, &mut load_with(&checked, &q, 5, paths));
+            let same =
+                a.len() == c.len() && a.iter().zip(&c).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{} logits differ ({paths:?})", s.arch);
         }
     }
 }

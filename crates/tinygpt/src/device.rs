@@ -16,6 +16,11 @@ pub struct DeviceArgs {
     /// Ask the GPU for WebGPU's default limits only (128 MiB bindings), as the weakest adapters give.
     #[arg(long, global = true, env = "TINYGPT_LOW_END", value_parser = clap::builder::FalseyValueParser::new())]
     pub low_end: bool,
+    /// Compile the GPU kernels with naga's runtime checks (indices clamped, loops bounded), as a
+    /// browser's WebGPU does: slower; for telling whether a wrong result comes from a kernel reading out
+    /// of range on this driver.
+    #[arg(long, global = true, env = "TINYGPT_SHADER_CHECKS", value_parser = clap::builder::FalseyValueParser::new())]
+    pub shader_checks: bool,
     /// Threads for the CPU backend (default: all cores).
     #[arg(long, global = true, env = "TINYGPT_THREADS")]
     pub threads: Option<usize>,
@@ -28,6 +33,7 @@ impl DeviceArgs {
             adapter: self.adapter.clone(),
             low_end: self.low_end,
             max_binding_override: None,
+            shader_checks: self.shader_checks,
             // The whole program already runs inside a pool of `--threads` threads (see main).
             cpu_threads: None,
         }

@@ -123,7 +123,7 @@ fn load_with(
         tokens: tinygpt_models::gating::token_budget(be),
     };
     let mut gating = None;
-    let paths = match be.as_gpu().and_then(|g| g.opened_with()) {
+    let paths = match be.as_gpu().map(|g| g.opened_with()) {
         Some(device) if background && !gate.f32_only => {
             let opts = crate::gates::options(gate)?;
             let stored = tinygpt_kernels::gate::stored_verdict(

@@ -338,13 +338,15 @@ fn paths_of(be: &Backend) -> impl Iterator<Item = &'static PathDef> {
     REGISTRY.iter().filter(move |d| d.on_cpu == cpu)
 }
 
-/// The device's identity in cache keys: the adapter's name, driver and driver version; on the CPU
-/// backend, the processor's name.
+/// The device's identity in cache keys: the adapter's name, driver and driver version (and whether its
+/// kernels are compiled with naga's runtime checks); on the CPU backend, the processor's name.
 pub fn adapter_key(be: &Backend) -> String {
     match be.as_gpu() {
         Some(g) => {
             let i = g.info();
-            format!("{}|{}|{}", i.name, i.driver, i.driver_info)
+            // Kernels compiled with naga's runtime checks are other machine code: gated apart.
+            let checks = if i.shader_checks { "|shader-checks" } else { "" };
+            format!("{}|{}|{}{checks}", i.name, i.driver, i.driver_info)
         }
         None => format!("cpu|{}", cpu_name()),
     }

@@ -10,7 +10,7 @@ use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 
 pub use pipeline::Access;
-pub(crate) use pipeline::{Pipeline, PipelineOptions};
+pub(crate) use pipeline::Pipeline;
 pub use split::GpuTensor;
 
 pub(crate) use split::{Operand, Segment, segments};
@@ -38,6 +38,8 @@ pub struct GpuInfo {
     pub device: u32,
     pub features: Vec<String>,
     pub low_end: bool,
+    /// Kernels compiled with naga's runtime checks ([`crate::device::DeviceOptions::shader_checks`]).
+    pub shader_checks: bool,
     pub max_storage_binding: u64,
     pub max_buffer: u64,
     pub max_storage_buffers_per_stage: u32,
@@ -188,7 +190,7 @@ pub struct GpuBackend {
     staging: StagingPool,
     /// How the device was opened (by [`crate::device::open_gpu`]): a second device on the same adapter
     /// opens with these.
-    opened_with: Option<crate::device::DeviceOptions>,
+    opened_with: crate::device::DeviceOptions,
 }
 
 /// Timestamps around every dispatch, for `bench --profile`: what each kernel costs on the device.
@@ -244,8 +246,7 @@ impl GpuBackend {
         queue: wgpu::Queue,
         ai: wgpu::AdapterInfo,
         limits: wgpu::Limits,
-        low_end: bool,
-        max_binding_override: Option<u64>,
+        opts: &crate::device::DeviceOptions,
         coop: Vec<wgpu::CooperativeMatrixProperties>,
     ) -> Result<Self> {
         let error = Arc::new(Mutex::new(None::<String>));
@@ -276,7 +277,8 @@ impl GpuBackend {
         let binding = limits
             .max_storage_buffer_binding_size
             .min(limits.max_buffer_size);
-        let max_chunk_bytes = max_binding_override
+        let max_chunk_bytes = opts
+            .max_binding_override
             .map_or(binding, |o| o.min(binding))
             .max(256);
         let params_buffer = device.create_buffer(&wgpu::BufferDescriptor {
@@ -294,7 +296,8 @@ impl GpuBackend {
             vendor: ai.vendor,
             device: ai.device,
             features: feature_names(features),
-            low_end,
+            low_end: opts.low_end,
+            shader_checks: opts.shader_checks,
             max_storage_binding: limits.max_storage_buffer_binding_size,
             max_buffer: limits.max_buffer_size,
             max_storage_buffers_per_stage: limits.max_storage_buffers_per_shader_stage,
@@ -336,7 +339,7 @@ impl GpuBackend {
             scratch: RefCell::default(),
             profiler: RefCell::default(),
             staging: StagingPool::default(),
-            opened_with: None,
+            opened_with: opts.clone(),
         })
     }
 
@@ -353,12 +356,8 @@ impl GpuBackend {
 
     /// The options this device was opened with ([`crate::device::open_gpu`]): another device on the
     /// same adapter, for work on a thread of its own (gating in the background), opens with them.
-    pub fn opened_with(&self) -> Option<&crate::device::DeviceOptions> {
-        self.opened_with.as_ref()
-    }
-
-    pub(crate) fn set_opened_with(&mut self, opts: crate::device::DeviceOptions) {
-        self.opened_with = Some(opts);
+    pub fn opened_with(&self) -> &crate::device::DeviceOptions {
+        &self.opened_with
     }
 
     /// Whether the device was opened with `f`.
@@ -914,7 +913,6 @@ impl GpuBackend {
         &self,
         key: &str,
         bindings: &[Access],
-        opts: PipelineOptions,
         source: impl FnOnce() -> String,
     ) -> Result<Rc<Pipeline>> {
         if let Some(p) = self.pipelines.borrow().get(key) {
@@ -927,7 +925,7 @@ impl GpuBackend {
             key,
             id,
             bindings,
-            opts,
+            self.info.shader_checks,
             &source(),
         )?);
         self.pipelines

@@ -1,7 +1,7 @@
 //! Dispatch plumbing shared by the ops: segmenting split tensors, and the grid shapes.
 
 use crate::error::Result;
-use crate::gpu::{Access, GpuBackend, Operand, Pipeline, PipelineOptions, segments};
+use crate::gpu::{Access, GpuBackend, Operand, Pipeline, segments};
 use std::rc::Rc;
 
 /// Put in front of every hand-written kernel: the flat workgroup index of a grid folded into y.
@@ -116,9 +116,7 @@ pub(crate) fn kernel(
     source: &str,
     bindings: &[Access],
 ) -> Result<Rc<Pipeline>> {
-    g.pipeline(key, bindings, PipelineOptions::default(), || {
-        format!("{PRELUDE}\n{source}")
-    })
+    g.pipeline(key, bindings, || format!("{PRELUDE}\n{source}"))
 }
 
 /// [`kernel`] from several parts of source (shared functions first), joined only when the pipeline is
@@ -129,9 +127,7 @@ pub(crate) fn kernel_parts(
     parts: &[&str],
     bindings: &[Access],
 ) -> Result<Rc<Pipeline>> {
-    g.pipeline(key, bindings, PipelineOptions::default(), || {
-        format!("{PRELUDE}\n{}", parts.join("\n"))
-    })
+    g.pipeline(key, bindings, || format!("{PRELUDE}\n{}", parts.join("\n")))
 }
 
 /// The pipeline for a row-wise kernel: `PRELUDE` + [`ROW_REDUCE`] + `source`.
@@ -141,7 +137,7 @@ pub(crate) fn row_kernel(
     source: &str,
     bindings: &[Access],
 ) -> Result<Rc<Pipeline>> {
-    g.pipeline(key, bindings, PipelineOptions::default(), || {
+    g.pipeline(key, bindings, || {
         format!("{PRELUDE}\n{ROW_REDUCE}\n{source}")
     })
 }

@@ -17,7 +17,7 @@ use super::softmax::{
 };
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
-use crate::gpu::{Access, Operand, PipelineOptions, segments};
+use crate::gpu::{Access, Operand, segments};
 use crate::path::PathSet;
 use rayon::prelude::*;
 
@@ -547,7 +547,6 @@ pub fn attend(
                     Access::ReadWrite,
                     Access::ReadWrite,
                 ],
-                PipelineOptions::default(),
                 || {
                     let body = repeat_lines(include_str!("attend_tiled.wgsl"), "$c", nc);
                     format!("{PRELUDE}\nconst NC: u32 = {nc}u;\n{body}")

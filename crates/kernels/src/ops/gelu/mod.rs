@@ -4,7 +4,7 @@ use super::common::{FOUR_A_THREAD, FOUR_A_THREAD_MAIN, Grid, PRELUDE, run};
 use super::fastmath::{self, map1, map2};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::Result;
-use crate::gpu::{Access, GpuBackend, Operand, PipelineOptions, segments};
+use crate::gpu::{Access, GpuBackend, Operand, segments};
 use crate::ops::matmul::{pack_f16_of, packed_len};
 use rayon::prelude::*;
 
@@ -80,7 +80,6 @@ fn launch_f16(
             let pipe = g.pipeline(
                 "gelu_f16",
                 &[Access::Read, Access::Read, Access::ReadWrite],
-                PipelineOptions::default(),
                 || {
                     format!(
                         "{PRELUDE}\n{}{FOUR_A_THREAD_MAIN}",
@@ -191,7 +190,6 @@ fn gpu_launch(
     let pipe = g.pipeline(
         key,
         &[Access::Read, Access::Read, Access::ReadWrite],
-        PipelineOptions::default(),
         || {
             format!(
                 "{PRELUDE}\nalias V = {v};\nconst LANES: u32 = {lanes}u;\n{}{FOUR_A_THREAD_MAIN}",

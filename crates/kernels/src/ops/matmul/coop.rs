@@ -15,7 +15,7 @@
 use super::tiled::{PARAMS, causal_key, causal_prologue};
 use super::{Causal, Gemm};
 use crate::error::{Error, Result};
-use crate::gpu::{Access, GpuBackend, GpuTensor, PipelineOptions};
+use crate::gpu::{Access, GpuBackend, GpuTensor};
 use crate::path::Fault;
 
 /// Whether a product is one the cooperative kernel takes: x · Wᵀ, unbatched, tall enough to fill tiles.
@@ -153,7 +153,6 @@ pub(crate) fn matmul_coop(
     let pipe = gb.pipeline(
         &key,
         &[Access::Read, Access::Read, Access::ReadWrite],
-        PipelineOptions::default(),
         || source(fault),
     )?;
     let p = [
@@ -846,7 +845,6 @@ pub(super) fn matmul_coop_mixed(
     let pipe = gb.pipeline(
         &key,
         &[Access::Read, Access::Read, Access::ReadWrite],
-        PipelineOptions::default(),
         || mixed_source(tile, trans_a, trans_b, causal, operands, fault),
     )?;
     let p = super::params(g, [oa, ob, oc], g.m, g.n, g.k, g.beta);

@@ -31,7 +31,7 @@ mod tiled;
 
 use crate::backend::{Backend, TMut, TRef, Tensor};
 use crate::error::{self, Error, Result};
-use crate::gpu::{Access, GpuBackend, GpuTensor, PipelineOptions};
+use crate::gpu::{Access, GpuBackend, GpuTensor};
 use crate::path::{Fault, PathId, PathSet};
 pub(crate) use coop::mixed_tiles;
 pub use coop::{MixedTile, Operands, Storage, f16_operands_suit};
@@ -1050,7 +1050,6 @@ fn gpu_gemv(
     let pipe = gb.pipeline(
         &key,
         &[Access::Read, Access::Read, Access::ReadWrite],
-        PipelineOptions::default(),
         || gemv::gemv_source(opts, g.m, subgroups, fault),
     )?;
     let p = [
@@ -1262,7 +1261,6 @@ fn pipeline(
     gb.pipeline(
         &key,
         &[Access::Read, Access::Read, Access::ReadWrite],
-        PipelineOptions::default(),
         || gemm_source(tile, opts, fault),
     )
 }

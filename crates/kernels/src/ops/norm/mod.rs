@@ -8,7 +8,7 @@ use super::common::{Grid, PRELUDE, ROW_REDUCE, ROWS4, kernel, kernel_parts, row_
 use super::fastmath;
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
-use crate::gpu::{Access, GpuBackend, Operand, PipelineOptions, segments};
+use crate::gpu::{Access, GpuBackend, Operand, segments};
 use crate::ops::matmul::pack_f16_of;
 use rayon::prelude::*;
 
@@ -188,7 +188,7 @@ fn gpu_forward(
         };
         let mut access = vec![Access::Read, Access::Read];
         access.extend(std::iter::repeat_n(Access::ReadWrite, nb - 2));
-        let pipe = g.pipeline(&key, &access, PipelineOptions::default(), || {
+        let pipe = g.pipeline(&key, &access, || {
             let params = match out {
                 Out::F32 => FORWARD_PARAMS.to_string(),
                 Out::F16 => FORWARD_PARAMS.replace("y: array<f32>", "y: array<u32>"),

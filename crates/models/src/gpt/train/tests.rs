@@ -243,3 +243,40 @@ fn f16_activations_keep_the_tensor_core_path_s_bits() {
     assert_eq!(pairs.0, wide.0, "losses");
     assert!(pairs.1 == wide.1, "weights after four steps differ");
 }
+
+/// The kernels run compiled without naga's runtime checks (indices clamped, loops bounded): two
+/// training steps (dropout on) give the losses and weights of the same kernels compiled with them,
+/// bit for bit, on the f32 path and on the tensor-core training path's kernels.
+#[test]
+fn training_gives_the_same_bits_with_and_without_shader_runtime_checks() {
+    use tinygpt_kernels::testing::gpu_backend_with_checks;
+    let (Some(plain), Some(checked)) = (
+        gpu_backend_with_checks(false),
+        gpu_backend_with_checks(true),
+    ) else {
+        return;
+    };
+    let cfg = small(0.1);
+    let params = Layout::new(&cfg).init(&cfg, 5);
+    let b = 4;
+    let run = |gpu: &Backend, paths: PathSet| -> (Vec<u32>, Vec<u32>) {
+        let optim = OptimConfig::default();
+        let mut t = Trainer::new(gpu, &cfg, b, &params, None, optim, paths).unwrap();
+        assert_eq!(t.paths(), paths);
+        let losses = (0..2)
+            .map(|i| {
+                let (ids, tg) = batch(&cfg, b, 700 + i);
+                t.train_step(gpu, &ids, &tg, 1e-2, 3).unwrap();
+                t.last_loss(gpu).unwrap().to_bits()
+            })
+            .collect();
+        let weights = gpu.to_vec(&t.params).unwrap();
+        (losses, weights.iter().map(|w| w.to_bits()).collect())
+    };
+    let mixed = PathSet::of(&[tinygpt_kernels::PathId::MixedTraining]);
+    for paths in [PathSet::F32, mixed] {
+        let (a, c) = (run(&plain, paths), run(&checked, paths));
+        assert_eq!(a.0, c.0, "losses ({paths:?})");
+        assert!(a.1 == c.1, "weights after two steps differ ({paths:?})");
+    }
+}

@@ -23,7 +23,7 @@ use std::rc::Rc;
 
 use super::{GpuParts, QKind};
 use crate::error::{Result, shape};
-use crate::gpu::{Access, GpuBackend, GpuTensor, Operand, Pipeline, PipelineOptions, segments};
+use crate::gpu::{Access, GpuBackend, GpuTensor, Operand, Pipeline, segments};
 use crate::ops::attention::split_len;
 use crate::ops::common::{PRELUDE, repeat_lines};
 use crate::ops::glu::Activation;
@@ -641,7 +641,7 @@ fn matmul_pipeline(
         },
         key_tail(out == Output::Accumulate, fault)
     );
-    g.pipeline(&key, &bindings, PipelineOptions::default(), || {
+    g.pipeline(&key, &bindings, || {
         let (xt, xload, x1) = x_access(xvec);
         // The K = 2048 fault of the gemv family (see `plant`), before its lines are repeated.
         let body = match fault {
@@ -712,7 +712,7 @@ fn rows_pipeline(
         if xvec { "xv4" } else { "xf32" },
         key_tail(out == Output::Accumulate, fault)
     );
-    g.pipeline(&key, quant_bindings(kind), PipelineOptions::default(), || {
+    g.pipeline(&key, quant_bindings(kind), || {
         let (xt, xload, _) = x_access(xvec);
         let store = store_hook(out);
         let body = form_lines(body, if once { "#once " } else { "#lanes " });
@@ -1278,12 +1278,9 @@ fn qgemm(
         if xvec { "xv4" } else { "xf32" },
         key_tail(acc, fault)
     );
-    let pipe = g.pipeline(
-        &key,
-        quant_bindings(kind),
-        PipelineOptions::default(),
-        || qgemm_source(kind, tile, xvec, acc, tensor_cores, fault),
-    )?;
+    let pipe = g.pipeline(&key, quant_bindings(kind), || {
+        qgemm_source(kind, tile, xvec, acc, tensor_cores, fault)
+    })?;
     let max = g.limits.max_compute_workgroups_per_dimension as usize;
     for i0 in (0..m).step_by(bm * max) {
         let rows = (m - i0).min(bm * max);
@@ -1423,12 +1420,9 @@ pub(super) fn get_rows(
         QKind::Q8 { .. } => ("qget_rows_q8", include_str!("get_rows_q8.wgsl")),
         QKind::Q4 => ("qget_rows_q4", include_str!("get_rows_q4.wgsl")),
     };
-    let pipe = g.pipeline(
-        name,
-        quant_bindings(kind),
-        PipelineOptions::default(),
-        || format!("{PRELUDE}{SEXT}\nconst WG: u32 = {GET_ROWS_WG}u;\n{body}"),
-    )?;
+    let pipe = g.pipeline(name, quant_bindings(kind), || {
+        format!("{PRELUDE}{SEXT}\nconst WG: u32 = {GET_ROWS_WG}u;\n{body}")
+    })?;
     let nb = k / kind.block();
     let words = kind.words_per_row(k);
     for ts in segments(OP, n, &[Operand::rows(ti, oi, 1), Operand::rows(to, oo, k)])? {
