@@ -345,7 +345,11 @@ pub fn adapter_key(be: &Backend) -> String {
         Some(g) => {
             let i = g.info();
             // Kernels compiled with naga's runtime checks are other machine code: gated apart.
-            let checks = if i.shader_checks { "|shader-checks" } else { "" };
+            let checks = if i.shader_checks {
+                "|shader-checks"
+            } else {
+                ""
+            };
             format!("{}|{}|{}{checks}", i.name, i.driver, i.driver_info)
         }
         None => format!("cpu|{}", cpu_name()),
