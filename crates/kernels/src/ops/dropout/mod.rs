@@ -6,7 +6,7 @@ use super::fastmath::{map1i, map2i};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, Operand};
-use crate::ops::matmul::{pack_f16_of, packed_len};
+use crate::ops::matmul::{pack_f16_of, packed_len, pairs_in_one_pass};
 use rayon::prelude::*;
 
 /// "lowbias32" (Chris Wellons' hash-prospector): a fast, well-mixed 32-bit integer hash.
@@ -80,12 +80,7 @@ pub fn dropout_f16(
     check_probability(OP, p)?;
     if let Backend::Gpu(g) = be {
         let (tx, ty) = (x.gpu(OP, "x", n)?, y.gpu(OP, "y", packed_len(n))?);
-        let aligned = n.is_multiple_of(4)
-            && x.offset().is_multiple_of(4)
-            && y.offset().is_multiple_of(2)
-            && tx.num_chunks() == 1
-            && ty.num_chunks() == 1;
-        if aligned {
+        if pairs_in_one_pass(n, &[(tx, x.offset())], (ty, y.offset())) {
             let pipe = kernel_parts(
                 g,
                 "dropout_f16",

@@ -5,7 +5,7 @@ use super::fastmath::{self, map1, map2};
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::Result;
 use crate::gpu::{Access, GpuBackend, Operand, segments};
-use crate::ops::matmul::{pack_f16_of, packed_len};
+use crate::ops::matmul::{pack_f16_of, packed_len, pairs_in_one_pass};
 use rayon::prelude::*;
 
 const S2PI: f32 = 0.797_884_6;
@@ -72,11 +72,7 @@ fn launch_f16(
             None => (tx, x.offset()),
         };
         let (ox, oy) = (x.offset(), y.offset());
-        let whole_vectors = n.is_multiple_of(4)
-            && ox.is_multiple_of(4)
-            && od.is_multiple_of(4)
-            && oy.is_multiple_of(2);
-        if whole_vectors && [tx, td, ty].iter().all(|t| t.num_chunks() == 1) {
+        if pairs_in_one_pass(n, &[(tx, ox), (td, od)], (ty, oy)) {
             let pipe = g.pipeline(
                 "gelu_f16",
                 &[Access::Read, Access::Read, Access::ReadWrite],

@@ -10,7 +10,7 @@
 
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
-use crate::gpu::{Access, GpuBackend, Operand};
+use crate::gpu::{Access, GpuBackend, GpuTensor, Operand};
 use crate::ops::common::{Grid, kernel, run};
 
 /// Words needed to pack `n` f32 values.
@@ -56,6 +56,23 @@ pub(crate) fn pack_f16_of(
     let mut wide = be.scratch(slot, n, unit)?;
     f32_form((&mut wide).into())?;
     pack_f16(be, (&wide).into(), dst, n)
+}
+
+/// Whether an element-wise kernel that takes four values a thread can read the `n` f32 values of each
+/// input (tensor, offset) and write their results as pairs at `out`: `n` and every input's offset
+/// whole vectors, the output's offset a whole pair of words, every operand in one binding. Where not,
+/// the op writes its pairs through [`pack_f16_of`].
+pub(crate) fn pairs_in_one_pass(
+    n: usize,
+    inputs: &[(&GpuTensor, usize)],
+    (out, out_offset): (&GpuTensor, usize),
+) -> bool {
+    n.is_multiple_of(4)
+        && out_offset.is_multiple_of(2)
+        && out.num_chunks() == 1
+        && inputs
+            .iter()
+            .all(|(t, o)| o.is_multiple_of(4) && t.num_chunks() == 1)
 }
 
 /// dst ← the `n` f16 values of src's pairs (starting at its first word) as f32: [`pack_f16`]'s
