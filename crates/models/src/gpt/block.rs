@@ -103,6 +103,16 @@ pub(crate) enum Act<'a> {
 }
 
 impl<'a> Act<'a> {
+    /// A zeroed tensor for `len` values split (on the GPU) at multiples of `unit` (even where `f16`),
+    /// as [`Act::of`] reads it: f16 pairs if `f16`, else f32.
+    fn zeros(be: &Backend, len: usize, unit: usize, f16: bool) -> Result<Tensor> {
+        if f16 {
+            be.zeros_typed(packed_len(len), unit / 2, DType::U32)
+        } else {
+            be.zeros(len, unit)
+        }
+    }
+
     /// The whole of `t`: f16 pairs if `f16`, else f32.
     fn of(t: &'a Tensor, f16: bool) -> Self {
         if f16 {
@@ -133,13 +143,7 @@ impl BlockActs {
     /// multiples of `seq` rows; `f16`: the products' inputs as f16 pairs.
     pub fn new(be: &Backend, rows: usize, c: usize, seq: usize, f16: bool) -> Result<Self> {
         let z = |len: usize, unit: usize| be.zeros(len, unit);
-        let input = |width: usize| {
-            if f16 {
-                be.zeros_typed(packed_len(rows * width), width / 2, DType::U32)
-            } else {
-                z(rows * width, width)
-            }
-        };
+        let input = |width: usize| Act::zeros(be, rows * width, width, f16);
         Ok(BlockActs {
             ln1: input(c)?,
             ln1_stats: z(2 * rows, 1)?,
@@ -354,13 +358,7 @@ impl BackScratch {
         f16: bool,
     ) -> Result<Self> {
         let z = |len: usize, unit: usize| be.zeros(len, unit);
-        let grad = |width: usize, unit: usize| {
-            if f16 {
-                be.zeros_typed(packed_len(rows * width), unit / 2, DType::U32)
-            } else {
-                z(rows * width, unit)
-            }
-        };
+        let grad = |width: usize, unit: usize| Act::zeros(be, rows * width, unit, f16);
         Ok(BackScratch {
             dy: grad(c, seq * c)?,
             dln: z(rows * c, c)?,
