@@ -206,6 +206,8 @@ struct Profiler {
 
 /// Dispatches one submit can time (two timestamps each, at most 4096 queries in a set).
 const PROFILED_DISPATCHES: usize = 2048;
+/// Workgroups from which a profiled dispatch is listed apart from its kernel's smaller ones.
+const PROFILED_APART_GROUPS: u64 = 16_384;
 
 /// What one kernel cost while profiling: its dispatches and their device time.
 #[derive(Clone, Debug, PartialEq)]
@@ -879,7 +881,14 @@ impl GpuBackend {
         let timed = match prof.as_mut() {
             Some(p) if p.names.len() < PROFILED_DISPATCHES => {
                 let i = 2 * p.names.len() as u32;
-                p.names.push(pipe.name.clone());
+                // A dispatch far larger than a kernel's usual ones (a model's head among its
+                // layers' products) is listed apart, under its size.
+                let n: u64 = groups.iter().map(|&g| u64::from(g)).product();
+                p.names.push(if n >= PROFILED_APART_GROUPS {
+                    format!("{} ({n} workgroups)", pipe.name)
+                } else {
+                    pipe.name.clone()
+                });
                 pass.write_timestamp(&p.set, i);
                 Some((i, &p.set))
             }
