@@ -16,12 +16,18 @@
 // With one split the row's output is written normalised; with several, each split writes its partial
 // (max, sum of exponentials, unnormalised output) and attend_combine.wgsl merges them.
 //
+// Two forms (rows.rs picks one, see ops/common.rs's form_lines): `#loop ` lines load each key and value
+// vector as the loop reaches it; `#up ` lines (GPUs) write the loops out, `$c` lines once per vector of
+// a thread's scores and `$v` lines once per position of its values, so every load is issued before the
+// first sum that uses it. The sums are added in the same order in both forms.
+//
 // FRESH (the new rows' variant): q is the Q/K/V product's output as it left the product, rows ld_q
 // apart, the row's own key and value heads at o_kn / o_vn of its row. Each workgroup then does what
 // rope_cache.wgsl does before it: the query heads' RMSNorm (optional) and rotation as they are staged,
 // and in the split holding the row's own position the key head's norm and rotation; that key and the
 // value are used from workgroup memory and written to the cache row by the head group's first workgroup
-// (no workgroup of the dispatch reads that row from the cache). The norms are rope_cache.wgsl's tree
+// (no workgroup of the dispatch reads that row from the cache). The key head is normed and rotated in
+// the same trees and steps as the query heads. The norms are rope_cache.wgsl's tree
 // (ops/common.rs's reduce_sum over 256 threads, thread d holding dimension d: four heads in the four
 // lanes of a vec4) and the rotation its a·c − b·s, a·s + b·c, so the values are the ones rope_cache
 // would have written.
@@ -47,31 +53,42 @@ const GMAX: u32 = 4u;
 var<workgroup> qs: array<vec4<f32>, 256>;          // GMAX heads x head_dim / 4 (head_dim <= 256)
 var<workgroup> ps: array<vec4<f32>, CHUNK>;        // the GMAX heads' scores, then probabilities
 var<workgroup> red: array<vec4<f32>, WG>;
+var<workgroup> redk: array<vec4<f32>, WG>;         // FRESH: the key head's norm and rotation
 var<workgroup> kn: array<f32, 256>;                // FRESH: the row's own key and value head
 var<workgroup> vn: array<f32, 256>;
 var<workgroup> wbase: u32;
 var<workgroup> wpos: u32;
 
-// FRESH: the four lanes of x (dimension d of four heads) RMS-normed over head_dim with weight w, as
-// rope_cache.wgsl norms each head; every thread of the workgroup calls it.
-fn norm4(x: vec4<f32>, w: f32, lid: u32) -> vec4<f32> {
+// FRESH: the four lanes of x (dimension d of four heads) RMS-normed over head_dim with weight wx, and
+// where `both` k (the key head, in its first lane) with weight wk, in the same steps, as rope_cache.wgsl
+// norms each head; every thread of the workgroup calls it (`both` the same for all).
+fn norm4(x: vec4<f32>, k: vec4<f32>, wx: f32, wk: f32, both: bool, lid: u32) -> array<vec4<f32>, 2> {
   red[lid] = x * x;
+  if (both) { redk[lid] = k * k; }
   workgroupBarrier();
   for (var s = WG / 2u; s > 0u; s = s >> 1u) {
-    if (lid < s) { red[lid] = red[lid] + red[lid + s]; }
+    if (lid < s) {
+      red[lid] = red[lid] + red[lid + s];
+      if (both) { redk[lid] = redk[lid] + redk[lid + s]; }
+    }
     workgroupBarrier();
   }
   let ss = red[0];
+  let sk = redk[0];
   workgroupBarrier();
   let rstd = 1.0 / sqrt(ss * (1.0 / f32(p.head_dim)) + p.eps);
-  return x * rstd * w;
+  let rk = 1.0 / sqrt(sk * (1.0 / f32(p.head_dim)) + p.eps);
+  return array<vec4<f32>, 2>(x * rstd * wx, k * rk * wk);
 }
 
-// FRESH: dimension d (= lid) of four heads rotated to position pos; every thread calls it.
-fn rotate4(x: vec4<f32>, d: u32, pos: u32) -> vec4<f32> {
+// FRESH: dimension d (= lid) of the four heads of x, and where `both` of the key head k, rotated to
+// position pos; every thread calls it.
+fn rotate4(x: vec4<f32>, k: vec4<f32>, both: bool, d: u32, pos: u32) -> array<vec4<f32>, 2> {
   red[d] = x;
+  if (both) { redk[d] = k; }
   workgroupBarrier();
   var y = x;
+  var yk = k;
   if (d < p.n_rot) {
     let pr = rope_pair(d, p.n_rot, p.neox != 0u);
     let t = p.o_rope + (pos * (p.n_rot / 2u) + pr.i) * 2u;
@@ -79,9 +96,13 @@ fn rotate4(x: vec4<f32>, d: u32, pos: u32) -> vec4<f32> {
     let s = rope[t + 1u];
     let b = red[pr.partner];
     if (pr.first) { y = x * c - b * s; } else { y = b * s + x * c; }
+    if (both) {
+      let bk = redk[pr.partner];
+      if (pr.first) { yk = k * c - bk * s; } else { yk = bk * s + k * c; }
+    }
   }
   workgroupBarrier();
-  return y;
+  return array<vec4<f32>, 2>(y, yk);
 }
 
 @compute @workgroup_size(256)
@@ -127,41 +148,45 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   // FRESH: this split holds the row's own position (the last split: hi is pos + 1).
   let own = FRESH && hi == pos + 1u;
   if (FRESH) {
-    // Thread d holds dimension d of the group's query heads, then of the key head.
+    // Thread d holds dimension d of the group's query heads, and in the split holding the row's own
+    // position of the key head (its first lane) and the value head; every load is issued first, and
+    // the key is normed and rotated alongside the queries.
     let d = lid;
     let in_head = d < p.head_dim;
     var x = vec4<f32>(0.0);
+    var k = vec4<f32>(0.0);
+    var v = 0.0;
+    var wq = 0.0;
+    var wk = 0.0;
     if (in_head) {
       let qb = p.o_q + r * p.ld_q + h0 * p.head_dim + d;
       for (var g = 0u; g < nh; g = g + 1u) { x[g] = q[qb + g * p.head_dim]; }
+      if (own) {
+        k.x = q[p.o_kn + r * p.ld_q + kvh * p.head_dim + d];
+        v = q[p.o_vn + r * p.ld_q + kvh * p.head_dim + d];
+      }
+      if (p.norm != 0u) {
+        wq = qw[p.o_qw + d];
+        if (own) { wk = kw[p.o_kw + d]; }
+      }
     }
     if (p.norm != 0u) {
-      var w = 0.0;
-      if (in_head) { w = qw[p.o_qw + d]; }
-      x = norm4(x, w, lid);
+      let n = norm4(x, k, wq, wk, own, lid);
+      x = n[0];
+      k = n[1];
     }
-    red[d] = rotate4(x, d, pos);
+    let rot = rotate4(x, k, own, d, pos);
+    red[d] = rot[0];
+    if (own && in_head) {
+      kn[d] = rot[1].x;
+      vn[d] = v;
+    }
     workgroupBarrier();
     // Into qs's layout: head g's dimensions 4c .. 4c + 3 in qs[g·hd4 + c].
     for (var i = lid; i < nh * hd4; i = i + WG) {
       let g = i / hd4;
       let c = 4u * (i % hd4);
       qs[i] = vec4<f32>(red[c][g], red[c + 1u][g], red[c + 2u][g], red[c + 3u][g]);
-    }
-    workgroupBarrier();
-    if (own) {
-      var k = vec4<f32>(0.0);
-      if (in_head) { k.x = q[p.o_kn + r * p.ld_q + kvh * p.head_dim + d]; }
-      if (p.norm != 0u) {
-        var w = 0.0;
-        if (in_head) { w = kw[p.o_kw + d]; }
-        k = norm4(k, w, lid);
-      }
-      k = rotate4(k, d, pos);
-      if (in_head) {
-        kn[d] = k.x;
-        vn[d] = q[p.o_vn + r * p.ld_q + kvh * p.head_dim + d];
-      }
     }
   } else {
     for (var i = lid; i < nh * hd4; i = i + WG) {
@@ -192,18 +217,23 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     if (lo + j < hi) {
       let kb = p.o_k / 4u + (row0 + j) * ld4 + kvh * hd4;
       let fresh = own && j == jown;
-      for (var c = t; c < hd4; c = c + TPP) {
-        var k4: vec4<f32>;
-        if (fresh) {
-          k4 = vec4<f32>(kn[4u * c], kn[4u * c + 1u], kn[4u * c + 2u], kn[4u * c + 3u]);
-        } else {
-          k4 = kv[kb + c];
-        }
-        acc.x = acc.x + dot(qs[c], k4);
-        acc.y = acc.y + dot(qs[hd4 + c], k4);
-        acc.z = acc.z + dot(qs[2u * hd4 + c], k4);
-        acc.w = acc.w + dot(qs[3u * hd4 + c], k4);
-      }
+#loop      for (var c = t; c < hd4; c = c + TPP) {
+#loop        var k4: vec4<f32>;
+#loop        if (fresh) {
+#loop          k4 = vec4<f32>(kn[4u * c], kn[4u * c + 1u], kn[4u * c + 2u], kn[4u * c + 3u]);
+#loop        } else {
+#loop          k4 = kv[kb + c];
+#loop        }
+#loop        acc.x = acc.x + dot(qs[c], k4);
+#loop        acc.y = acc.y + dot(qs[hd4 + c], k4);
+#loop        acc.z = acc.z + dot(qs[2u * hd4 + c], k4);
+#loop        acc.w = acc.w + dot(qs[3u * hd4 + c], k4);
+#loop      }
+#up      let c$c = t + $cu * TPP;
+#up      var k$c = vec4<f32>(0.0);
+#up      if (c$c < hd4 && !fresh) { k$c = kv[kb + c$c]; }
+#up      if (c$c < hd4 && fresh) { k$c = vec4<f32>(kn[4u * c$c], kn[4u * c$c + 1u], kn[4u * c$c + 2u], kn[4u * c$c + 3u]); }
+#up      if (c$c < hd4) { acc.x = acc.x + dot(qs[c$c], k$c); acc.y = acc.y + dot(qs[hd4 + c$c], k$c); acc.z = acc.z + dot(qs[2u * hd4 + c$c], k$c); acc.w = acc.w + dot(qs[3u * hd4 + c$c], k$c); }
     }
     red[lid] = acc;
     workgroupBarrier();
@@ -251,20 +281,28 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   var a2 = vec4<f32>(0.0);
   var a3 = vec4<f32>(0.0);
   if (jg < nj) {
-    for (var jj = jg; jj < hi - lo; jj = jj + nj) {
-      var v4: vec4<f32>;
-      if (own && jj == jown) {
-        let c = 4u * lane;
-        v4 = vec4<f32>(vn[c], vn[c + 1u], vn[c + 2u], vn[c + 3u]);
-      } else {
-        v4 = kv[p.o_v / 4u + (row0 + jj) * ld4 + kvh * hd4 + lane];
-      }
-      let w = ps[jj];
-      a0 = a0 + w.x * v4;
-      a1 = a1 + w.y * v4;
-      a2 = a2 + w.z * v4;
-      a3 = a3 + w.w * v4;
-    }
+#loop    for (var jj = jg; jj < hi - lo; jj = jj + nj) {
+#loop      var v4: vec4<f32>;
+#loop      if (own && jj == jown) {
+#loop        let c = 4u * lane;
+#loop        v4 = vec4<f32>(vn[c], vn[c + 1u], vn[c + 2u], vn[c + 3u]);
+#loop      } else {
+#loop        v4 = kv[p.o_v / 4u + (row0 + jj) * ld4 + kvh * hd4 + lane];
+#loop      }
+#loop      let w = ps[jj];
+#loop      a0 = a0 + w.x * v4;
+#loop      a1 = a1 + w.y * v4;
+#loop      a2 = a2 + w.z * v4;
+#loop      a3 = a3 + w.w * v4;
+#loop    }
+#up    let vb = p.o_v / 4u + row0 * ld4 + kvh * hd4 + lane;
+#up    let jj$v = jg + $vu * nj;
+#up    let in$v = jj$v < hi - lo;
+#up    let fresh$v = own && jj$v == jown;
+#up    var v$v = vec4<f32>(0.0);
+#up    if (in$v && !fresh$v) { v$v = kv[vb + jj$v * ld4]; }
+#up    if (in$v && fresh$v) { v$v = vec4<f32>(vn[4u * lane], vn[4u * lane + 1u], vn[4u * lane + 2u], vn[4u * lane + 3u]); }
+#up    if (in$v) { let w = ps[jj$v]; a0 = a0 + w.x * v$v; a1 = a1 + w.y * v$v; a2 = a2 + w.z * v$v; a3 = a3 + w.w * v$v; }
   }
   for (var g = 0u; g < nh; g = g + 1u) {
     var a = a0;

@@ -15,7 +15,7 @@ use super::{DecodeShape, attend, head_cpu};
 use crate::backend::{Backend, TMut, TRef, Tensor};
 use crate::error::{Error, Result};
 use crate::gpu::Access;
-use crate::ops::common::{kernel, kernel_parts};
+use crate::ops::common::{PRELUDE, form_lines, hoist_loads, kernel, repeat_lines};
 use crate::ops::rope::{QkNorm, ROPE_PAIR, RopeCacheShape, RopeLayout, rope_into_cache};
 use rayon::prelude::*;
 
@@ -23,6 +23,11 @@ use rayon::prelude::*;
 /// short (a decode step is bound by latency), and a second dispatch merges them. (One workgroup of 256
 /// positions per head, with no merge, measured 2-3x slower on an H200.)
 pub const CHUNK: usize = 32;
+
+/// attend_rows.wgsl's source (both forms, see [`form_lines`]).
+const ATTEND_ROWS: &str = include_str!("attend_rows.wgsl");
+/// attend_rows.wgsl's threads per position in the scores (TPP).
+const TPP: usize = 8;
 /// Query heads one workgroup serves (attend_rows.wgsl's GMAX).
 const GMAX: usize = 4;
 
@@ -479,15 +484,20 @@ fn record(
     let none = g.scratch("attend_rows_none", 1)?;
     let db = &none.chunks[0].buffer;
     let is_fresh = fresh.is_some();
-    let pipe = kernel_parts(
-        g,
-        &format!("attend_rows_c{chunk}{}", if is_fresh { "_new" } else { "" }),
+    // Up front (GPUs): each thread's key and value loads are written out (NC and NV of them for this
+    // head size) and issued before the sums that use them, which add in the loops' order.
+    let up = hoist_loads(g).then(|| {
+        let hd4 = s.head_dim / 4;
+        (hd4.div_ceil(TPP), chunk.div_ceil(256 / hd4))
+    });
+    let key = format!(
+        "attend_rows_c{chunk}{}{}",
+        if is_fresh { "_new" } else { "" },
+        up.map_or(String::new(), |(nc, nv)| format!("_up{nc}x{nv}"))
+    );
+    let pipe = g.pipeline(
+        &key,
         &[
-            &format!("const CHUNK: u32 = {chunk}u;\nconst FRESH: bool = {is_fresh};"),
-            ROPE_PAIR,
-            include_str!("attend_rows.wgsl"),
-        ],
-        &[
             Access::Read,
             Access::ReadWrite,
             Access::Read,
@@ -497,6 +507,18 @@ fn record(
             Access::Read,
             Access::Read,
         ],
+        || {
+            let form = match up {
+                Some((nc, nv)) => {
+                    let src = form_lines(ATTEND_ROWS, "#up ");
+                    repeat_lines(&repeat_lines(&src, "$c", nc), "$v", nv)
+                }
+                None => form_lines(ATTEND_ROWS, "#loop "),
+            };
+            format!(
+                "{PRELUDE}\nconst CHUNK: u32 = {chunk}u;\nconst FRESH: bool = {is_fresh};\n{ROPE_PAIR}\n{form}"
+            )
+        },
     )?;
     let (o_kn, o_vn, n_rot, neox, (br, or)) = match &fresh {
         Some(f) => (

@@ -25,7 +25,7 @@ use super::{GpuParts, QKind};
 use crate::error::{Result, shape};
 use crate::gpu::{Access, GpuBackend, GpuTensor, Operand, Pipeline, segments};
 use crate::ops::attention::split_len;
-use crate::ops::common::{PRELUDE, repeat_lines};
+use crate::ops::common::{PRELUDE, form_lines, hoist_loads, repeat_lines};
 use crate::ops::glu::Activation;
 use crate::path::Fault;
 
@@ -364,15 +364,6 @@ const MERGE_FOUR: &str = "for (; s + 4u <= ns; s = s + 4u) {
   if (ll[j + 3u] > 0.0) { acc = acc + mm[j + 3u] * v3; }
 }
 ";
-
-/// Whether the staged products issue their loads up front (the norm stages' written-out loads, the
-/// merge's four splits at once): on GPUs, whose memory latency it hides (H100, SmolLM2-135M decode 5%
-/// faster); not on a software adapter, where the longer code measured slower (lavapipe, low-end
-/// SmolLM2-135M decode 4.4 -> 3.4 tok/s). This crate's tests take it everywhere, so the form GPUs run is
-/// checked bit for bit on lavapipe too.
-fn hoist_loads(g: &GpuBackend) -> bool {
-    cfg!(test) || !g.is_software()
-}
 
 /// WGSL for the vec4 of `array` from element `at` on (four scalar loads: the arrays are f32).
 fn vec4_at(array: &str, at: &str) -> String {
@@ -740,21 +731,6 @@ fn rows_pipeline(
         );
         plant(src, fault)
     })
-}
-
-/// A batch kernel's source in one form: the lines tagged `tag` without the tag, and neither those
-/// tagged for the other form (`#once ` / `#lanes `) nor any other tag's.
-fn form_lines(body: &str, tag: &str) -> String {
-    body.lines()
-        .filter_map(|line| match line.strip_prefix(tag) {
-            Some(kept) => Some(kept),
-            None => (!line.starts_with('#')).then_some(line),
-        })
-        .fold(String::with_capacity(body.len()), |mut s, line| {
-            s.push_str(line);
-            s.push('\n');
-            s
-        })
 }
 
 /// A batch kernel's source with its lines repeated: `$i` lines NI times, then `$b` lines NB times, and
