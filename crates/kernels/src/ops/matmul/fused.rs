@@ -193,21 +193,21 @@ pub enum Residual {
 }
 
 /// Whether a product should compute its input's norm or GLU in every workgroup (`Stage::RmsNorm`,
-/// `Stage::Glu`) rather than take it from a dispatch of its own: on a GPU, yes (a dispatch costs
-/// microseconds of latency, the repeated sums little); on a software adapter no, since there every
-/// workgroup's repeated sums and barrier steps are CPU time (lavapipe, Gemma-3-270M's low-end decode:
-/// its 262,144-row head took 194 ms of a 407 ms token with the norm inside, the same product without
-/// it 108 ms; SmolLM2-135M decoded 5.1-5.7 tok/s with the stages, 7.5-8.0 without). This
-/// crate's tests keep the stages everywhere, so the staged kernels GPUs run are checked on lavapipe.
+/// `Stage::Glu`) rather than take it from a dispatch of its own: where a post-norm rides in the next
+/// product too ([`residual_norm_pays`]: on a GPU, not on a software adapter, whose repeated sums and
+/// barrier steps are CPU time: lavapipe, Gemma-3-270M's low-end decode, its 262,144-row head took 194 ms
+/// of a 407 ms token with the norm inside, the same product without it 108 ms; SmolLM2-135M decoded
+/// 5.1-5.7 tok/s with the stages, 7.5-8.0 without). This crate's tests keep the stages everywhere, so
+/// the staged kernels GPUs run are checked on lavapipe.
 fn stages_pay(be: &Backend) -> bool {
-    cfg!(test) || be.as_gpu().is_none_or(|g| !g.is_software())
+    cfg!(test) || residual_norm_pays(be)
 }
 
 /// Whether a post-normed output should wait for the next product to take it in
 /// ([`matmul_residual_norm`]) rather than join x by a dispatch of its own: on a GPU, yes; on a software
 /// adapter (lavapipe) no, since every workgroup's repeated norms cost CPU time there (Gemma-3-270M's
 /// low-end decode on lavapipe fell from 1.2 to 0.8 tok/s with them), and on the CPU backend there is
-/// nothing to fuse.
+/// nothing to fuse. The one rule for the stages of the decode products ([`stages_pay`]).
 pub fn residual_norm_pays(be: &Backend) -> bool {
     be.as_gpu().is_some_and(|g| !g.is_software())
 }
