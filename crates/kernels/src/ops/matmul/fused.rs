@@ -240,7 +240,7 @@ pub fn matmul_residual_norm<'w>(
         && paths.has(PathId::QuantMatmul)
         && q.rows() == n
         && q.cols() == k
-        && staged_fits(g, q.kind(), m, k, Stage::ResidualNorm { eps })
+        && staged_fits(g, q.kind(), [m, n, k], Stage::ResidualNorm { eps })
     {
         fn span(
             t: &crate::backend::Tensor,
@@ -376,7 +376,9 @@ fn try_staged(
             )
         }
     };
-    if (stage == Stage::Plain && out == Output::Store) || !staged_fits(g, q.kind(), m, k, stage) {
+    if (stage == Stage::Plain && out == Output::Store)
+        || !staged_fits(g, q.kind(), [m, n, k], stage)
+    {
         return None;
     }
     let extra: Vec<(&wgpu::Buffer, usize)> = norm_w.into_iter().collect();

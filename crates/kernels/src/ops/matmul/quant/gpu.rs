@@ -960,14 +960,33 @@ fn staged_rows(g: &GpuBackend, m: usize, k: usize, stage: Stage) -> Option<usize
     None
 }
 
-/// Whether [`qmatmul_staged`] can run `m` rows of `k` of this layout: the gemv family takes the rows, and
-/// at least one row's workgroup copy fits.
-pub(crate) fn staged_fits(g: &GpuBackend, kind: QKind, m: usize, k: usize, stage: Stage) -> bool {
+/// Most workgroups a staged product repeats its input's stage in (the norm, the GLU, the merge, each
+/// computed again by every workgroup). A product that few workgroups share hides the stage in the time
+/// its loads take; a model's head of a large vocabulary fills the GPU many times over, and there every
+/// workgroup's copy is work of its own. H100, Gemma-3-270M's shape: its 262,144-row head in 32,768
+/// workgroups decoded 1,085-1,088 tok/s with the post-norm and the final norm inside, 1,182-1,184 with
+/// both as dispatches of their own before the plain product (the head 198 µs of device time with them
+/// inside; 111-114 µs without, the two norms 22-24 µs); SmolLM2-135M's 49,152-row head (6,144
+/// workgroups) within noise either way.
+const STAGE_MAX_GROUPS: usize = 16_384;
+
+/// Whether [`qmatmul_staged`] can run `m` rows of `k` of this layout into `n` outputs: the gemv family
+/// takes the rows, at least one row's workgroup copy fits, and a stage is repeated in at most
+/// [`STAGE_MAX_GROUPS`] workgroups.
+pub(crate) fn staged_fits(
+    g: &GpuBackend,
+    kind: QKind,
+    [m, n, k]: [usize; 3],
+    stage: Stage,
+) -> bool {
     let bindings = quant_bindings(kind).len() + stage.bindings().len();
+    let Some((_, tpr, _)) = gemv_shape(kind, k) else {
+        return false;
+    };
     m > 0
         && k.is_multiple_of(4)
-        && gemv_shape(kind, k).is_some()
         && staged_rows(g, m, k, stage).is_some()
+        && (stage == Stage::Plain || n.div_ceil(WG / tpr) <= STAGE_MAX_GROUPS)
         && bindings <= g.limits.max_storage_buffers_per_shader_stage as usize
 }
 
