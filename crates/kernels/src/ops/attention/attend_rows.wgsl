@@ -17,9 +17,12 @@
 // (max, sum of exponentials, unnormalised output) and attend_combine.wgsl merges them.
 //
 // Two forms (rows.rs picks one, see ops/common.rs's form_lines): `#loop ` lines load each key and value
-// vector as the loop reaches it; `#up ` lines (GPUs) write the loops out, `$c` lines once per vector of
-// a thread's scores and `$v` lines once per position of its values, so every load is issued before the
-// first sum that uses it. The sums are added in the same order in both forms.
+// vector as the loop reaches it; `#up ` lines (GPUs, one scoring step: CHUNK <= WG / TPP) write the
+// loops out, `$c` lines once per vector of a thread's scores and `$v` lines once per position of its
+// values, and issue every one of those loads as soon as the row's table entry is read: they are in
+// flight while the queries are normed and rotated, and the scores, softmax and weighted sum only add.
+// The sums are added in the same order in both forms. Both forms issue the queries' loads before the
+// table's, and the rotation table's before the norms.
 //
 // FRESH (the new rows' variant): q is the Q/K/V product's output as it left the product, rows ld_q
 // apart, the row's own key and value heads at o_kn / o_vn of its row. Each workgroup then does what
@@ -81,9 +84,9 @@ fn norm4(x: vec4<f32>, k: vec4<f32>, wx: f32, wk: f32, both: bool, lid: u32) -> 
   return array<vec4<f32>, 2>(x * rstd * wx, k * rk * wk);
 }
 
-// FRESH: dimension d (= lid) of the four heads of x, and where `both` of the key head k, rotated to
-// position pos; every thread calls it.
-fn rotate4(x: vec4<f32>, k: vec4<f32>, both: bool, d: u32, pos: u32) -> array<vec4<f32>, 2> {
+// FRESH: dimension d (= lid) of the four heads of x, and where `both` of the key head k, rotated by
+// the position's cosine c and sine s of d's pair; every thread calls it.
+fn rotate4(x: vec4<f32>, k: vec4<f32>, both: bool, d: u32, c: f32, s: f32) -> array<vec4<f32>, 2> {
   red[d] = x;
   if (both) { redk[d] = k; }
   workgroupBarrier();
@@ -91,9 +94,6 @@ fn rotate4(x: vec4<f32>, k: vec4<f32>, both: bool, d: u32, pos: u32) -> array<ve
   var yk = k;
   if (d < p.n_rot) {
     let pr = rope_pair(d, p.n_rot, p.neox != 0u);
-    let t = p.o_rope + (pos * (p.n_rot / 2u) + pr.i) * 2u;
-    let c = rope[t];
-    let s = rope[t + 1u];
     let b = red[pr.partner];
     if (pr.first) { y = x * c - b * s; } else { y = b * s + x * c; }
     if (both) {
@@ -117,6 +117,25 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let group = p.heads / p.kv_heads;
   let h0 = kvh * group + gq * GMAX;
   let nh = min(GMAX, group - gq * GMAX);
+  // FRESH: thread d holds dimension d of the group's query heads, and (used in the split holding the
+  // row's own position) of the key head (its first lane) and the value head.
+  let d = lid;
+  let in_head = d < p.head_dim;
+  var x = vec4<f32>(0.0);
+  var k = vec4<f32>(0.0);
+  var v = 0.0;
+  var wq = 0.0;
+  var wk = 0.0;
+  if (FRESH && in_head) {
+    let qb = p.o_q + r * p.ld_q + h0 * p.head_dim + d;
+    for (var g = 0u; g < nh; g = g + 1u) { x[g] = q[qb + g * p.head_dim]; }
+    k.x = q[p.o_kn + r * p.ld_q + kvh * p.head_dim + d];
+    v = q[p.o_vn + r * p.ld_q + kvh * p.head_dim + d];
+    if (p.norm != 0u) {
+      wq = qw[p.o_qw + d];
+      wk = kw[p.o_kw + d];
+    }
+  }
   // Through workgroup memory, so the compiler knows every thread sees the same values.
   if (lid == 0u) {
     wbase = tab[p.o_tab + 2u * r];
@@ -147,35 +166,40 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   let row0 = base + lo - p.lo_row;
   // FRESH: this split holds the row's own position (the last split: hi is pos + 1).
   let own = FRESH && hi == pos + 1u;
+  let jown = pos - lo;
+  // The scores' thread: position lo + lid / TPP, dimensions t, t + TPP, ... (vec4s); the values':
+  // dimensions 4·lane .. 4·lane + 3 of every NJ-th position from jg.
+  let t = lid % TPP;
+  let nj = WG / hd4;
+  let lane = lid % hd4;
+  let jg = lid / hd4;
+  // FRESH: the rotation's cosine and sine for d's pair at the row's position.
+  var rc = 0.0;
+  var rs = 0.0;
+  if (FRESH && d < p.n_rot) {
+    let pr = rope_pair(d, p.n_rot, p.neox != 0u);
+    let at = p.o_rope + (pos * (p.n_rot / 2u) + pr.i) * 2u;
+    rc = rope[at];
+    rs = rope[at + 1u];
+  }
+#up  let kb = p.o_k / 4u + (row0 + lid / TPP) * ld4 + kvh * hd4;
+#up  let kin = lo + lid / TPP < hi;
+#up  let c$c = t + $cu * TPP;
+#up  var k$c = vec4<f32>(0.0);
+#up  if (kin && c$c < hd4) { k$c = kv[kb + c$c]; }
+#up  let vb = p.o_v / 4u + row0 * ld4 + kvh * hd4 + lane;
+#up  let jj$v = jg + $vu * nj;
+#up  let in$v = jg < nj && jj$v < hi - lo;
+#up  var v$v = vec4<f32>(0.0);
+#up  if (in$v) { v$v = kv[vb + jj$v * ld4]; }
   if (FRESH) {
-    // Thread d holds dimension d of the group's query heads, and in the split holding the row's own
-    // position of the key head (its first lane) and the value head; every load is issued first, and
-    // the key is normed and rotated alongside the queries.
-    let d = lid;
-    let in_head = d < p.head_dim;
-    var x = vec4<f32>(0.0);
-    var k = vec4<f32>(0.0);
-    var v = 0.0;
-    var wq = 0.0;
-    var wk = 0.0;
-    if (in_head) {
-      let qb = p.o_q + r * p.ld_q + h0 * p.head_dim + d;
-      for (var g = 0u; g < nh; g = g + 1u) { x[g] = q[qb + g * p.head_dim]; }
-      if (own) {
-        k.x = q[p.o_kn + r * p.ld_q + kvh * p.head_dim + d];
-        v = q[p.o_vn + r * p.ld_q + kvh * p.head_dim + d];
-      }
-      if (p.norm != 0u) {
-        wq = qw[p.o_qw + d];
-        if (own) { wk = kw[p.o_kw + d]; }
-      }
-    }
+    // The key is normed and rotated alongside the queries.
     if (p.norm != 0u) {
       let n = norm4(x, k, wq, wk, own, lid);
       x = n[0];
       k = n[1];
     }
-    let rot = rotate4(x, k, own, d, pos);
+    let rot = rotate4(x, k, own, d, rc, rs);
     red[d] = rot[0];
     if (own && in_head) {
       kn[d] = rot[1].x;
@@ -198,7 +222,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   workgroupBarrier();
   // The row's own key and value go to its cache row, once per KV head; this dispatch reads them from
   // workgroup memory.
-  let jown = pos - lo;
   if (own && gq == 0u && lid < hd4) {
     let c = 4u * lid;
     let at = (row0 + jown) * ld4 + kvh * hd4 + lid;
@@ -208,14 +231,13 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
 
   // Scores: positions lo + j, j = lid / TPP, lid / TPP + WG / TPP, ...: TPP threads each, each thread
   // dimensions t, t + TPP, ... (vec4s), summed by a tree over the TPP threads.
-  let t = lid % TPP;
   var ninf_bits = 0xff800000u;
   let ninf = bitcast<f32>(ninf_bits);
   for (var j0 = 0u; j0 < CHUNK; j0 = j0 + WG / TPP) {
     let j = j0 + lid / TPP;
     var acc = vec4<f32>(0.0);
     if (lo + j < hi) {
-      let kb = p.o_k / 4u + (row0 + j) * ld4 + kvh * hd4;
+#loop      let kb = p.o_k / 4u + (row0 + j) * ld4 + kvh * hd4;
       let fresh = own && j == jown;
 #loop      for (var c = t; c < hd4; c = c + TPP) {
 #loop        var k4: vec4<f32>;
@@ -229,9 +251,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
 #loop        acc.z = acc.z + dot(qs[2u * hd4 + c], k4);
 #loop        acc.w = acc.w + dot(qs[3u * hd4 + c], k4);
 #loop      }
-#up      let c$c = t + $cu * TPP;
-#up      var k$c = vec4<f32>(0.0);
-#up      if (c$c < hd4 && !fresh) { k$c = kv[kb + c$c]; }
 #up      if (c$c < hd4 && fresh) { k$c = vec4<f32>(kn[4u * c$c], kn[4u * c$c + 1u], kn[4u * c$c + 2u], kn[4u * c$c + 3u]); }
 #up      if (c$c < hd4) { acc.x = acc.x + dot(qs[c$c], k$c); acc.y = acc.y + dot(qs[hd4 + c$c], k$c); acc.z = acc.z + dot(qs[2u * hd4 + c$c], k$c); acc.w = acc.w + dot(qs[3u * hd4 + c$c], k$c); }
     }
@@ -273,9 +292,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
   workgroupBarrier();
 
   // Values: lane takes dimensions 4·lane .. 4·lane + 3; its position group every NJ-th position.
-  let nj = WG / hd4;
-  let lane = lid % hd4;
-  let jg = lid / hd4;
   var a0 = vec4<f32>(0.0);
   var a1 = vec4<f32>(0.0);
   var a2 = vec4<f32>(0.0);
@@ -295,12 +311,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
 #loop      a2 = a2 + w.z * v4;
 #loop      a3 = a3 + w.w * v4;
 #loop    }
-#up    let vb = p.o_v / 4u + row0 * ld4 + kvh * hd4 + lane;
-#up    let jj$v = jg + $vu * nj;
-#up    let in$v = jj$v < hi - lo;
 #up    let fresh$v = own && jj$v == jown;
-#up    var v$v = vec4<f32>(0.0);
-#up    if (in$v && !fresh$v) { v$v = kv[vb + jj$v * ld4]; }
 #up    if (in$v && fresh$v) { v$v = vec4<f32>(vn[4u * lane], vn[4u * lane + 1u], vn[4u * lane + 2u], vn[4u * lane + 3u]); }
 #up    if (in$v) { let w = ps[jj$v]; a0 = a0 + w.x * v$v; a1 = a1 + w.y * v$v; a2 = a2 + w.z * v$v; a3 = a3 + w.w * v$v; }
   }

@@ -485,8 +485,9 @@ fn record(
     let db = &none.chunks[0].buffer;
     let is_fresh = fresh.is_some();
     // Up front (GPUs): each thread's key and value loads are written out (NC and NV of them for this
-    // head size) and issued before the sums that use them, which add in the loops' order.
-    let up = hoist_loads(g).then(|| {
+    // head size) and issued as soon as the table is read, before the queries' norms and the sums that
+    // use them, which add in the loops' order. The form scores its chunk in one step.
+    let up = (hoist_loads(g) && chunk <= 256 / TPP).then(|| {
         let hd4 = s.head_dim / 4;
         (hd4.div_ceil(TPP), chunk.div_ceil(256 / hd4))
     });
