@@ -24,6 +24,15 @@ use rayon::prelude::*;
 /// positions per head, with no merge, measured 2-3x slower on an H200.)
 pub const CHUNK: usize = 32;
 
+/// The most floats of partial results (heads × splits × (head_dim + 2)) one row's attention leaves
+/// for its output product to merge: every workgroup of that product reads and merges all of them, so
+/// past a few thousand floats the merge's own dispatch (one workgroup per head, the same values in the
+/// same order) costs less. H100, decode 128 tokens (tok/s), merged in the product / by its own dispatch:
+/// SmolLM2-135M's shape after 128 positions (5 splits, 2,970 floats) 999-1,001 / 981-982; after 512
+/// (17 splits, 10,098 floats) 835 / 951-954, after 1,024 690 / 917; Gemma-3-270M's after 512 (16-17
+/// splits, 16,512-17,544 floats) 1,081-1,083 / 1,175-1,178, after 1,024 1,054 / 1,176.
+const DEFER_MAX_FLOATS: usize = 8192;
+
 /// attend_rows.wgsl's source (both forms, see [`form_lines`]).
 const ATTEND_ROWS: &str = include_str!("attend_rows.wgsl");
 /// attend_rows.wgsl's threads per position in the scores (TPP).
@@ -575,7 +584,12 @@ fn record(
         )?;
     }
     if let Some(part) = scratch {
-        if defer && n == 1 && crate::ops::matmul::quant::merge_takes(s.heads, n_split) {
+        let len = split_len(1, s.heads, s.head_dim, n_split);
+        if defer
+            && n == 1
+            && len <= DEFER_MAX_FLOATS
+            && crate::ops::matmul::quant::merge_takes(s.heads, n_split)
+        {
             return Ok(Attended::Splits {
                 part: Tensor::of_gpu(part),
                 n_split,

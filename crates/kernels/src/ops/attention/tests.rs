@@ -473,7 +473,10 @@ fn new_rows_match_twin() {
     let long: Vec<[u32; 2]> = vec![[0, 5], [c, 300], [2 * c, 699], [3 * c, 256], [4 * c, 0]];
     let short: Vec<[u32; 2]> = vec![[0, 31], [c, 32], [2 * c, 100]];
     let same_seq: Vec<[u32; 2]> = vec![[0, 5], [0, 256], [c, 40]];
+    // One row: its splits merged by their own dispatch (10 splits of 258 floats per head), or left
+    // for the output product (4 splits).
     let one: Vec<[u32; 2]> = vec![[c, 300]];
+    let one_short: Vec<[u32; 2]> = vec![[c, 100]];
     use RopeLayout::{Neox, Normal};
     for (heads, kv_heads, hd, n_rot, layout, norm, window, host) in [
         (
@@ -485,6 +488,7 @@ fn new_rows_match_twin() {
         (2, 1, 32, 0, Normal, true, 0, &short),
         (9, 3, 64, 64, Normal, false, 0, &same_seq),
         (4, 1, 256, 256, Neox, true, 0, &one),
+        (4, 1, 256, 256, Neox, true, 0, &one_short),
     ] {
         let (qd, kvd) = (heads * hd, kv_heads * hd);
         let seqs = 5;
@@ -534,6 +538,7 @@ fn new_rows_match_twin() {
         let name = format!(
             "attend_new_rows {heads}/{kv_heads}x{hd} rot {n_rot} {layout:?} norm {norm} window {window} rows {host:?}"
         );
+        let left = std::cell::Cell::new(false);
         let run = |be: &Backend, t: &mut [crate::Tensor]| -> crate::Result<()> {
             let [ti, tc, tt, tr, tw, to] = t else {
                 unreachable!()
@@ -555,6 +560,7 @@ fn new_rows_match_twin() {
             };
             let mut q = be.zeros(n * qd, qd)?;
             // A row left as splits is merged here, as the output product would.
+            left.set(false);
             match attend_new_rows(
                 be,
                 new,
@@ -568,6 +574,7 @@ fn new_rows_match_twin() {
                 Attended::Written => Ok(()),
                 Attended::Splits { part, n_split } => {
                     assert!(n == 1, "{n} rows left as splits");
+                    left.set(true);
                     merge_splits(be, part.at(0), to.at_mut(0), heads, hd, n_split)
                 }
             }
@@ -600,6 +607,12 @@ fn new_rows_match_twin() {
                 fused
             };
             assert_eq!(used, want, "{name}: dispatches");
+            // Only a short row's few splits wait for the product.
+            assert_eq!(
+                left.get(),
+                std::ptr::eq(host, &one_short),
+                "{name}: left as splits"
+            );
         }
     }
 }
