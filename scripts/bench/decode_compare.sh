@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU decode and prompt speed of two tinygpt builds side by side, and of llama.cpp's llama-bench on the
-# same files: random-weight GGUF files of SmolLM2-135M's and Gemma-3-270M's shapes (Q8_0; speed does not
+# same files: random-weight GGUF files of SmolLM2-135M's and Gemma-3-270M's shapes (speed does not
 # depend on the values), written by the first build. For each file: the greedy ids of both builds after
 # a 300-token prompt (they should agree), then ROUNDS interleaved rounds of
 #
@@ -11,15 +11,22 @@
 #   bash scripts/bench/decode_compare.sh TINYGPT_BEFORE TINYGPT_AFTER [ROUNDS]
 #
 # Environment: LLAMA_BENCH (a llama-bench built with -DGGML_CUDA=ON, docs/perf.md says how), DIR (where
-# the model files go: a temporary folder), BACKEND (gpu).
+# the model files go: a temporary folder), BACKEND (gpu), FILES (shape:block-format pairs, default
+# "smollm2-135m:q8_0 gemma3-270m:q8_0"; "smollm2-135m:q4_1 gemma3-270m:q4_k_m" are the real files'
+# layouts).
 set -euo pipefail
 A=$1 B=$2 ROUNDS=${3:-2}
 BACKEND=${BACKEND:-gpu}
 DIR=${DIR:-$(mktemp -d)}
+FILES=${FILES:-smollm2-135m:q8_0 gemma3-270m:q8_0}
 mkdir -p "$DIR"
 
-for shape in smollm2-135m gemma3-270m; do
-  [ -f "$DIR/$shape.gguf" ] || "$A" --backend "$BACKEND" bench llm --synthetic "$shape" --save "$DIR/$shape.gguf" 2>&1 | tail -1
+names=()
+for spec in $FILES; do
+  shape=${spec%%:*} quant=${spec##*:}
+  names+=("$shape-$quant")
+  [ -f "$DIR/$shape-$quant.gguf" ] || "$A" --backend "$BACKEND" bench llm --synthetic "$shape" \
+    --synthetic-quant "$quant" --save "$DIR/$shape-$quant.gguf" 2>&1 | tail -1
 done
 
 ids() { # TINYGPT FILE: the greedy ids' count and digest
@@ -36,14 +43,14 @@ bench() { # TINYGPT FILE ARGS...: the bench's result lines on one line
   echo
 }
 
-for shape in smollm2-135m gemma3-270m; do
+for shape in "${names[@]}"; do
   f="$DIR/$shape.gguf"
   echo "== $shape: greedy ids, before / after"
   ids "$A" "$f"
   ids "$B" "$f"
 done
 for r in $(seq 1 "$ROUNDS"); do
-  for shape in smollm2-135m gemma3-270m; do
+  for shape in "${names[@]}"; do
     f="$DIR/$shape.gguf"
     for which in before after; do
       tg=$A
