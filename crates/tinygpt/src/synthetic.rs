@@ -46,9 +46,8 @@ impl Quant {
             Quant::Q4_1 => GgmlType::Q4_1,
             Quant::Q4KM => {
                 let whole = cols.is_multiple_of(256);
-                let more_bits = layer < layers / 8
-                    || layer >= 7 * layers / 8
-                    || (layer - layers / 8) % 3 == 2;
+                let more_bits =
+                    layer < layers / 8 || layer >= 7 * layers / 8 || (layer - layers / 8) % 3 == 2;
                 match (name, more_bits, whole) {
                     ("attn_v" | "ffn_down", true, true) => GgmlType::Q6_K,
                     ("attn_v" | "ffn_down", true, false) => GgmlType::Q8_0,

@@ -47,6 +47,15 @@ const WORDS_PER_LANE: usize = 16;
 /// Quant vectors (16 bytes) each gemv lane aims to load: enough loads in flight per lane, few lanes to
 /// sum per row.
 const GEMV_VECTORS_PER_LANE: usize = 3;
+/// On a GPU a lane of 4-bit blocks takes as many values as a lane of 8-bit ones (48), not as many
+/// vectors (a vector of 4-bit quants holds 32 values, one of 8-bit 16): three blocks a lane were twice
+/// the unpacking and summing of an 8-bit lane's, and a decode step waits for its slowest lanes. H100,
+/// random files of the real layouts, decode after 128 positions: SmolLM2-135M Q4_1 902-906 -> 938-939
+/// tok/s, Gemma-3-270M Q4_K_M 1,170-1,175 -> 1,181-1,183 (docs/perf.md). A software adapter keeps three
+/// vectors a lane: its invocations are SIMD lanes of one CPU thread, where more lanes per row are
+/// more steps of the sums' tree, each a barrier (lavapipe, SmolLM2's low-end decode: 1.1 -> 1.0 tok/s
+/// with the GPU's rule). This crate's tests take the GPU's rule everywhere.
+const GEMV_VALUES_PER_LANE: usize = 48;
 /// Most quant vectors one gemv lane holds (longer rows take the tiled kernel).
 const GEMV_MAX_VECTORS: usize = 8;
 /// Most threads per workgroup of the batch kernels (gemv_rows_*.wgsl: XR rows of x × TPR lanes).
@@ -124,7 +133,7 @@ fn threads_per_row(kw: usize) -> usize {
 
 /// The gemv shape of rows of `k` values: (vectors per row, threads per row, vectors per lane), when the
 /// gemv kernel takes it (whole 16-byte vectors per row, at most GEMV_MAX_VECTORS per lane).
-fn gemv_shape(kind: QKind, k: usize) -> Option<(usize, usize, usize)> {
+fn gemv_shape(g: &GpuBackend, kind: QKind, k: usize) -> Option<(usize, usize, usize)> {
     let per_vector = match kind {
         QKind::Q8 { .. } => 16,
         QKind::Q4 => 32,
@@ -133,10 +142,12 @@ fn gemv_shape(kind: QKind, k: usize) -> Option<(usize, usize, usize)> {
         return None;
     }
     let kw4 = k / per_vector;
-    let tpr = kw4
-        .div_ceil(GEMV_VECTORS_PER_LANE)
-        .next_power_of_two()
-        .clamp(MAX_R, 64);
+    let per_lane = if cfg!(test) || !g.is_software() {
+        GEMV_VALUES_PER_LANE
+    } else {
+        GEMV_VECTORS_PER_LANE * per_vector
+    };
+    let tpr = k.div_ceil(per_lane).next_power_of_two().clamp(MAX_R, 64);
     let ni = kw4.div_ceil(tpr);
     (ni <= GEMV_MAX_VECTORS).then_some((kw4, tpr, ni))
 }
@@ -835,7 +846,8 @@ pub(super) fn qmatmul(
             )?;
             continue;
         }
-        if let Some((_, tpr, ni)) = gemv_shape(kind, k).filter(|_| rows <= MAX_R || independent) {
+        if let Some((_, tpr, ni)) = gemv_shape(g, kind, k).filter(|_| rows <= MAX_R || independent)
+        {
             // Enough rows: the batch kernel (each row's bits those of the one-row kernel).
             let batch = rows >= BATCH_MIN_ROWS;
             let r = if batch {
@@ -980,7 +992,7 @@ pub(crate) fn staged_fits(
     stage: Stage,
 ) -> bool {
     let bindings = quant_bindings(kind).len() + stage.bindings().len();
-    let Some((_, tpr, _)) = gemv_shape(kind, k) else {
+    let Some((_, tpr, _)) = gemv_shape(g, kind, k) else {
         return false;
     };
     m > 0
@@ -1023,7 +1035,7 @@ pub(crate) fn qmatmul_staged(
     }
     // Enough plain rows (a decode batch's output and down products): the batch kernel.
     let batch = stage == Stage::Plain && m >= BATCH_MIN_ROWS;
-    let fit = gemv_shape(kind, k).and_then(|(_, tpr, ni)| {
+    let fit = gemv_shape(g, kind, k).and_then(|(_, tpr, ni)| {
         let r = if batch {
             Some(rows_xr(m, tpr))
         } else {
@@ -1112,7 +1124,7 @@ fn dispatch(
     z: usize,
 ) -> Result<()> {
     // The gemv family counts quant vectors (4 words) per row and addresses quants by vector.
-    let (words, tpr, qunit) = match v.ni.and(gemv_shape(v.kind, k)) {
+    let (words, tpr, qunit) = match v.ni.and(gemv_shape(g, v.kind, k)) {
         Some((kw4, tpr, _)) => (kw4, tpr, 4),
         None => {
             let kw = v.kind.words_per_row(k);
