@@ -63,7 +63,9 @@ impl Quant {
 /// within about ±0.04.
 fn random_blocks(rng: &mut SeedRng, ty: GgmlType, values: usize) -> Vec<u8> {
     let f16 = |x: f32| half::f16::from_f32(x).to_le_bytes();
-    // Bytes per block, values per block, and the f16 fields (offset, value) each block carries.
+    // Bytes per block, values per block, and the f16 fields (offset, value) each block carries:
+    // Q8_0 d, then 32 int8 quants; Q4_1 d and the minimum, then 16 bytes of nibbles; Q5_0 d, then 4
+    // bytes of fifth bits and 16 of nibbles.
     let (bytes, per, fields): (usize, usize, Vec<(usize, [u8; 2])>) = match ty {
         GgmlType::Q8_0 => (34, 32, vec![(0, f16(0.02 / 127.0))]),
         GgmlType::Q4_1 => (20, 32, vec![(0, f16(0.04 / 15.0)), (2, f16(-0.02))]),
@@ -122,37 +124,6 @@ pub fn gguf(preset: Preset, quant: Quant, seed: u64) -> Result<Vec<u8>> {
     }
     add_vocab(&mut w, vocab)?;
     let mut rng = SeedRng::new(seed);
-    let q8 = |rng: &mut SeedRng, rows: usize, cols: usize| -> Vec<u8> {
-        // Q8_0 block: f16 scale then 32 int8 quants (34 bytes).
-        let blocks = rows * cols / 32;
-        let mut out = Vec::with_capacity(blocks * 34);
-        let scale = half::f16::from_f32(0.02 / 127.0).to_le_bytes();
-        let mut word = 0u64;
-        for i in 0..blocks * 32 {
-            if i % 32 == 0 {
-                out.extend_from_slice(&scale);
-            }
-            if i % 8 == 0 {
-                word = rng.next_u64();
-            }
-            out.push((word >> (8 * (i % 8))) as u8);
-        }
-        out
-    };
-    let q4_1 = |rng: &mut SeedRng, rows: usize, cols: usize| -> Vec<u8> {
-        // Q4_1 block: f16 scale, f16 minimum, then 16 bytes of nibbles (values j and j + 16 in byte j).
-        let blocks = rows * cols / 32;
-        let mut out = Vec::with_capacity(blocks * 20);
-        let scale = half::f16::from_f32(0.04 / 15.0).to_le_bytes();
-        let min = half::f16::from_f32(-0.02).to_le_bytes();
-        for _ in 0..blocks {
-            out.extend_from_slice(&scale);
-            out.extend_from_slice(&min);
-            out.extend_from_slice(&rng.next_u64().to_le_bytes());
-            out.extend_from_slice(&rng.next_u64().to_le_bytes());
-        }
-        out
-    };
     let ones = |n: usize| -> Vec<u8> {
         std::iter::repeat_n(1.0f32.to_le_bytes(), n)
             .flatten()
@@ -163,7 +134,7 @@ pub fn gguf(preset: Preset, quant: Quant, seed: u64) -> Result<Vec<u8>> {
         "token_embd.weight",
         &[d as u64, vocab as u64],
         GgmlType::Q8_0,
-        q8(&mut rng, vocab, d),
+        random_blocks(&mut rng, GgmlType::Q8_0, vocab * d),
     )?;
     w.add_tensor_bytes("output_norm.weight", &[d as u64], GgmlType::F32, ones(d))?;
     for i in 0..layers {
@@ -179,11 +150,8 @@ pub fn gguf(preset: Preset, quant: Quant, seed: u64) -> Result<Vec<u8>> {
             ("ffn_up", ff, d),
             ("ffn_down", d, ff),
         ] {
-            let (ty, bytes) = match quant.layer_type(t, i, layers, cols) {
-                GgmlType::Q8_0 => (GgmlType::Q8_0, q8(&mut rng, rows, cols)),
-                GgmlType::Q4_1 => (GgmlType::Q4_1, q4_1(&mut rng, rows, cols)),
-                ty => (ty, random_blocks(&mut rng, ty, rows * cols)),
-            };
+            let ty = quant.layer_type(t, i, layers, cols);
+            let bytes = random_blocks(&mut rng, ty, rows * cols);
             w.add_tensor_bytes(n(t), &[cols as u64, rows as u64], ty, bytes)?;
         }
         if arch == "gemma3" {
