@@ -181,10 +181,13 @@ impl BlockActs {
 pub(crate) enum Attention<'a> {
     /// A batch of whole sequences: Q, K and V go to `qkv` [rows, 3C] and the probabilities to `probs`
     /// (and, with dropout, the dropped-out probabilities to `dropped`), all kept for the backward pass.
+    /// With `pairs` (the tensor-core training path), `dropped` holds the values P·V reads as f16 pairs,
+    /// with or without dropout (`attention_forward`).
     Batch {
         qkv: &'a mut Tensor,
         probs: &'a mut Tensor,
         dropped: Option<&'a mut Tensor>,
+        pairs: bool,
         shape: AttnShape,
         drop: AttnDropout,
     },
@@ -242,6 +245,7 @@ pub(crate) fn block_forward(
             qkv,
             probs,
             dropped,
+            pairs,
             shape,
             drop,
         } => {
@@ -253,6 +257,7 @@ pub(crate) fn block_forward(
                 a.atty.at_mut(0),
                 probs.at_mut(0),
                 dropped.map(|t| t.at_mut(0)),
+                pairs,
                 shape,
                 drop,
             )?;
@@ -330,6 +335,8 @@ pub(crate) struct SavedAttention<'a> {
     pub probs: &'a Tensor,
     /// The dropped-out probabilities the forward pass's product used.
     pub dropped: Option<&'a Tensor>,
+    /// `dropped` holds f16 pairs (see [`Attention::Batch`]).
+    pub pairs: bool,
     pub shape: AttnShape,
     pub drop: AttnDropout,
 }
@@ -345,16 +352,19 @@ pub(crate) struct BackScratch {
     pub d4a: Tensor,
     pub d4b: Tensor, // gradient at c_fc's output [rows, 4C]
     pub dprobs: Tensor,
+    /// The scores' gradient as f16 pairs, where the forward kept its probabilities as pairs.
+    pub dprobs_pairs: Option<Tensor>,
     pub f16: bool,
 }
 
 impl BackScratch {
     /// For `rows` token rows of width `c` (tensors split at multiples of `seq` rows) and attention
-    /// probabilities of `probs` elements (split every `probs_unit`).
+    /// probabilities of `probs` elements (split every `probs_unit`; with `pairs`, their gradient also
+    /// as f16 pairs).
     pub fn new(
         be: &Backend,
         (rows, c, seq): (usize, usize, usize),
-        (probs, probs_unit): (usize, usize),
+        (probs, probs_unit, pairs): (usize, usize, bool),
         f16: bool,
     ) -> Result<Self> {
         let z = |len: usize, unit: usize| be.zeros(len, unit);
@@ -367,6 +377,10 @@ impl BackScratch {
             d4a: z(rows * 4 * c, 4 * c)?,
             d4b: grad(4 * c, 4 * c)?,
             dprobs: z(probs, probs_unit)?,
+            dprobs_pairs: match pairs {
+                true => Some(Act::zeros(be, probs, probs_unit, true)?),
+                false => None,
+            },
             f16,
         })
     }
@@ -474,6 +488,10 @@ pub(crate) fn block_backward(
         s.datty.at(0),
         s.dqkv.at_mut(0),
         s.dprobs.at_mut(0),
+        match attn.pairs {
+            true => s.dprobs_pairs.as_mut().map(|t| t.at_mut(0)),
+            false => None,
+        },
         attn.shape,
         attn.drop,
     )?;

@@ -20,7 +20,7 @@ use tinygpt_kernels::ops::dropout::{dropout, hash};
 use tinygpt_kernels::ops::embedding::{
     EmbedShape, GradIndex, Positions, embedding, embedding_backward,
 };
-use tinygpt_kernels::ops::matmul::{Gemm, matmul, pack_f16};
+use tinygpt_kernels::ops::matmul::{Gemm, matmul, pack_f16, packed_len};
 use tinygpt_kernels::ops::norm::{NormKind, NormShape, norm_backward, norm_forward};
 use tinygpt_kernels::ops::reduce::{Reduce, reduce};
 use tinygpt_kernels::{Backend, DType, PathId, PathSet, Result, Tensor};
@@ -52,12 +52,32 @@ impl Default for OptimConfig {
     }
 }
 
+/// A layer's `dropped`: f16 pairs of what P·V reads with `pairs`, else the dropped-out probabilities
+/// where there is dropout.
+fn dropped_probs(
+    be: &Backend,
+    len: usize,
+    unit: usize,
+    cfg: &GptConfig,
+    pairs: bool,
+) -> Result<Option<Tensor>> {
+    Ok(if pairs {
+        Some(be.zeros_typed(packed_len(len), unit / 2, DType::U32)?)
+    } else if cfg.dropout > 0.0 {
+        Some(be.zeros(len, unit)?)
+    } else {
+        None
+    })
+}
+
 /// One layer's saved activations: the block's input, its activations, and what its attention kept.
 struct LayerActs {
     x: Tensor, // residual stream entering the block [N, C]
     acts: BlockActs,
     qkv: Tensor,   // [N, 3C]
     probs: Tensor, // [B, H, T, T]
+    /// With dropout, the dropped-out probabilities; with `Trainer::probs_pairs`, the values P·V reads
+    /// (dropped-out or not) as f16 pairs.
     dropped: Option<Tensor>,
 }
 
@@ -94,6 +114,8 @@ pub struct Trainer {
     tmp: Tensor,
     // Scratch for the backward pass.
     back: BackScratch,
+    /// Attention's T x T operands kept as f16 pairs (see `LayerActs::dropped`).
+    probs_pairs: bool,
     dresid: Tensor,
     dlogits: Tensor,
     /// f16 copy of the parameters for the block matrices: the forward pass's with `f16_forward` and the
@@ -164,6 +186,8 @@ impl Trainer {
         // the outputs of attn_proj, c_fc and mlp_proj, are read only by tensor-core products: kept as
         // the f16 values those stage.
         let act_f16 = be.as_gpu().is_some() && paths.has(PathId::MixedTraining);
+        // So are attention's T x T operands of P·V, dV = Pᵀ·dY, dS·K and dSᵀ·Q (rows of even length).
+        let probs_pairs = act_f16 && t.is_multiple_of(2);
         let z = |len: usize, unit: usize| be.zeros(len, unit);
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for _ in 0..cfg.n_layer {
@@ -172,11 +196,7 @@ impl Trainer {
                 acts: BlockActs::new(be, n, c, t, act_f16)?,
                 qkv: z(n * 3 * c, t * 3 * c)?,
                 probs: z(shape.probs_len(), probs_unit)?,
-                dropped: if cfg.dropout > 0.0 {
-                    Some(z(shape.probs_len(), probs_unit)?)
-                } else {
-                    None
-                },
+                dropped: dropped_probs(be, shape.probs_len(), probs_unit, cfg, probs_pairs)?,
             });
         }
         let (m, vv, step) = match moments {
@@ -219,7 +239,13 @@ impl Trainer {
             losses: z(n, 1)?,
             stats: z(2, 1)?,
             tmp: z(n * c, t * c)?,
-            back: BackScratch::new(be, (n, c, t), (shape.probs_len(), probs_unit), act_f16)?,
+            back: BackScratch::new(
+                be,
+                (n, c, t),
+                (shape.probs_len(), probs_unit, probs_pairs),
+                act_f16,
+            )?,
+            probs_pairs,
             dresid: z(n * c, t * c)?,
             dlogits: z(n * v, v)?,
             cfg: cfg.clone(),
@@ -247,11 +273,13 @@ impl Trainer {
             self.cfg.n_embd,
             self.batch * self.cfg.block_size,
         );
+        let (probs, unit) = (self.attn_shape().probs_len(), self.cfg.n_head * t * t);
         for l in &mut self.layers {
             l.acts = BlockActs::new(be, n, c, t, false)?;
+            l.dropped = dropped_probs(be, probs, unit, &self.cfg, false)?;
         }
-        let probs = (self.attn_shape().probs_len(), self.cfg.n_head * t * t);
-        self.back = BackScratch::new(be, (n, c, t), probs, false)?;
+        self.back = BackScratch::new(be, (n, c, t), (probs, unit, false), false)?;
+        self.probs_pairs = false;
         Ok(())
     }
 
@@ -371,6 +399,7 @@ impl Trainer {
                 qkv,
                 probs,
                 dropped: dropped.as_mut(),
+                pairs: self.probs_pairs,
                 shape,
                 drop: (p > 0.0).then(|| (p, drop_seed(seed, self.step, l, 1))),
             };
@@ -480,6 +509,7 @@ impl Trainer {
                 qkv: &a.qkv,
                 probs: &a.probs,
                 dropped: a.dropped.as_ref(),
+                pairs: self.probs_pairs,
                 shape,
                 drop: (p > 0.0).then(|| (p, drop_seed(seed, self.step, l, 1))),
             };

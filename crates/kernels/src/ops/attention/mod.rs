@@ -11,9 +11,10 @@ mod causal_cpu;
 
 use super::common::{PRELUDE, repeat_lines, row_kernel};
 use super::dropout::check_probability;
-use super::matmul::{Causal, Gemm, matmul};
+use super::matmul::{Causal, Gemm, matmul, matmul_f16_a};
 use super::softmax::{
-    SoftmaxShape, softmax_backward, softmax_dropout, softmax_dropout_backward, softmax_planted,
+    SoftmaxShape, softmax_backward, softmax_dropout, softmax_dropout_backward,
+    softmax_dropout_backward_f16, softmax_dropout_f16, softmax_planted,
 };
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
@@ -61,6 +62,12 @@ pub type AttnDropout = Option<(f32, u32)>;
 /// y = softmax(Q Kᵀ / √d, causal) V per (sequence, head). `probs` receives the probabilities and, with
 /// dropout, `dropped` the dropped-out probabilities the product used (both `probs_len()` long). The
 /// products run on the kernels `paths` chooses.
+///
+/// With `pairs` (the GPU's tensor-core training path, whose products stage their operands as f16),
+/// `dropped` holds the values the product reads — the dropped-out probabilities, or the
+/// probabilities themselves without dropout — as f16 pairs (`packed_len(probs_len())` words): the
+/// values that product would stage from f32, in half the bytes; [`attention_backward`] then takes
+/// them with its `ds_pairs`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward(
     be: &Backend,
@@ -69,11 +76,18 @@ pub fn attention_forward(
     mut y: TMut<'_>,
     mut probs: TMut<'_>,
     dropped: Option<TMut<'_>>,
+    pairs: bool,
     s: AttnShape,
     drop: AttnDropout,
 ) -> Result<()> {
     let (t, c, hd) = (s.t, s.c(), s.head_dim);
     const OP: &str = "attention_forward";
+    if pairs && (dropped.is_none() || !matches!(be, Backend::Gpu(_))) {
+        return Err(Error::Shape {
+            op: OP,
+            msg: "f16 pairs of the probabilities need a GPU and a tensor to hold them".into(),
+        });
+    }
     if matches!((drop, &dropped), (Some((p, _)), None) if p > 0.0) {
         return Err(Error::Shape {
             op: OP,
@@ -122,6 +136,11 @@ pub fn attention_forward(
             s.y_stride(),
         );
     let v = qkv.shift(2 * c);
+    if pairs && let Some(mut d) = dropped {
+        let drop = drop.filter(|&(p, _)| p > 0.0);
+        softmax_dropout_f16(be, probs, d.reborrow(), shape, drop, paths.fault())?;
+        return matmul_f16_a(be, paths, d.as_ref(), v, y, &mix);
+    }
     match (drop, dropped) {
         (Some((p, seed)), Some(mut d)) if p > 0.0 => {
             // The softmax writes the dropped-out probabilities as well, in the same pass.
@@ -139,6 +158,10 @@ pub fn attention_forward(
 /// Gradients of [`attention_forward`] into `dqkv` (overwritten), given the forward's `probs` (and
 /// `dropped`) and the output gradient `dy`. `scratch` holds
 /// `probs_len()` elements.
+///
+/// With `ds_pairs` (`packed_len(probs_len())` words), the forward ran with `pairs` (`dropped` holds
+/// f16 pairs) and the scores' gradient goes there as f16 pairs, the values the products dS·K and
+/// dSᵀ·Q stage.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     be: &Backend,
@@ -149,10 +172,17 @@ pub fn attention_backward(
     dy: TRef<'_>,
     dqkv: TMut<'_>,
     mut scratch: TMut<'_>,
+    ds_pairs: Option<TMut<'_>>,
     s: AttnShape,
     drop: AttnDropout,
 ) -> Result<()> {
     let (t, c, hd) = (s.t, s.c(), s.head_dim);
+    if ds_pairs.is_some() && (dropped.is_none() || !matches!(be, Backend::Gpu(_))) {
+        return Err(Error::Shape {
+            op: "attention_backward",
+            msg: "f16 pairs of the probabilities need a GPU and the forward's pairs".into(),
+        });
+    }
     if let Backend::Cpu(cpu) = be {
         const OP: &str = "attention_backward";
         let (rows, np) = (s.batch * t, s.probs_len());
@@ -195,29 +225,7 @@ pub fn attention_backward(
             s.qkv_stride(),
         );
     let use_drop = matches!(drop, Some((p, _)) if p > 0.0);
-    {
-        let p_used = match (dropped, use_drop) {
-            (Some(d), true) => d,
-            _ => probs,
-        };
-        matmul(
-            be,
-            paths,
-            p_used,
-            dy,
-            dqkv.t.at_mut(dqkv.offset() + 2 * c),
-            &dv,
-        )?;
-    }
-    // dP = dropout'(dP'), then dS = softmax'(P, dP), in one pass in place.
     let shape = SoftmaxShape::causal(s.batch * s.heads * t, t);
-    match drop {
-        Some((p, seed)) if use_drop => {
-            softmax_dropout_backward(be, probs, scratch.reborrow(), shape, (p, seed))?
-        }
-        _ => softmax_backward(be, probs, scratch.reborrow(), shape)?,
-    }
-    let ds = scratch;
     // dQ = dS K / √d and dK = dSᵀ Q / √d.
     let dq = Gemm::nn(t, hd, t)
         .lda(t)
@@ -231,14 +239,6 @@ pub fn attention_backward(
             s.qkv_stride(),
             s.qkv_stride(),
         );
-    matmul(
-        be,
-        paths,
-        ds.as_ref(),
-        qkv.shift(c),
-        dqkv.t.at_mut(dqkv.offset()),
-        &dq,
-    )?;
     let dk = Gemm::tn(t, hd, t)
         .lda(t)
         .ldb(3 * c)
@@ -251,14 +251,31 @@ pub fn attention_backward(
             s.qkv_stride(),
             s.qkv_stride(),
         );
-    matmul(
-        be,
-        paths,
-        ds.as_ref(),
-        qkv,
-        dqkv.t.at_mut(dqkv.offset() + c),
-        &dk,
-    )
+    let (oq, ok, ov) = (dqkv.offset(), dqkv.offset() + c, dqkv.offset() + 2 * c);
+    if let (Some(mut ds), Some(d)) = (ds_pairs, dropped) {
+        matmul_f16_a(be, paths, d, dy, dqkv.t.at_mut(ov), &dv)?;
+        let drop = drop.filter(|_| use_drop);
+        softmax_dropout_backward_f16(be, probs, scratch, ds.reborrow(), shape, drop)?;
+        matmul_f16_a(be, paths, ds.as_ref(), qkv.shift(c), dqkv.t.at_mut(oq), &dq)?;
+        return matmul_f16_a(be, paths, ds.as_ref(), qkv, dqkv.t.at_mut(ok), &dk);
+    }
+    {
+        let p_used = match (dropped, use_drop) {
+            (Some(d), true) => d,
+            _ => probs,
+        };
+        matmul(be, paths, p_used, dy, dqkv.t.at_mut(ov), &dv)?;
+    }
+    // dP = dropout'(dP'), then dS = softmax'(P, dP), in one pass in place.
+    match drop {
+        Some((p, seed)) if use_drop => {
+            softmax_dropout_backward(be, probs, scratch.reborrow(), shape, (p, seed))?
+        }
+        _ => softmax_backward(be, probs, scratch.reborrow(), shape)?,
+    }
+    let ds = scratch;
+    matmul(be, paths, ds.as_ref(), qkv.shift(c), dqkv.t.at_mut(oq), &dq)?;
+    matmul(be, paths, ds.as_ref(), qkv, dqkv.t.at_mut(ok), &dk)
 }
 
 /// Query rows against a KV cache.

@@ -69,6 +69,7 @@ fn matches_twin(s: AttnShape, chunk: Option<u64>) {
                 ty.into(),
                 (&mut *tp).into(),
                 dropped,
+                false,
                 s,
                 drop,
             )?;
@@ -89,6 +90,7 @@ fn matches_twin(s: AttnShape, chunk: Option<u64>) {
                 (&*tdy).into(),
                 tdq.into(),
                 (&mut *tsc).into(),
+                None,
                 s,
                 drop,
             )?;
@@ -112,6 +114,7 @@ fn forward_cpu(qkv: &[f32], s: AttnShape) -> Vec<f32> {
         (&mut ty).into(),
         (&mut tp).into(),
         None,
+        false,
         s,
         None,
     )
@@ -145,6 +148,7 @@ fn matches_finite_differences(s: AttnShape) {
         (&mut ty).into(),
         (&mut tp).into(),
         None,
+        false,
         s,
         None,
     )
@@ -161,6 +165,7 @@ fn matches_finite_differences(s: AttnShape) {
         (&tr).into(),
         (&mut tdq).into(),
         (&mut tsc).into(),
+        None,
         s,
         None,
     )
@@ -707,6 +712,93 @@ fn dot4_is_dot_four_times() {
                 dot(&a, bk).to_bits(),
                 "len {len} key {k}"
             );
+        }
+    }
+}
+
+/// The tensor-core training path's form (`pairs`): the probabilities P·V and Pᵀ·dY read, and the
+/// scores' gradient dS·K and dSᵀ·Q read, as f16 pairs. On that path's products (which stage those
+/// same f16 values from f32) y and dQ, dK, dV are the f32 form's bit for bit, with and without
+/// dropout, on sequences of several workgroups of rows and an odd length (the f32 form, then
+/// packed). The CPU backend refuses the form.
+#[test]
+fn f16_pairs_give_the_tensor_core_path_s_values() {
+    use crate::DType;
+    use crate::ops::matmul::packed_len;
+    use crate::path::PathId;
+    let paths = PathSet::of(&[PathId::MixedTraining]);
+    let mut rng = SeedRng::new(93);
+    for s in [
+        AttnShape {
+            batch: 2,
+            t: 40,
+            heads: 3,
+            head_dim: 8,
+        },
+        AttnShape {
+            batch: 1,
+            t: 33,
+            heads: 2,
+            head_dim: 4,
+        },
+    ] {
+        let (c, n, np) = (s.heads * s.head_dim, s.batch * s.t, s.probs_len());
+        let qkv = rng.vec(n * 3 * c, -1.0, 1.0);
+        let dy = rng.vec(n * c, -1.0, 1.0);
+        let run = |be: &Backend, pairs: bool, drop: AttnDropout| -> Result<(Vec<u32>, Vec<u32>)> {
+            let tq = be.from_f32(&qkv, 1)?;
+            let tdy = be.from_f32(&dy, 1)?;
+            let mut ty = be.zeros(n * c, 1)?;
+            let mut tp = be.zeros(np, 1)?;
+            let mut td = match pairs {
+                true => be.zeros_typed(packed_len(np), 1, DType::U32)?,
+                false => be.zeros(np, 1)?,
+            };
+            let mut tdq = be.zeros(n * 3 * c, 1)?;
+            let mut tsc = be.zeros(np, 1)?;
+            let mut tds = be.zeros_typed(packed_len(np), 1, DType::U32)?;
+            let with_dropped = pairs || drop.is_some();
+            attention_forward(
+                be,
+                paths,
+                (&tq).into(),
+                (&mut ty).into(),
+                (&mut tp).into(),
+                with_dropped.then(|| TMut::from(&mut td)),
+                pairs,
+                s,
+                drop,
+            )?;
+            attention_backward(
+                be,
+                paths,
+                (&tq).into(),
+                (&tp).into(),
+                with_dropped.then(|| TRef::from(&td)),
+                (&tdy).into(),
+                (&mut tdq).into(),
+                (&mut tsc).into(),
+                pairs.then(|| TMut::from(&mut tds)),
+                s,
+                drop,
+            )?;
+            let bits = |t: &crate::Tensor| -> Result<Vec<u32>> {
+                Ok(be.to_vec(t)?.iter().map(|v| v.to_bits()).collect())
+            };
+            Ok((bits(&ty)?, bits(&tdq)?))
+        };
+        let cpu = cpu_backend();
+        assert!(run(&cpu, true, None).is_err(), "the CPU backend's pairs");
+        let Some(gpu) = crate::testing::gpu_backend(None) else {
+            return;
+        };
+        for drop in [None, Some((0.25f32, 7u32))] {
+            let (pairs, wide) = (
+                run(&gpu, true, drop).unwrap(),
+                run(&gpu, false, drop).unwrap(),
+            );
+            assert!(pairs.0 == wide.0, "t {} drop {drop:?}: y differs", s.t);
+            assert!(pairs.1 == wide.1, "t {} drop {drop:?}: dqkv differs", s.t);
         }
     }
 }

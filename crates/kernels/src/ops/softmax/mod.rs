@@ -7,6 +7,7 @@ use super::fastmath;
 use crate::backend::{Backend, TMut, TRef};
 use crate::error::{Error, Result};
 use crate::gpu::{Access, Operand};
+use crate::ops::matmul::{pack_f16, pack_f16_of, packed_len};
 use crate::path::Fault;
 use rayon::prelude::*;
 use std::sync::OnceLock;
@@ -127,6 +128,126 @@ pub fn softmax_dropout_backward(
 ) -> Result<()> {
     check_probability("softmax", p)?;
     launch(be, dy, Some(y), None, s, Some((p, seed)), None)
+}
+
+/// [`softmax_dropout`] (with `drop`; [`softmax_planted`] without) for the tensor-core training path:
+/// the values the product reads next — the dropped-out probabilities, or the probabilities themselves
+/// without dropout — go to `pairs` as f16 pairs (`packed_len(rows · cols)` words, rounded as
+/// [`pack_f16`] rounds: the values that path's products stage from f32), and `x` keeps the f32
+/// probabilities for the backward pass.
+pub fn softmax_dropout_f16(
+    be: &Backend,
+    x: TMut<'_>,
+    pairs: TMut<'_>,
+    s: SoftmaxShape,
+    drop: Option<(f32, u32)>,
+    fault: Option<Fault>,
+) -> Result<()> {
+    if let Some((p, _)) = drop {
+        check_probability("softmax", p)?;
+    }
+    launch_pairs(be, x, None, pairs, s, drop, fault)
+}
+
+/// The backward pass of [`softmax_dropout_f16`]: the scores' gradient into `pairs` as f16 pairs (the
+/// values the products dS·K and dSᵀ·Q stage), given the probabilities `y` and the gradient `dy` of
+/// the values the forward's product read. `dy` may be overwritten.
+pub fn softmax_dropout_backward_f16(
+    be: &Backend,
+    y: TRef<'_>,
+    dy: TMut<'_>,
+    pairs: TMut<'_>,
+    s: SoftmaxShape,
+    drop: Option<(f32, u32)>,
+) -> Result<()> {
+    if let Some((p, _)) = drop {
+        check_probability("softmax", p)?;
+    }
+    launch_pairs(be, dy, Some(y), pairs, s, drop, None)
+}
+
+/// One kernel (softmax_f16.wgsl) where the rows fit its register form (an even number of at most
+/// 256 columns); elsewhere (and on the CPU twin) the f32 form, then [`pack_f16`].
+fn launch_pairs(
+    be: &Backend,
+    mut x: TMut<'_>,
+    y: Option<TRef<'_>>,
+    pairs: TMut<'_>,
+    s: SoftmaxShape,
+    drop: Option<(f32, u32)>,
+    fault: Option<Fault>,
+) -> Result<()> {
+    let n = s.rows * s.cols;
+    if let Backend::Gpu(g) = be
+        && s.cols.is_multiple_of(2)
+        && s.cols <= 256
+    {
+        let tx = x.gpu("softmax", "x", n)?;
+        let td = pairs.gpu("softmax", "pairs", packed_len(n))?;
+        let dummy;
+        let (ty, oy, per_y) = match &y {
+            Some(y) => (y.gpu("softmax", "y", n)?, y.offset(), s.cols),
+            None => {
+                dummy = g.scratch("dummy", 1)?;
+                (&dummy, 0, 0)
+            }
+        };
+        let ops = [
+            Operand::rows(tx, x.offset(), s.cols),
+            if per_y == 0 {
+                Operand::whole(ty, oy, 1)
+            } else {
+                Operand::rows(ty, oy, per_y)
+            },
+            Operand::rows(td, pairs.offset(), s.cols / 2),
+        ];
+        static SOURCE: OnceLock<String> = OnceLock::new();
+        let source = SOURCE.get_or_init(|| repeat_lines(include_str!("softmax_f16.wgsl"), "$j", 4));
+        const BINDINGS: [Access; 3] = [Access::ReadWrite, Access::Read, Access::ReadWrite];
+        let pipe = if fault == Some(Fault::CausalMaskPast128) {
+            let leak = source.replace(
+                "p.causal_offset + 1u);",
+                "p.causal_offset + select(1u, 2u, (p.start + row) % p.causal_t >= 128u));",
+            );
+            kernel_parts(
+                g,
+                "softmax_f16_fault_causal128",
+                &[ROW_REDUCE, ROWS4, HASH_WGSL, &leak],
+                &BINDINGS,
+            )?
+        } else {
+            kernel_parts(
+                g,
+                "softmax_f16",
+                &[ROW_REDUCE, ROWS4, HASH_WGSL, source],
+                &BINDINGS,
+            )?
+        };
+        let (p, seed) = drop.unwrap_or((0.0, 0));
+        let extra = [
+            s.cols as u32,
+            s.scale.to_bits(),
+            s.causal_t as u32,
+            s.causal_offset as u32,
+            y.is_some() as u32,
+            drop.is_some() as u32,
+            threshold(p),
+            seed,
+            (1.0 / (1.0 - p)).to_bits(),
+        ];
+        return run(g, "softmax", &pipe, s.rows, &ops, &extra, Grid::Threads(4));
+    }
+    match (y, drop) {
+        // Backward: the gradient in place in dy, then packed.
+        (Some(y), drop) => launch(be, x.reborrow(), Some(y), None, s, drop, None)?,
+        (None, Some(drop)) => {
+            return pack_f16_of(be, "softmax_f16", (n, s.cols), pairs, |wide| {
+                launch(be, x, None, Some(wide), s, Some(drop), fault)
+            });
+        }
+        (None, None) => launch(be, x.reborrow(), None, None, s, None, fault)?,
+    }
+    pack_f16(be, x.as_ref(), pairs, n)
 }
 
 fn launch(
@@ -499,6 +620,78 @@ mod tests {
                 "dx[{i}]: fd {fd} vs {}",
                 g[i]
             );
+        }
+    }
+
+    /// The f16-pairs forms write the f32 forms' values rounded as `pack_f16` rounds them, bit for bit,
+    /// and leave the f32 probabilities as the f32 form leaves them: forward (with and without
+    /// dropout, causal and plain) and backward, on rows the kernel takes (an even number of columns up
+    /// to 256, several rows a workgroup, a last workgroup part-filled) and on rows it leaves to the f32
+    /// form (odd, longer), on every backend.
+    #[test]
+    fn f16_pairs_hold_the_f32_form_s_values() {
+        let mut rng = SeedRng::new(35);
+        let mut backends = vec![crate::testing::cpu_backend()];
+        backends.extend(crate::testing::gpu_backend(None));
+        let cases = [
+            (3 * 256, 256, true, Some((0.2f32, 5u32))),
+            (2 * 40, 40, true, None),
+            (13, 130, false, Some((0.5, 9))),
+            (2 * 9, 9, true, Some((0.1, 3))),
+            (6, 300, false, None),
+        ];
+        for be in &backends {
+            for (rows, cols, causal, drop) in cases {
+                let n = rows * cols;
+                let mut s = if causal {
+                    SoftmaxShape::causal(rows, cols)
+                } else {
+                    SoftmaxShape::plain(rows, cols)
+                };
+                s.scale = 0.8;
+                let x = rng.vec(n, -5.0, 5.0);
+                let dy = rng.vec(n, -1.0, 1.0);
+                let unit = cols;
+                let what = format!("{} {rows}x{cols} causal {causal} drop {drop:?}", be.kind());
+                let mut x32 = be.from_f32(&x, unit).unwrap();
+                let mut x16 = be.from_f32(&x, unit).unwrap();
+                crate::testing::assert_f16_pairs(
+                    be,
+                    n,
+                    &format!("{what} forward"),
+                    |mut w| match drop {
+                        Some(d) => softmax_dropout(be, x32.at_mut(0), w, s, d, None),
+                        None => {
+                            softmax(be, x32.at_mut(0), s)?;
+                            crate::ops::fill::copy(be, x32.at(0), w.reborrow(), n)
+                        }
+                    },
+                    |pairs| softmax_dropout_f16(be, x16.at_mut(0), pairs, s, drop, None),
+                );
+                let bits = |t: &Tensor| -> Vec<u32> {
+                    be.to_vec(t).unwrap().iter().map(|v| v.to_bits()).collect()
+                };
+                assert!(bits(&x32) == bits(&x16), "{what}: probabilities differ");
+                let mut g32 = be.from_f32(&dy, unit).unwrap();
+                let mut g16 = be.from_f32(&dy, unit).unwrap();
+                crate::testing::assert_f16_pairs(
+                    be,
+                    n,
+                    &format!("{what} backward"),
+                    |mut w| {
+                        match drop {
+                            Some(d) => {
+                                softmax_dropout_backward(be, x32.at(0), g32.at_mut(0), s, d)?
+                            }
+                            None => softmax_backward(be, x32.at(0), g32.at_mut(0), s)?,
+                        }
+                        crate::ops::fill::copy(be, g32.at(0), w.reborrow(), n)
+                    },
+                    |pairs| {
+                        softmax_dropout_backward_f16(be, x16.at(0), g16.at_mut(0), pairs, s, drop)
+                    },
+                );
+            }
         }
     }
 }
