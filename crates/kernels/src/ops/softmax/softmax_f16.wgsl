@@ -2,8 +2,9 @@
 // tensor-core training path, whose products read attention's T x T matrices as f16 pairs: the same
 // arithmetic in the same order (the same bits), with the values the products read written as pairs
 // (`pack2x16float`, as pack_f16.wgsl rounds).
-// FORWARD: x ← the probabilities (f32, kept for the backward pass); d ← the dropped-out probabilities
-// (the probabilities themselves without dropout) as pairs.
+// FORWARD: x ← the probabilities (f32, kept for the backward pass, which reads the columns each row
+// sees: the masked ones are left as they were); d ← the dropped-out probabilities (the probabilities
+// themselves without dropout) as pairs, the masked columns 0.
 // BACKWARD: d ← the scores' gradient as pairs; x (dy) is left as it is.
 // A row's values go through workgroup memory, so that a thread stores two neighbouring columns.
 struct Params { n: u32, start: u32, o_x: u32, o_y: u32, o_d: u32, cols: u32, scale: f32, causal_t: u32,
@@ -49,7 +50,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     var e$j = 0.0;
     if (c$j < valid) { e$j = exp(v$j - m); s = s + e$j; }
     let inv = 1.0 / row_sum(s, lid);
-    if (c$j < cols) { let o = e$j * inv; x[base + c$j] = o; stage[sb + c$j] = dropped(o, row, c$j); }
+    if (c$j < cols) { let o = e$j * inv; if (c$j < valid) { x[base + c$j] = o; } stage[sb + c$j] = dropped(o, row, c$j); }
   } else {
     let yb = p.o_y + row * p.cols;
     var s = 0.0;
