@@ -93,6 +93,9 @@ pub(crate) struct BlockActs {
     pub fc: Tensor,  // MLP hidden before GELU [rows, 4C]
     pub act: Tensor, // after GELU [rows, 4C]
     pub f16: bool,
+    /// `atty` holds f16 pairs: attention wrote it with its pairs (`Attention::Batch`), and only
+    /// attn_proj's products read it.
+    pub atty_pairs: bool,
 }
 
 /// An activation or a gradient as a product's operand: f32 values or f16 pairs.
@@ -140,20 +143,29 @@ impl<'a> From<Act<'a>> for Weights<'a> {
 
 impl BlockActs {
     /// For `rows` token rows of width `c`; tensors holding whole sequences split (on the GPU) at
-    /// multiples of `seq` rows; `f16`: the products' inputs as f16 pairs.
-    pub fn new(be: &Backend, rows: usize, c: usize, seq: usize, f16: bool) -> Result<Self> {
+    /// multiples of `seq` rows; `f16`: the products' inputs as f16 pairs; `atty_pairs`: attention's
+    /// output too.
+    pub fn new(
+        be: &Backend,
+        rows: usize,
+        c: usize,
+        seq: usize,
+        f16: bool,
+        atty_pairs: bool,
+    ) -> Result<Self> {
         let z = |len: usize, unit: usize| be.zeros(len, unit);
         let input = |width: usize| Act::zeros(be, rows * width, width, f16);
         Ok(BlockActs {
             ln1: input(c)?,
             ln1_stats: z(2 * rows, 1)?,
-            atty: z(rows * c, seq * c)?,
+            atty: Act::zeros(be, rows * c, seq * c, atty_pairs)?,
             xmid: z(rows * c, c)?,
             ln2: input(c)?,
             ln2_stats: z(2 * rows, 1)?,
             fc: z(rows * 4 * c, 4 * c)?,
             act: input(4 * c)?,
             f16,
+            atty_pairs,
         })
     }
 
@@ -285,9 +297,9 @@ pub(crate) fn block_forward(
             attend(be, q, k, v, a.atty.at_mut(0), shape)?;
         }
     }
-    w.linear(
+    w.linear_of(
         be,
-        a.atty.at(0),
+        Act::of(&a.atty, a.atty_pairs),
         o.attn_proj,
         tmp.at_mut(0),
         &Gemm::nt(n, c, c),
@@ -348,7 +360,7 @@ pub(crate) struct BackScratch {
     pub dy: Tensor, // gradient at attn_proj's or mlp_proj's output [rows, C]
     pub dln: Tensor,
     pub datty: Tensor,
-    pub dqkv: Tensor,
+    pub dqkv: Tensor, // f16 pairs where `dprobs_pairs` is kept
     pub d4a: Tensor,
     pub d4b: Tensor, // gradient at c_fc's output [rows, 4C]
     pub dprobs: Tensor,
@@ -373,7 +385,7 @@ impl BackScratch {
             dy: grad(c, seq * c)?,
             dln: z(rows * c, c)?,
             datty: z(rows * c, seq * c)?,
-            dqkv: z(rows * 3 * c, seq * 3 * c)?,
+            dqkv: Act::zeros(be, rows * 3 * c, seq * 3 * c, pairs)?,
             d4a: z(rows * 4 * c, 4 * c)?,
             d4b: grad(4 * c, 4 * c)?,
             dprobs: z(probs, probs_unit)?,
@@ -471,7 +483,7 @@ pub(crate) fn block_backward(
         be,
         paths,
         Act::of(&s.dy, s.f16),
-        a.atty.at(0),
+        Act::of(&a.atty, a.atty_pairs),
         params.matrix(o.attn_proj),
         dw,
         datty,
@@ -499,7 +511,7 @@ pub(crate) fn block_backward(
     linear_backward(
         be,
         paths,
-        s.dqkv.at(0),
+        Act::of(&s.dqkv, s.dprobs_pairs.is_some()),
         a.input(&a.ln1),
         params.matrix(o.c_attn),
         dw,

@@ -116,7 +116,7 @@ impl GptRunner {
             ids: be.zeros_typed(t, t, DType::U32)?,
             x: z(t * c, c)?,
             xout: z(t * c, c)?,
-            acts: BlockActs::new(be, t, c, 1, false)?,
+            acts: BlockActs::new(be, t, c, 1, false, false)?,
             tmp: z(t * c, c)?,
             logits: z(cfg.vocab_size, cfg.vocab_size)?,
             cfg: cfg.clone(),

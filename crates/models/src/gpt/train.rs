@@ -186,14 +186,16 @@ impl Trainer {
         // the outputs of attn_proj, c_fc and mlp_proj, are read only by tensor-core products: kept as
         // the f16 values those stage.
         let act_f16 = be.as_gpu().is_some() && paths.has(PathId::MixedTraining);
-        // So are attention's T x T operands of P·V, dV = Pᵀ·dY, dS·K and dSᵀ·Q (rows of even length).
-        let probs_pairs = act_f16 && t.is_multiple_of(2);
+        // So are attention's T x T operands of P·V, dV = Pᵀ·dY, dS·K and dSᵀ·Q (rows of even length),
+        // and the products' outputs only tensor-core products read: attention's output (attn_proj's
+        // input) and the gradient dQKV (c_attn's backward products').
+        let probs_pairs = act_f16 && t.is_multiple_of(2) && c.is_multiple_of(2);
         let z = |len: usize, unit: usize| be.zeros(len, unit);
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for _ in 0..cfg.n_layer {
             layers.push(LayerActs {
                 x: z(n * c, t * c)?,
-                acts: BlockActs::new(be, n, c, t, act_f16)?,
+                acts: BlockActs::new(be, n, c, t, act_f16, probs_pairs)?,
                 qkv: z(n * 3 * c, t * 3 * c)?,
                 probs: z(shape.probs_len(), probs_unit)?,
                 dropped: dropped_probs(be, shape.probs_len(), probs_unit, cfg, probs_pairs)?,
@@ -275,7 +277,7 @@ impl Trainer {
         );
         let (probs, unit) = (self.attn_shape().probs_len(), self.cfg.n_head * t * t);
         for l in &mut self.layers {
-            l.acts = BlockActs::new(be, n, c, t, false)?;
+            l.acts = BlockActs::new(be, n, c, t, false, false)?;
             l.dropped = dropped_probs(be, probs, unit, &self.cfg, false)?;
         }
         self.back = BackScratch::new(be, (n, c, t), (probs, unit, false), false)?;

@@ -11,7 +11,7 @@ mod causal_cpu;
 
 use super::common::{PRELUDE, repeat_lines, row_kernel};
 use super::dropout::check_probability;
-use super::matmul::{Causal, Gemm, matmul, matmul_f16_a};
+use super::matmul::{Causal, Gemm, matmul, matmul_f16_a_to_pairs};
 use super::softmax::{
     SoftmaxShape, softmax_backward, softmax_dropout, softmax_dropout_backward,
     softmax_dropout_backward_f16, softmax_dropout_f16, softmax_planted,
@@ -65,9 +65,9 @@ pub type AttnDropout = Option<(f32, u32)>;
 ///
 /// With `pairs` (the GPU's tensor-core training path, whose products stage their operands as f16),
 /// `dropped` holds the values the product reads — the dropped-out probabilities, or the
-/// probabilities themselves without dropout — as f16 pairs (`packed_len(probs_len())` words): the
-/// values that product would stage from f32, in half the bytes; [`attention_backward`] then takes
-/// them with its `ds_pairs`.
+/// probabilities themselves without dropout — as f16 pairs (`packed_len(probs_len())` words), and
+/// `y` is written as f16 pairs too (the heads' width even): the values the next products would
+/// stage from f32, in half the bytes; [`attention_backward`] then takes them with its `ds_pairs`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward(
     be: &Backend,
@@ -82,10 +82,12 @@ pub fn attention_forward(
 ) -> Result<()> {
     let (t, c, hd) = (s.t, s.c(), s.head_dim);
     const OP: &str = "attention_forward";
-    if pairs && (dropped.is_none() || !matches!(be, Backend::Gpu(_))) {
+    if pairs && (dropped.is_none() || !matches!(be, Backend::Gpu(_)) || c % 2 != 0) {
         return Err(Error::Shape {
             op: OP,
-            msg: "f16 pairs of the probabilities need a GPU and a tensor to hold them".into(),
+            msg: "f16 pairs of the probabilities need a GPU, a tensor to hold them and an even \
+                  width of the heads"
+                .into(),
         });
     }
     if matches!((drop, &dropped), (Some((p, _)), None) if p > 0.0) {
@@ -139,7 +141,7 @@ pub fn attention_forward(
     if pairs && let Some(mut d) = dropped {
         let drop = drop.filter(|&(p, _)| p > 0.0);
         softmax_dropout_f16(be, probs, d.reborrow(), shape, drop, paths.fault())?;
-        return matmul_f16_a(be, paths, d.as_ref(), v, y, &mix);
+        return matmul_f16_a_to_pairs(be, paths, d.as_ref(), v, y, &mix);
     }
     match (drop, dropped) {
         (Some((p, seed)), Some(mut d)) if p > 0.0 => {
@@ -161,7 +163,7 @@ pub fn attention_forward(
 ///
 /// With `ds_pairs` (`packed_len(probs_len())` words), the forward ran with `pairs` (`dropped` holds
 /// f16 pairs) and the scores' gradient goes there as f16 pairs, the values the products dS·K and
-/// dSᵀ·Q stage.
+/// dSᵀ·Q stage; `dqkv` is then written as f16 pairs too (read only by c_attn's backward products).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     be: &Backend,
@@ -177,7 +179,7 @@ pub fn attention_backward(
     drop: AttnDropout,
 ) -> Result<()> {
     let (t, c, hd) = (s.t, s.c(), s.head_dim);
-    if ds_pairs.is_some() && (dropped.is_none() || !matches!(be, Backend::Gpu(_))) {
+    if ds_pairs.is_some() && (dropped.is_none() || !matches!(be, Backend::Gpu(_)) || c % 2 != 0) {
         return Err(Error::Shape {
             op: "attention_backward",
             msg: "f16 pairs of the probabilities need a GPU and the forward's pairs".into(),
@@ -251,14 +253,17 @@ pub fn attention_backward(
             s.qkv_stride(),
             s.qkv_stride(),
         );
-    let (oq, ok, ov) = (dqkv.offset(), dqkv.offset() + c, dqkv.offset() + 2 * c);
     if let (Some(mut ds), Some(d)) = (ds_pairs, dropped) {
-        matmul_f16_a(be, paths, d, dy, dqkv.t.at_mut(ov), &dv)?;
+        // dqkv as pairs: Q's, K's and V's columns start c / 2 words apart.
+        let o = dqkv.offset();
+        let (oq, ok, ov) = (o, o + c / 2, o + c);
+        matmul_f16_a_to_pairs(be, paths, d, dy, dqkv.t.at_mut(ov), &dv)?;
         let drop = drop.filter(|_| use_drop);
         softmax_dropout_backward_f16(be, probs, scratch, ds.reborrow(), shape, drop)?;
-        matmul_f16_a(be, paths, ds.as_ref(), qkv.shift(c), dqkv.t.at_mut(oq), &dq)?;
-        return matmul_f16_a(be, paths, ds.as_ref(), qkv, dqkv.t.at_mut(ok), &dk);
+        matmul_f16_a_to_pairs(be, paths, ds.as_ref(), qkv.shift(c), dqkv.t.at_mut(oq), &dq)?;
+        return matmul_f16_a_to_pairs(be, paths, ds.as_ref(), qkv, dqkv.t.at_mut(ok), &dk);
     }
+    let (oq, ok, ov) = (dqkv.offset(), dqkv.offset() + c, dqkv.offset() + 2 * c);
     {
         let p_used = match (dropped, use_drop) {
             (Some(d), true) => d,

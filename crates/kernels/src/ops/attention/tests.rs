@@ -717,10 +717,10 @@ fn dot4_is_dot_four_times() {
 }
 
 /// The tensor-core training path's form (`pairs`): the probabilities P·V and Pᵀ·dY read, and the
-/// scores' gradient dS·K and dSᵀ·Q read, as f16 pairs. On that path's products (which stage those
-/// same f16 values from f32) y and dQ, dK, dV are the f32 form's bit for bit, with and without
-/// dropout, on sequences of several workgroups of rows and an odd length (the f32 form, then
-/// packed). The CPU backend refuses the form.
+/// scores' gradient dS·K and dSᵀ·Q read, as f16 pairs, and y and dQ, dK, dV written as pairs. On
+/// that path's products (which stage those same f16 values from f32) y and dqkv are the f32 form's
+/// values packed, bit for bit, with and without dropout, on sequences of several workgroups of rows
+/// and an odd length (the f32 form, then packed). The CPU backend refuses the form.
 #[test]
 fn f16_pairs_give_the_tensor_core_path_s_values() {
     use crate::DType;
@@ -729,11 +729,12 @@ fn f16_pairs_give_the_tensor_core_path_s_values() {
     let paths = PathSet::of(&[PathId::MixedTraining]);
     let mut rng = SeedRng::new(93);
     for s in [
+        // Heads of 16: the products take the tensor cores where the adapter has them.
         AttnShape {
             batch: 2,
             t: 40,
             heads: 3,
-            head_dim: 8,
+            head_dim: 16,
         },
         AttnShape {
             batch: 1,
@@ -748,13 +749,17 @@ fn f16_pairs_give_the_tensor_core_path_s_values() {
         let run = |be: &Backend, pairs: bool, drop: AttnDropout| -> Result<(Vec<u32>, Vec<u32>)> {
             let tq = be.from_f32(&qkv, 1)?;
             let tdy = be.from_f32(&dy, 1)?;
-            let mut ty = be.zeros(n * c, 1)?;
+            let out = |len: usize| match pairs {
+                true => be.zeros_typed(packed_len(len), 1, DType::U32),
+                false => be.zeros(len, 1),
+            };
+            let mut ty = out(n * c)?;
             let mut tp = be.zeros(np, 1)?;
             let mut td = match pairs {
                 true => be.zeros_typed(packed_len(np), 1, DType::U32)?,
                 false => be.zeros(np, 1)?,
             };
-            let mut tdq = be.zeros(n * 3 * c, 1)?;
+            let mut tdq = out(n * 3 * c)?;
             let mut tsc = be.zeros(np, 1)?;
             let mut tds = be.zeros_typed(packed_len(np), 1, DType::U32)?;
             let with_dropped = pairs || drop.is_some();
@@ -782,10 +787,21 @@ fn f16_pairs_give_the_tensor_core_path_s_values() {
                 s,
                 drop,
             )?;
-            let bits = |t: &crate::Tensor| -> Result<Vec<u32>> {
+            // The pairs as words; the f32 form's values packed into pairs on the same backend.
+            let words = |t: &crate::Tensor, len: usize| -> Result<Vec<u32>> {
+                let packed;
+                let t = match pairs {
+                    true => t,
+                    false => {
+                        let mut p = be.zeros_typed(packed_len(len), 1, DType::U32)?;
+                        crate::ops::matmul::pack_f16(be, t.at(0), p.at_mut(0), len)?;
+                        packed = p;
+                        &packed
+                    }
+                };
                 Ok(be.to_vec(t)?.iter().map(|v| v.to_bits()).collect())
             };
-            Ok((bits(&ty)?, bits(&tdq)?))
+            Ok((words(&ty, n * c)?, words(&tdq, n * 3 * c)?))
         };
         let cpu = cpu_backend();
         assert!(run(&cpu, true, None).is_err(), "the CPU backend's pairs");

@@ -360,11 +360,14 @@ impl Storage {
     }
 }
 
-/// How the tensor-core training kernel's two operands are stored.
+/// How the tensor-core training kernel's two operands, and its output, are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Operands {
     pub a: Storage,
     pub b: Storage,
+    /// C as f16 pairs: each value rounded once, as [`super::pack_f16`] rounds (beta must be 0), for
+    /// an output only tensor-core products read.
+    pub c: Storage,
 }
 
 impl Operands {
@@ -372,27 +375,42 @@ impl Operands {
     pub const F32: Operands = Operands {
         a: Storage::F32,
         b: Storage::F32,
+        c: Storage::F32,
     };
-    /// Both f16 pairs.
+    /// Both f16 pairs (C f32).
     pub const F16: Operands = Operands {
         a: Storage::F16,
         b: Storage::F16,
+        c: Storage::F32,
     };
+
+    /// `a` and `b`, C f32.
+    pub fn of(a: Storage, b: Storage) -> Operands {
+        Operands {
+            a,
+            b,
+            c: Storage::F32,
+        }
+    }
 
     /// Whether the kernel can stage `g`'s operands as stored: each f16 operand's extents, leading
     /// dimension and batch strides even ([`f16_a_suits`], [`f16_b_suits`]).
     pub(super) fn suit(&self, g: &Gemm) -> bool {
-        (self.a == Storage::F32 || f16_a_suits(g)) && (self.b == Storage::F32 || f16_b_suits(g))
+        (self.a == Storage::F32 || f16_a_suits(g))
+            && (self.b == Storage::F32 || f16_b_suits(g))
+            && (self.c == Storage::F32 || f16_c_suits(g))
     }
 
     /// The pipeline key's suffix.
-    fn key(&self) -> &'static str {
-        match (self.a, self.b) {
+    fn key(&self) -> String {
+        let ab = match (self.a, self.b) {
             (Storage::F32, Storage::F32) => "",
             (Storage::F16, Storage::F16) => "_f16in",
             (Storage::F16, Storage::F32) => "_f16a",
             (Storage::F32, Storage::F16) => "_f16b",
-        }
+        };
+        let c = if self.c == Storage::F16 { "_c16" } else { "" };
+        format!("{ab}{c}")
     }
 }
 
@@ -442,7 +460,8 @@ pub(super) fn mixed_source(
     } else {
         "f32"
     };
-    let direct = cfg.direct_store && acc == "f32";
+    let c_pairs = operands.c == Storage::F16;
+    let direct = cfg.direct_store && acc == "f32" && !c_pairs;
     // Staging of one operand's values per thread: `v` names their row of op(A) (`r`) or column
     // of op(B) (`c`) within the tile. With k contiguous in memory (op(A) = A stored M x K, op(B) = Bᵀ
     // stored N x K) consecutive threads take consecutive pairs of k and the tile is stored in rows of
@@ -641,6 +660,28 @@ pub(super) fn mixed_source(
     for fi in 0..nfa {
         for fj in 0..nfb {
             decl.push_str(&format!("  var c{fi}_{fj} = coop_mat16x16<{acc}, C>();\n"));
+            // C as f16 pairs: two neighbouring columns a lane (n, ldc, c_base even; beta 0).
+            let pairs_loop = format!(
+                "  coopStoreT(c{fi}_{fj}, &Cs[cbase], s16);
+  workgroupBarrier();
+  for (var j = 0u; j < 4u; j = j + 1u) {{
+    let e = j * 64u + 2u * lane;
+    let r = row0 + fm + {}u + e / 16u;
+    let c = col0 + fn0 + {}u + e % 16u;
+    if (r < p.m && c < p.n) {{
+      let ci = c_base + r * p.ldc + c;
+      mat_c[ci / 2u] = pack2x16float(vec2<f32>(p.alpha * f32(Cs[cbase + e]), p.alpha * f32(Cs[cbase + e + 1u])));
+    }}
+  }}
+  workgroupBarrier();
+",
+                16 * fi,
+                16 * fj
+            );
+            if c_pairs {
+                staged.push_str(&pairs_loop);
+                continue;
+            }
             staged.push_str(&format!(
                 "  coopStoreT(c{fi}_{fj}, &Cs[cbase], s16);
   workgroupBarrier();
@@ -678,15 +719,22 @@ pub(super) fn mixed_source(
     } else {
         staged
     };
-    let tail = match fault {
-        Some(Fault::OutOfBoundsWrite) => {
+    let tail = match (fault, c_pairs) {
+        (Some(Fault::OutOfBoundsWrite), false) => {
             "  if (lid == 0u && wid.x == 0u && wid.y == 0u && wid.z == 0u) { mat_c[c_base + p.m * p.ldc] = 1.0; }"
         }
-        Some(Fault::NanOutput) => {
+        (Some(Fault::NanOutput), false) => {
             "  if (lid == 0u && wid.x == 0u && wid.y == 0u && wid.z == 0u) { mat_c[c_base] = bitcast<f32>(0x7fc00000u); }"
+        }
+        (Some(Fault::OutOfBoundsWrite), true) => {
+            "  if (lid == 0u && wid.x == 0u && wid.y == 0u && wid.z == 0u) { mat_c[(c_base + p.m * p.ldc) / 2u] = 0x3c003c00u; }"
+        }
+        (Some(Fault::NanOutput), true) => {
+            "  if (lid == 0u && wid.x == 0u && wid.y == 0u && wid.z == 0u) { mat_c[c_base / 2u] = 0x7e007e00u; }"
         }
         _ => "",
     };
+    let elem_c = if c_pairs { "u32" } else { "f32" };
     let shared_a = if trans_a { bk * msa } else { tm * ks };
     let shared_b = if trans_b { tn * ks } else { bk * msb };
     let cs = nt / 32 * 256;
@@ -742,7 +790,7 @@ pub(super) fn mixed_source(
 enable wgpu_cooperative_matrix;
 {PARAMS}@group(0) @binding(1) var<storage, read> mat_a: array<{elem_a}>;
 @group(0) @binding(2) var<storage, read> mat_b: array<{elem_b}>;
-@group(0) @binding(3) var<storage, read_write> mat_c: array<f32>;
+@group(0) @binding(3) var<storage, read_write> mat_c: array<{elem_c}>;
 
 var<workgroup> As: array<vec{RUN}<f16>, {shared_a}>;
 var<workgroup> Bs: array<vec{RUN}<f16>, {shared_b}>;
@@ -792,6 +840,14 @@ pub(super) fn f16_a_suits(g: &Gemm) -> bool {
         .all(|v| v % 2 == 0)
 }
 
+/// Whether C can be written as f16 pairs: even n, ldc and batch strides of C, and beta = 0.
+pub(super) fn f16_c_suits(g: &Gemm) -> bool {
+    g.beta == 0.0
+        && [g.n, g.ldc, g.stride_c[0], g.stride_c[1]]
+            .iter()
+            .all(|v| v % 2 == 0)
+}
+
 /// [`f16_operands_suit`] for B alone: even n, k, ldb and batch strides of B.
 pub(super) fn f16_b_suits(g: &Gemm) -> bool {
     [g.n, g.k, g.ldb, g.stride_b[0], g.stride_b[1]]
@@ -818,13 +874,14 @@ pub(super) fn matmul_coop_mixed(
             msg: "the mixed-precision tensor-core kernel takes every operand in one buffer".into(),
         });
     }
-    let even_offsets = [(operands.a, oa), (operands.b, ob)]
+    let even_offsets = [(operands.a, oa), (operands.b, ob), (operands.c, oc)]
         .iter()
         .all(|&(s, o)| s == Storage::F32 || o % 2 == 0);
     if !(operands.suit(g) && even_offsets) {
         return Err(Error::Shape {
             op: "matmul_coop_mixed",
-            msg: "f16 operands need even extents, offsets, leading dimensions and batch strides"
+            msg: "f16 operands need even extents, offsets, leading dimensions and batch strides \
+                  (and an f16 C beta = 0)"
                 .into(),
         });
     }
@@ -872,7 +929,7 @@ mod tests {
     /// Every pairing of the operands' storage.
     fn every_storage() -> [Operands; 4] {
         let (f32, f16) = (Storage::F32, Storage::F16);
-        [(f32, f32), (f16, f16), (f16, f32), (f32, f16)].map(|(a, b)| Operands { a, b })
+        [(f32, f32), (f16, f16), (f16, f32), (f32, f16)].map(|(a, b)| Operands::of(a, b))
     }
 
     /// The generated kernels are valid WGSL for naga's front end and validator, at every tile shape
@@ -889,16 +946,27 @@ mod tests {
         let mixed = MixedTile::CANDIDATES.into_iter().flat_map(|tile| {
             faults.into_iter().flat_map(move |f| {
                 every_storage().into_iter().flat_map(move |o| {
-                    [(false, false), (false, true), (true, false), (true, true)]
-                        .map(|(ta, tb)| mixed_source(tile, ta, tb, Causal::None, o, f))
+                    [Storage::F32, Storage::F16].into_iter().flat_map(move |c| {
+                        let o = Operands { c, ..o };
+                        [(false, false), (false, true), (true, false), (true, true)]
+                            .map(|(ta, tb)| mixed_source(tile, ta, tb, Causal::None, o, f))
+                    })
                 })
             })
         });
         let causal = [Causal::Output, Causal::ALower, Causal::AUpper]
             .into_iter()
             .flat_map(|c| {
+                let pairs_out = Operands {
+                    c: Storage::F16,
+                    ..Operands::of(Storage::F16, Storage::F32)
+                };
                 [(false, false), (true, false)]
-                    .map(|(ta, tb)| mixed_source(MixedTile::SMALL, ta, tb, c, Operands::F32, None))
+                    .into_iter()
+                    .flat_map(move |(ta, tb)| {
+                        [Operands::F32, pairs_out]
+                            .map(|o| mixed_source(MixedTile::SMALL, ta, tb, c, o, None))
+                    })
             });
         for src in faults[..3]
             .iter()

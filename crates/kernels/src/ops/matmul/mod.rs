@@ -410,10 +410,7 @@ pub fn choose(
                 // form; long-K products (weight gradients) split over slices of K either way. f16
                 // operands (weights packed once a step, activations written as f16) are staged as they
                 // are stored.
-                let operands = Operands {
-                    a: Storage::F32,
-                    b: Storage::of(f16),
-                };
+                let operands = Operands::of(Storage::F32, Storage::of(f16));
                 let coop = gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
                     && coop::mixed_suits(g)
                     && operands.suit(g);
@@ -556,10 +553,7 @@ pub fn matmul_f16_a<'a>(
     let [ea, eb, ec] = g.extents();
     if let (Backend::Gpu(gb), Weights::F32(bv) | Weights::F16(bv)) = (be, b) {
         let b_f16 = matches!(b, Weights::F16(_));
-        let operands = Operands {
-            a: Storage::F16,
-            b: Storage::of(b_f16),
-        };
+        let operands = Operands::of(Storage::F16, Storage::of(b_f16));
         let coop = paths.has(PathId::MixedTraining)
             && gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
             && coop::mixed_suits(g)
@@ -582,6 +576,51 @@ pub fn matmul_f16_a<'a>(
     let mut wide = be.scratch("matmul_f16_a", ea, 1)?;
     unpack_f16_to(be, a, (&mut wide).into(), ea)?;
     matmul(be, paths, (&wide).into(), b, c, g)
+}
+
+/// [`matmul_f16_a`] with C written as f16 pairs: `c` views packed words, and `g`'s ldc and batch
+/// strides count f16 values from the view's first word. Each value is the f32 one [`matmul_f16_a`]
+/// writes, rounded as [`pack_f16`] rounds it: for a C that only the tensor-core training products
+/// read (they stage those same values), in half the bytes. `g.beta` must be 0 on the tensor cores;
+/// elsewhere (and where the layout does not suit them) C's pairs are unpacked, the product runs as
+/// [`matmul_f16_a`] runs it, and the pairs are packed again (values outside the product's matrices
+/// keep theirs).
+pub fn matmul_f16_a_to_pairs<'a>(
+    be: &Backend,
+    paths: PathSet,
+    a: TRef<'_>,
+    b: impl Into<Weights<'a>>,
+    c: TMut<'_>,
+    g: &Gemm,
+) -> Result<()> {
+    g.validate()?;
+    let b = b.into();
+    let [ea, eb, ec] = g.extents();
+    if let (Backend::Gpu(gb), Weights::F32(bv) | Weights::F16(bv)) = (be, b) {
+        let b_f16 = matches!(b, Weights::F16(_));
+        let operands = Operands {
+            c: Storage::F16,
+            ..Operands::of(Storage::F16, Storage::of(b_f16))
+        };
+        let coop = paths.has(PathId::MixedTraining)
+            && gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+            && coop::mixed_suits(g)
+            && operands.suit(g);
+        let ta = a.gpu("matmul", "A", packed_len(ea))?;
+        let tb = bv.gpu("matmul", "B", if b_f16 { packed_len(eb) } else { eb })?;
+        let tc = c.gpu("matmul", "C", packed_len(ec))?;
+        if coop && [ta, tb, tc].iter().all(|t| t.num_chunks() == 1) {
+            let ob = if b_f16 { 2 * bv.offset() } else { bv.offset() };
+            let (a, b, c) = ((ta, 2 * a.offset()), (tb, ob), (tc, 2 * c.offset()));
+            let fault = product_fault(paths.fault(), g);
+            let tile = coop::mixed_tile(gb, g);
+            return coop::matmul_coop_mixed(gb, a, b, c, g, tile, operands, fault);
+        }
+    }
+    let mut wide = be.scratch("matmul_f16_c", ec, 1)?;
+    unpack_f16_to(be, c.as_ref(), (&mut wide).into(), ec)?;
+    matmul_f16_a(be, paths, a, b, (&mut wide).into(), g)?;
+    pack_f16(be, (&wide).into(), c, ec)
 }
 
 /// Runs the product on the kernel `choice` names (benchmarks compare tiles this way; gates force the
@@ -646,10 +685,7 @@ pub fn run(
             // Packed B counts f16 elements from the view's first word.
             let ob = if f16 { 2 * bv.offset() } else { bv.offset() };
             let (a, b, c) = ((ta, a.offset()), (tb, ob), (tc, c.offset()));
-            let operands = Operands {
-                a: Storage::F32,
-                b: Storage::of(f16),
-            };
+            let operands = Operands::of(Storage::F32, Storage::of(f16));
             match k {
                 Kernel::Coop if f16 => coop::matmul_coop(gb, a, b, c, g, fault),
                 Kernel::Coop => Err(Error::Shape {
