@@ -182,7 +182,9 @@ pub fn attention_backward(
     if ds_pairs.is_some() && (dropped.is_none() || !matches!(be, Backend::Gpu(_)) || c % 2 != 0) {
         return Err(Error::Shape {
             op: "attention_backward",
-            msg: "f16 pairs of the probabilities need a GPU and the forward's pairs".into(),
+            msg: "f16 pairs of the probabilities need a GPU, the forward's pairs and an even \
+                  width of the heads"
+                .into(),
         });
     }
     if let Backend::Cpu(cpu) = be {
