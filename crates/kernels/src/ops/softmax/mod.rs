@@ -204,26 +204,7 @@ fn launch_pairs(
         ];
         static SOURCE: OnceLock<String> = OnceLock::new();
         let source = SOURCE.get_or_init(|| repeat_lines(include_str!("softmax_f16.wgsl"), "$j", 4));
-        const BINDINGS: [Access; 3] = [Access::ReadWrite, Access::Read, Access::ReadWrite];
-        let pipe = if fault == Some(Fault::CausalMaskPast128) {
-            let leak = source.replace(
-                "p.causal_offset + 1u);",
-                "p.causal_offset + select(1u, 2u, (p.start + row) % p.causal_t >= 128u));",
-            );
-            kernel_parts(
-                g,
-                "softmax_f16_fault_causal128",
-                &[ROW_REDUCE, ROWS4, HASH_WGSL, &leak],
-                &BINDINGS,
-            )?
-        } else {
-            kernel_parts(
-                g,
-                "softmax_f16",
-                &[ROW_REDUCE, ROWS4, HASH_WGSL, source],
-                &BINDINGS,
-            )?
-        };
+        let pipe = pipeline(g, "softmax_f16", source, fault)?;
         let (p, seed) = drop.unwrap_or((0.0, 0));
         let extra = [
             s.cols as u32,
@@ -249,6 +230,26 @@ fn launch_pairs(
         (None, None) => launch(be, x.reborrow(), None, None, s, None, fault)?,
     }
     pack_f16(be, x.as_ref(), pairs, n)
+}
+
+/// A softmax kernel's pipeline (`key`, its source after the row reductions and the hash); with
+/// [`Fault::CausalMaskPast128`] the form whose rows from position 128 on see one position ahead.
+fn pipeline(
+    g: &crate::gpu::GpuBackend,
+    key: &str,
+    source: &str,
+    fault: Option<Fault>,
+) -> Result<std::rc::Rc<crate::gpu::Pipeline>> {
+    const BINDINGS: [Access; 3] = [Access::ReadWrite, Access::Read, Access::ReadWrite];
+    if fault == Some(Fault::CausalMaskPast128) {
+        let leak = source.replace(
+            "p.causal_offset + 1u);",
+            "p.causal_offset + select(1u, 2u, (p.start + row) % p.causal_t >= 128u));",
+        );
+        let key = format!("{key}_fault_causal128");
+        return kernel_parts(g, &key, &[ROW_REDUCE, ROWS4, HASH_WGSL, &leak], &BINDINGS);
+    }
+    kernel_parts(g, key, &[ROW_REDUCE, ROWS4, HASH_WGSL, source], &BINDINGS)
 }
 
 fn launch(
@@ -359,26 +360,7 @@ fn launch_on(
             // The register form's lines, written out for a thread's four columns (softmax.wgsl).
             static SOURCE: OnceLock<String> = OnceLock::new();
             let source = SOURCE.get_or_init(|| repeat_lines(include_str!("softmax.wgsl"), "$j", 4));
-            const BINDINGS: [Access; 3] = [Access::ReadWrite, Access::Read, Access::ReadWrite];
-            let pipe = if fault == Some(Fault::CausalMaskPast128) {
-                let leak = source.replace(
-                    "p.causal_offset + 1u);",
-                    "p.causal_offset + select(1u, 2u, (p.start + row) % p.causal_t >= 128u));",
-                );
-                kernel_parts(
-                    g,
-                    "softmax_fault_causal128",
-                    &[ROW_REDUCE, ROWS4, HASH_WGSL, &leak],
-                    &BINDINGS,
-                )?
-            } else {
-                kernel_parts(
-                    g,
-                    "softmax",
-                    &[ROW_REDUCE, ROWS4, HASH_WGSL, source],
-                    &BINDINGS,
-                )?
-            };
+            let pipe = pipeline(g, "softmax", source, fault)?;
             let (p, seed) = drop.unwrap_or((0.0, 0));
             let extra = [
                 s.cols as u32,
