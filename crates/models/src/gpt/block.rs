@@ -15,11 +15,13 @@ use tinygpt_kernels::ops::attention::{
 };
 use tinygpt_kernels::ops::dropout::{dropout, dropout_add, dropout_f16};
 use tinygpt_kernels::ops::gelu::{gelu, gelu_backward, gelu_backward_f16, gelu_f16};
-use tinygpt_kernels::ops::matmul::{Gemm, Weights, matmul, matmul_f16_a, packed_len};
+use tinygpt_kernels::ops::matmul::{
+    Gemm, Weights, matmul, matmul_f16_a, matmul_f16_a_to_pairs, packed_len,
+};
 use tinygpt_kernels::ops::norm::{
     NormKind, NormShape, norm_backward, norm_forward, norm_forward_f16,
 };
-use tinygpt_kernels::{Backend, DType, PathSet, Result, TMut, TRef, Tensor};
+use tinygpt_kernels::{Backend, DType, Error, PathSet, Result, TMut, TRef, Tensor};
 
 /// LayerNorm's epsilon (nanoGPT's).
 pub(crate) const EPS: f32 = 1e-5;
@@ -55,6 +57,32 @@ impl<'a> Params<'a> {
             Act::F32(x) => self.linear(be, x, w, y, g),
             Act::F16(x) => matmul_f16_a(be, self.paths, x, self.matrix(w), y, g),
         }
+    }
+
+    /// [`Params::linear_of`] with `y` written as f16 pairs (an output only tensor-core products
+    /// read), from an input held as f16 pairs.
+    fn linear_to_pairs(
+        &self,
+        be: &Backend,
+        x: Act<'_>,
+        w: usize,
+        y: TMut<'_>,
+        g: &Gemm,
+    ) -> Result<()> {
+        match x {
+            Act::F16(x) => matmul_f16_a_to_pairs(be, self.paths, x, self.matrix(w), y, g),
+            Act::F32(_) => Err(pairs_from_f32("block_forward")),
+        }
+    }
+}
+
+/// The error of an output asked for as f16 pairs from an f32 input (the pairs belong to the
+/// tensor-core training path, whose inputs are pairs too).
+fn pairs_from_f32(op: &'static str) -> Error {
+    Error::Shape {
+        op,
+        msg: "an output as f16 pairs needs its input as f16 pairs (the tensor-core training path)"
+            .into(),
     }
 }
 
@@ -108,7 +136,7 @@ pub(crate) enum Act<'a> {
 impl<'a> Act<'a> {
     /// A zeroed tensor for `len` values split (on the GPU) at multiples of `unit` (even where `f16`),
     /// as [`Act::of`] reads it: f16 pairs if `f16`, else f32.
-    fn zeros(be: &Backend, len: usize, unit: usize, f16: bool) -> Result<Tensor> {
+    pub(crate) fn zeros(be: &Backend, len: usize, unit: usize, f16: bool) -> Result<Tensor> {
         if f16 {
             be.zeros_typed(packed_len(len), unit / 2, DType::U32)
         } else {
@@ -123,6 +151,25 @@ impl<'a> Act<'a> {
         } else {
             Act::F32(t.at(0))
         }
+    }
+}
+
+/// A product's output: f32 values, or f16 pairs (an output only tensor-core products read).
+pub(crate) enum Out<'a> {
+    F32(TMut<'a>),
+    F16(TMut<'a>),
+}
+
+impl<'a> Out<'a> {
+    /// `t` as f16 pairs if `pairs`, else f32.
+    fn of(t: TMut<'a>, pairs: bool) -> Self {
+        if pairs { Out::F16(t) } else { Out::F32(t) }
+    }
+}
+
+impl<'a> From<TMut<'a>> for Out<'a> {
+    fn from(t: TMut<'a>) -> Self {
+        Out::F32(t)
     }
 }
 
@@ -193,8 +240,8 @@ impl BlockActs {
 pub(crate) enum Attention<'a> {
     /// A batch of whole sequences: Q, K and V go to `qkv` [rows, 3C] and the probabilities to `probs`
     /// (and, with dropout, the dropped-out probabilities to `dropped`), all kept for the backward pass.
-    /// With `pairs` (the tensor-core training path), `dropped` holds the values P·V reads as f16 pairs,
-    /// with or without dropout (`attention_forward`).
+    /// With `pairs` (the tensor-core training path), `qkv` holds f16 pairs, and `dropped` the values
+    /// P·V reads as f16 pairs, with or without dropout (`attention_forward`).
     Batch {
         qkv: &'a mut Tensor,
         probs: &'a mut Tensor,
@@ -261,7 +308,12 @@ pub(crate) fn block_forward(
             shape,
             drop,
         } => {
-            w.linear_of(be, a.input(&a.ln1), o.c_attn, qkv.at_mut(0), &qkv_g)?;
+            // With `pairs`, Q, K and V as f16 pairs too: only attention's products read them.
+            if pairs {
+                w.linear_to_pairs(be, a.input(&a.ln1), o.c_attn, qkv.at_mut(0), &qkv_g)?;
+            } else {
+                w.linear_of(be, a.input(&a.ln1), o.c_attn, qkv.at_mut(0), &qkv_g)?;
+            }
             attention_forward(
                 be,
                 w.paths,
@@ -359,8 +411,8 @@ pub(crate) struct SavedAttention<'a> {
 pub(crate) struct BackScratch {
     pub dy: Tensor, // gradient at attn_proj's or mlp_proj's output [rows, C]
     pub dln: Tensor,
-    pub datty: Tensor,
-    pub dqkv: Tensor, // f16 pairs where `dprobs_pairs` is kept
+    pub datty: Tensor, // f16 pairs where `dprobs_pairs` is kept
+    pub dqkv: Tensor,  // f16 pairs where `dprobs_pairs` is kept
     pub d4a: Tensor,
     pub d4b: Tensor, // gradient at c_fc's output [rows, 4C]
     pub dprobs: Tensor,
@@ -384,7 +436,7 @@ impl BackScratch {
         Ok(BackScratch {
             dy: grad(c, seq * c)?,
             dln: z(rows * c, c)?,
-            datty: z(rows * c, seq * c)?,
+            datty: Act::zeros(be, rows * c, seq * c, pairs)?,
             dqkv: Act::zeros(be, rows * 3 * c, seq * 3 * c, pairs)?,
             d4a: z(rows * 4 * c, 4 * c)?,
             d4b: grad(4 * c, 4 * c)?,
@@ -486,7 +538,7 @@ pub(crate) fn block_backward(
         Act::of(&a.atty, a.atty_pairs),
         params.matrix(o.attn_proj),
         dw,
-        datty,
+        Out::of(datty, attn.pairs),
         n,
         c,
         c,
@@ -537,29 +589,35 @@ pub(crate) fn block_backward(
 
 /// Gradients of y = x · Wᵀ for `rows` rows (W is `out` x `inp`, f32 or the f16 copy the forward
 /// pass read): dW = dyᵀ · x and dx = dy · W, as llm.c's matmul_backward, on the kernels `paths`
-/// chooses (f32, or with the tensor-core training path f16 operands).
+/// chooses (f32, or with the tensor-core training path f16 operands, and dx as f16 pairs where only
+/// tensor-core products read it).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn linear_backward<'a>(
+pub(crate) fn linear_backward<'a, 'o>(
     be: &Backend,
     paths: PathSet,
     dy: impl Into<Act<'a>>,
     x: impl Into<Weights<'a>>,
     w: impl Into<Weights<'a>>,
     dw: TMut<'_>,
-    dx: TMut<'_>,
+    dx: impl Into<Out<'o>>,
     rows: usize,
     out: usize,
     inp: usize,
 ) -> Result<()> {
     let (dwg, dxg) = (Gemm::tn(out, inp, rows), Gemm::nn(rows, inp, out));
-    match dy.into() {
-        Act::F32(dy) => {
+    match (dy.into(), dx.into()) {
+        (Act::F32(dy), Out::F32(dx)) => {
             matmul(be, paths, dy, x, dw, &dwg)?;
             matmul(be, paths, dy, w, dx, &dxg)
         }
-        Act::F16(dy) => {
+        (Act::F16(dy), Out::F32(dx)) => {
             matmul_f16_a(be, paths, dy, x, dw, &dwg)?;
             matmul_f16_a(be, paths, dy, w, dx, &dxg)
         }
+        (Act::F16(dy), Out::F16(dx)) => {
+            matmul_f16_a(be, paths, dy, x, dw, &dwg)?;
+            matmul_f16_a_to_pairs(be, paths, dy, w, dx, &dxg)
+        }
+        (Act::F32(_), Out::F16(_)) => Err(pairs_from_f32("linear_backward")),
     }
 }

@@ -6,7 +6,7 @@
 //! `backward` walks the same path in reverse.
 
 use super::block::{
-    Attention, BackScratch, BlockActs, Dims, EPS, Params, ResidualDropout, SavedAttention,
+    Act, Attention, BackScratch, BlockActs, Dims, EPS, Params, ResidualDropout, SavedAttention,
     block_backward, block_forward, linear_backward,
 };
 use super::config::GptConfig;
@@ -74,7 +74,7 @@ fn dropped_probs(
 struct LayerActs {
     x: Tensor, // residual stream entering the block [N, C]
     acts: BlockActs,
-    qkv: Tensor,   // [N, 3C]
+    qkv: Tensor, // [N, 3C]; f16 pairs with `Trainer::probs_pairs` (only attention reads it)
     probs: Tensor, // [B, H, T, T]
     /// With dropout, the dropped-out probabilities; with `Trainer::probs_pairs`, the values P·V reads
     /// (dropped-out or not) as f16 pairs.
@@ -187,8 +187,9 @@ impl Trainer {
         // the f16 values those stage.
         let act_f16 = be.as_gpu().is_some() && paths.has(PathId::MixedTraining);
         // So are attention's T x T operands of P·V, dV = Pᵀ·dY, dS·K and dSᵀ·Q (rows of even length),
-        // and the products' outputs only tensor-core products read: attention's output (attn_proj's
-        // input) and the gradient dQKV (c_attn's backward products').
+        // and the products' outputs only tensor-core products read: Q, K and V (attention's), its
+        // output (attn_proj's input), the gradient at its output (attn_proj's dX, read by dV and
+        // dP) and the gradient dQKV (c_attn's backward products').
         let probs_pairs = act_f16 && t.is_multiple_of(2) && c.is_multiple_of(2);
         let z = |len: usize, unit: usize| be.zeros(len, unit);
         let mut layers = Vec::with_capacity(cfg.n_layer);
@@ -196,7 +197,7 @@ impl Trainer {
             layers.push(LayerActs {
                 x: z(n * c, t * c)?,
                 acts: BlockActs::new(be, n, c, t, act_f16, probs_pairs)?,
-                qkv: z(n * 3 * c, t * 3 * c)?,
+                qkv: Act::zeros(be, n * 3 * c, t * 3 * c, probs_pairs)?,
                 probs: z(shape.probs_len(), probs_unit)?,
                 dropped: dropped_probs(be, shape.probs_len(), probs_unit, cfg, probs_pairs)?,
             });
@@ -278,6 +279,7 @@ impl Trainer {
         let (probs, unit) = (self.attn_shape().probs_len(), self.cfg.n_head * t * t);
         for l in &mut self.layers {
             l.acts = BlockActs::new(be, n, c, t, false, false)?;
+            l.qkv = be.zeros(n * 3 * c, t * 3 * c)?;
             l.dropped = dropped_probs(be, probs, unit, &self.cfg, false)?;
         }
         self.back = BackScratch::new(be, (n, c, t), (probs, unit, false), false)?;

@@ -11,7 +11,7 @@ mod causal_cpu;
 
 use super::common::{PRELUDE, repeat_lines, row_kernel};
 use super::dropout::check_probability;
-use super::matmul::{Causal, Gemm, matmul, matmul_f16_a_to_pairs};
+use super::matmul::{Causal, Gemm, Weights, matmul, matmul_f16_a, matmul_f16_a_to_pairs};
 use super::softmax::{
     SoftmaxShape, softmax_backward, softmax_dropout, softmax_dropout_backward,
     softmax_dropout_backward_f16, softmax_dropout_f16, softmax_planted,
@@ -64,10 +64,11 @@ pub type AttnDropout = Option<(f32, u32)>;
 /// products run on the kernels `paths` chooses.
 ///
 /// With `pairs` (the GPU's tensor-core training path, whose products stage their operands as f16),
-/// `dropped` holds the values the product reads — the dropped-out probabilities, or the
+/// `qkv` holds f16 pairs (`packed_len(rows · 3c)` words, c even: c_attn's product wrote them),
+/// `dropped` receives the values the product reads — the dropped-out probabilities, or the
 /// probabilities themselves without dropout — as f16 pairs (`packed_len(probs_len())` words), and
-/// `y` is written as f16 pairs too (the heads' width even): the values the next products would
-/// stage from f32, in half the bytes; [`attention_backward`] then takes them with its `ds_pairs`.
+/// `y` is written as f16 pairs too: the values the products would stage from f32, in half the
+/// bytes; [`attention_backward`] then takes them with its `ds_pairs`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward(
     be: &Backend,
@@ -124,7 +125,13 @@ pub fn attention_forward(
             s.qkv_stride(),
             s.p_stride(),
         );
-    matmul(be, paths, qkv, qkv.shift(c), probs.reborrow(), &scores)?;
+    if pairs {
+        // Q and K as pairs: K's columns start c / 2 words after Q's.
+        let k = Weights::F16(qkv.shift(c / 2));
+        matmul_f16_a(be, paths, qkv, k, probs.reborrow(), &scores)?;
+    } else {
+        matmul(be, paths, qkv, qkv.shift(c), probs.reborrow(), &scores)?;
+    }
     let shape = SoftmaxShape::causal(s.batch * s.heads * t, t);
     let mix = Gemm::nn(t, hd, t)
         .lda(t)
@@ -137,12 +144,13 @@ pub fn attention_forward(
             s.qkv_stride(),
             s.y_stride(),
         );
-    let v = qkv.shift(2 * c);
     if pairs && let Some(mut d) = dropped {
         let drop = drop.filter(|&(p, _)| p > 0.0);
         softmax_dropout_f16(be, probs, d.reborrow(), shape, drop, paths.fault())?;
+        let v = Weights::F16(qkv.shift(c));
         return matmul_f16_a_to_pairs(be, paths, d.as_ref(), v, y, &mix);
     }
+    let v = qkv.shift(2 * c);
     match (drop, dropped) {
         (Some((p, seed)), Some(mut d)) if p > 0.0 => {
             // The softmax writes the dropped-out probabilities as well, in the same pass.
@@ -161,9 +169,10 @@ pub fn attention_forward(
 /// `dropped`) and the output gradient `dy`. `scratch` holds
 /// `probs_len()` elements.
 ///
-/// With `ds_pairs` (`packed_len(probs_len())` words), the forward ran with `pairs` (`dropped` holds
-/// f16 pairs) and the scores' gradient goes there as f16 pairs, the values the products dS·K and
-/// dSᵀ·Q stage; `dqkv` is then written as f16 pairs too (read only by c_attn's backward products).
+/// With `ds_pairs` (`packed_len(probs_len())` words), the forward ran with `pairs` (`qkv` and
+/// `dropped` hold f16 pairs), `dy` holds f16 pairs too (attn_proj's backward product wrote them), and
+/// the scores' gradient goes to `ds_pairs` as f16 pairs, the values the products dS·K and dSᵀ·Q
+/// stage; `dqkv` is then written as f16 pairs too (read only by c_attn's backward products).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     be: &Backend,
@@ -205,6 +214,7 @@ pub fn attention_backward(
         return Ok(());
     }
     // dP' = dY Vᵀ (gradient of the probabilities the product saw).
+    let pairs = ds_pairs.is_some();
     let dp = Gemm::nt(t, t, hd)
         .lda(c)
         .ldb(3 * c)
@@ -215,7 +225,12 @@ pub fn attention_backward(
             s.qkv_stride(),
             s.p_stride(),
         );
-    matmul(be, paths, dy, qkv.shift(2 * c), scratch.reborrow(), &dp)?;
+    if pairs {
+        let v = Weights::F16(qkv.shift(c));
+        matmul_f16_a(be, paths, dy, v, scratch.reborrow(), &dp)?;
+    } else {
+        matmul(be, paths, dy, qkv.shift(2 * c), scratch.reborrow(), &dp)?;
+    }
     // dV = P'ᵀ dY.
     let dv = Gemm::tn(t, hd, t)
         .lda(t)
@@ -256,14 +271,16 @@ pub fn attention_backward(
             s.qkv_stride(),
         );
     if let (Some(mut ds), Some(d)) = (ds_pairs, dropped) {
-        // dqkv as pairs: Q's, K's and V's columns start c / 2 words apart.
+        // qkv and dqkv as pairs: Q's, K's and V's columns start c / 2 words apart.
         let o = dqkv.offset();
         let (oq, ok, ov) = (o, o + c / 2, o + c);
+        let dy = Weights::F16(dy);
         matmul_f16_a_to_pairs(be, paths, d, dy, dqkv.t.at_mut(ov), &dv)?;
         let drop = drop.filter(|_| use_drop);
         softmax_dropout_backward_f16(be, probs, scratch, ds.reborrow(), shape, drop)?;
-        matmul_f16_a_to_pairs(be, paths, ds.as_ref(), qkv.shift(c), dqkv.t.at_mut(oq), &dq)?;
-        return matmul_f16_a_to_pairs(be, paths, ds.as_ref(), qkv, dqkv.t.at_mut(ok), &dk);
+        let (q, k) = (Weights::F16(qkv), Weights::F16(qkv.shift(c / 2)));
+        matmul_f16_a_to_pairs(be, paths, ds.as_ref(), k, dqkv.t.at_mut(oq), &dq)?;
+        return matmul_f16_a_to_pairs(be, paths, ds.as_ref(), q, dqkv.t.at_mut(ok), &dk);
     }
     let (oq, ok, ov) = (dqkv.offset(), dqkv.offset() + c, dqkv.offset() + 2 * c);
     {

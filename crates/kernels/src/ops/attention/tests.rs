@@ -716,8 +716,9 @@ fn dot4_is_dot_four_times() {
     }
 }
 
-/// The tensor-core training path's form (`pairs`): the probabilities P·V and Pᵀ·dY read, and the
-/// scores' gradient dS·K and dSᵀ·Q read, as f16 pairs, and y and dQ, dK, dV written as pairs. On
+/// The tensor-core training path's form (`pairs`): Q, K, V and dY given as f16 pairs, the
+/// probabilities P·V and Pᵀ·dY read, and the scores' gradient dS·K and dSᵀ·Q read, as f16 pairs, and
+/// y and dQ, dK, dV written as pairs. On
 /// that path's products (which stage those same f16 values from f32) y and dqkv are the f32 form's
 /// values packed, bit for bit, with and without dropout, on sequences of several workgroups of rows
 /// and an odd length (the f32 form, then packed). The CPU backend refuses the form.
@@ -747,12 +748,22 @@ fn f16_pairs_give_the_tensor_core_path_s_values() {
         let qkv = rng.vec(n * 3 * c, -1.0, 1.0);
         let dy = rng.vec(n * c, -1.0, 1.0);
         let run = |be: &Backend, pairs: bool, drop: AttnDropout| -> Result<(Vec<u32>, Vec<u32>)> {
-            let tq = be.from_f32(&qkv, 1)?;
-            let tdy = be.from_f32(&dy, 1)?;
             let out = |len: usize| match pairs {
                 true => be.zeros_typed(packed_len(len), 1, DType::U32),
                 false => be.zeros(len, 1),
             };
+            // With pairs, Q, K, V and dY go in as the pairs their products stage.
+            let input = |v: &[f32]| -> Result<crate::Tensor> {
+                let t = be.from_f32(v, 1)?;
+                if !pairs {
+                    return Ok(t);
+                }
+                let mut p = out(v.len())?;
+                crate::ops::matmul::pack_f16(be, t.at(0), p.at_mut(0), v.len())?;
+                Ok(p)
+            };
+            let tq = input(&qkv)?;
+            let tdy = input(&dy)?;
             let mut ty = out(n * c)?;
             let mut tp = be.zeros(np, 1)?;
             let mut td = match pairs {
