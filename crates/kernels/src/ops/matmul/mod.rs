@@ -550,28 +550,10 @@ pub fn matmul_f16_a<'a>(
 ) -> Result<()> {
     g.validate()?;
     let b = b.into();
-    let [ea, eb, ec] = g.extents();
-    if let (Backend::Gpu(gb), Weights::F32(bv) | Weights::F16(bv)) = (be, b) {
-        let b_f16 = matches!(b, Weights::F16(_));
-        let operands = Operands::of(Storage::F16, Storage::of(b_f16));
-        let coop = paths.has(PathId::MixedTraining)
-            && gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
-            && coop::mixed_suits(g)
-            && operands.suit(g);
-        let ta = a.gpu("matmul", "A", packed_len(ea))?;
-        let tb = bv.gpu("matmul", "B", if b_f16 { packed_len(eb) } else { eb })?;
-        let tc = c.gpu("matmul", "C", ec)?;
-        if coop && [ta, tb, tc].iter().all(|t| t.num_chunks() == 1) {
-            let ob = if b_f16 { 2 * bv.offset() } else { bv.offset() };
-            let (a, b, c) = ((ta, 2 * a.offset()), (tb, ob), (tc, c.offset()));
-            let fault = product_fault(paths.fault(), g);
-            if let Some(splits) = training_splits(gb, g, operands) {
-                return gpu_split_k(gb, a, b, c, g, splits, true, operands, fault);
-            }
-            let tile = coop::mixed_tile(gb, g);
-            return coop::matmul_coop_mixed(gb, a, b, c, g, tile, operands, fault);
-        }
+    if coop_f16_a(be, paths, a, b, &c, g, Storage::F32)? {
+        return Ok(());
     }
+    let ea = g.extents()[0];
     // Elsewhere: A's values as f32, then the product as `matmul` picks it.
     let mut wide = be.scratch("matmul_f16_a", ea, 1)?;
     unpack_f16_to(be, a, (&mut wide).into(), ea)?;
@@ -595,32 +577,61 @@ pub fn matmul_f16_a_to_pairs<'a>(
 ) -> Result<()> {
     g.validate()?;
     let b = b.into();
-    let [ea, eb, ec] = g.extents();
-    if let (Backend::Gpu(gb), Weights::F32(bv) | Weights::F16(bv)) = (be, b) {
-        let b_f16 = matches!(b, Weights::F16(_));
-        let operands = Operands {
-            c: Storage::F16,
-            ..Operands::of(Storage::F16, Storage::of(b_f16))
-        };
-        let coop = paths.has(PathId::MixedTraining)
-            && gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
-            && coop::mixed_suits(g)
-            && operands.suit(g);
-        let ta = a.gpu("matmul", "A", packed_len(ea))?;
-        let tb = bv.gpu("matmul", "B", if b_f16 { packed_len(eb) } else { eb })?;
-        let tc = c.gpu("matmul", "C", packed_len(ec))?;
-        if coop && [ta, tb, tc].iter().all(|t| t.num_chunks() == 1) {
-            let ob = if b_f16 { 2 * bv.offset() } else { bv.offset() };
-            let (a, b, c) = ((ta, 2 * a.offset()), (tb, ob), (tc, 2 * c.offset()));
-            let fault = product_fault(paths.fault(), g);
-            let tile = coop::mixed_tile(gb, g);
-            return coop::matmul_coop_mixed(gb, a, b, c, g, tile, operands, fault);
-        }
+    if coop_f16_a(be, paths, a, b, &c, g, Storage::F16)? {
+        return Ok(());
     }
+    let ec = g.extents()[2];
     let mut wide = be.scratch("matmul_f16_c", ec, 1)?;
     unpack_f16_to(be, c.as_ref(), (&mut wide).into(), ec)?;
     matmul_f16_a(be, paths, a, b, (&mut wide).into(), g)?;
     pack_f16(be, (&wide).into(), c, ec)
+}
+
+/// [`matmul_f16_a`]'s and [`matmul_f16_a_to_pairs`]'s product on the tensor-core training kernel (C
+/// stored as `c_store`), where the path is held, the adapter has cooperative matrices and the layout
+/// suits the kernel: long-K products with an f32 C split over slices of K as [`matmul`] splits them.
+/// `Ok(false)`: not run here (the caller's fallback runs it).
+fn coop_f16_a(
+    be: &Backend,
+    paths: PathSet,
+    a: TRef<'_>,
+    b: Weights<'_>,
+    c: &TMut<'_>,
+    g: &Gemm,
+    c_store: Storage,
+) -> Result<bool> {
+    let (Backend::Gpu(gb), Weights::F32(bv) | Weights::F16(bv)) = (be, b) else {
+        return Ok(false);
+    };
+    let [ea, eb, ec] = g.extents();
+    let b_f16 = matches!(b, Weights::F16(_));
+    let operands = Operands {
+        c: c_store,
+        ..Operands::of(Storage::F16, Storage::of(b_f16))
+    };
+    let c_f16 = c_store == Storage::F16;
+    let coop = paths.has(PathId::MixedTraining)
+        && gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+        && coop::mixed_suits(g)
+        && operands.suit(g);
+    let ta = a.gpu("matmul", "A", packed_len(ea))?;
+    let tb = bv.gpu("matmul", "B", if b_f16 { packed_len(eb) } else { eb })?;
+    let tc = c.gpu("matmul", "C", if c_f16 { packed_len(ec) } else { ec })?;
+    if !coop || [ta, tb, tc].iter().any(|t| t.num_chunks() != 1) {
+        return Ok(false);
+    }
+    let ob = if b_f16 { 2 * bv.offset() } else { bv.offset() };
+    let oc = if c_f16 { 2 * c.offset() } else { c.offset() };
+    let (a, b, c) = ((ta, 2 * a.offset()), (tb, ob), (tc, oc));
+    let fault = product_fault(paths.fault(), g);
+    // Slices of K sum in f32 scratch, so a C of pairs takes the whole of K in one product.
+    if let (false, Some(splits)) = (c_f16, training_splits(gb, g, operands)) {
+        gpu_split_k(gb, a, b, c, g, splits, true, operands, fault)?;
+    } else {
+        let tile = coop::mixed_tile(gb, g);
+        coop::matmul_coop_mixed(gb, a, b, c, g, tile, operands, fault)?;
+    }
+    Ok(true)
 }
 
 /// Runs the product on the kernel `choice` names (benchmarks compare tiles this way; gates force the
