@@ -46,43 +46,42 @@ impl<'a> Params<'a> {
         }
     }
 
-    /// y = x · Wᵀ for the block matrix at parameter offset `w`.
-    pub fn linear(&self, be: &Backend, x: TRef<'_>, w: usize, y: TMut<'_>, g: &Gemm) -> Result<()> {
-        matmul(be, self.paths, x, self.matrix(w), y, g)
-    }
-
-    /// [`Params::linear`] of an activation the block keeps: f32, or f16 pairs (`BlockActs::f16`).
-    fn linear_of(&self, be: &Backend, x: Act<'_>, w: usize, y: TMut<'_>, g: &Gemm) -> Result<()> {
-        match x {
-            Act::F32(x) => self.linear(be, x, w, y, g),
-            Act::F16(x) => matmul_f16_a(be, self.paths, x, self.matrix(w), y, g),
-        }
-    }
-
-    /// [`Params::linear_of`] with `y` written as f16 pairs (an output only tensor-core products
-    /// read), from an input held as f16 pairs.
-    fn linear_to_pairs(
+    /// y = x · Wᵀ for the block matrix at parameter offset `w`, x an activation the block keeps (f32,
+    /// or f16 pairs: `BlockActs::f16`), y f32 or f16 pairs ([`product`]).
+    fn linear_of<'o>(
         &self,
         be: &Backend,
         x: Act<'_>,
         w: usize,
-        y: TMut<'_>,
+        y: impl Into<Out<'o>>,
         g: &Gemm,
     ) -> Result<()> {
-        match x {
-            Act::F16(x) => matmul_f16_a_to_pairs(be, self.paths, x, self.matrix(w), y, g),
-            Act::F32(_) => Err(pairs_from_f32("block_forward")),
-        }
+        product(be, self.paths, x, self.matrix(w), y.into(), g)
     }
 }
 
-/// The error of an output asked for as f16 pairs from an f32 input (the pairs belong to the
-/// tensor-core training path, whose inputs are pairs too).
-fn pairs_from_f32(op: &'static str) -> Error {
-    Error::Shape {
-        op,
-        msg: "an output as f16 pairs needs its input as f16 pairs (the tensor-core training path)"
-            .into(),
+/// C = op(A) · op(B) for the forms a block's operands and outputs take: f32, an A of f16 pairs,
+/// and an A of pairs writing C as pairs (an output only tensor-core products read). An output of
+/// pairs from an f32 A is refused: the pairs belong to the tensor-core training path, whose inputs
+/// are pairs too.
+fn product<'a>(
+    be: &Backend,
+    paths: PathSet,
+    a: Act<'_>,
+    b: impl Into<Weights<'a>>,
+    c: Out<'_>,
+    g: &Gemm,
+) -> Result<()> {
+    match (a, c) {
+        (Act::F32(a), Out::F32(c)) => matmul(be, paths, a, b, c, g),
+        (Act::F16(a), Out::F32(c)) => matmul_f16_a(be, paths, a, b, c, g),
+        (Act::F16(a), Out::F16(c)) => matmul_f16_a_to_pairs(be, paths, a, b, c, g),
+        (Act::F32(_), Out::F16(_)) => Err(Error::Shape {
+            op: "product",
+            msg: "an output as f16 pairs needs its input as f16 pairs (the tensor-core training \
+                  path)"
+                .into(),
+        }),
     }
 }
 
@@ -309,11 +308,8 @@ pub(crate) fn block_forward(
             drop,
         } => {
             // With `pairs`, Q, K and V as f16 pairs too: only attention's products read them.
-            if pairs {
-                w.linear_to_pairs(be, a.input(&a.ln1), o.c_attn, qkv.at_mut(0), &qkv_g)?;
-            } else {
-                w.linear_of(be, a.input(&a.ln1), o.c_attn, qkv.at_mut(0), &qkv_g)?;
-            }
+            let qkv_out = Out::of(qkv.at_mut(0), pairs);
+            w.linear_of(be, a.input(&a.ln1), o.c_attn, qkv_out, &qkv_g)?;
             attention_forward(
                 be,
                 w.paths,
@@ -605,19 +601,7 @@ pub(crate) fn linear_backward<'a, 'o>(
     inp: usize,
 ) -> Result<()> {
     let (dwg, dxg) = (Gemm::tn(out, inp, rows), Gemm::nn(rows, inp, out));
-    match (dy.into(), dx.into()) {
-        (Act::F32(dy), Out::F32(dx)) => {
-            matmul(be, paths, dy, x, dw, &dwg)?;
-            matmul(be, paths, dy, w, dx, &dxg)
-        }
-        (Act::F16(dy), Out::F32(dx)) => {
-            matmul_f16_a(be, paths, dy, x, dw, &dwg)?;
-            matmul_f16_a(be, paths, dy, w, dx, &dxg)
-        }
-        (Act::F16(dy), Out::F16(dx)) => {
-            matmul_f16_a(be, paths, dy, x, dw, &dwg)?;
-            matmul_f16_a_to_pairs(be, paths, dy, w, dx, &dxg)
-        }
-        (Act::F32(_), Out::F16(_)) => Err(pairs_from_f32("linear_backward")),
-    }
+    let dy = dy.into();
+    product(be, paths, dy, x, Out::F32(dw), &dwg)?;
+    product(be, paths, dy, w, dx.into(), &dxg)
 }
