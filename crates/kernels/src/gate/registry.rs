@@ -162,7 +162,7 @@ pub static REGISTRY: &[PathDef] = &[
         name: "tc-training",
         pill: "+tensor-core training",
         active_text: "tensor-core training active",
-        kernel_version: 8,
+        kernel_version: 9,
         requires: &[PathId::CoopMatrix],
         on_cpu: false,
         detect: |g| (def(PathId::CoopMatrix).detect)(g),

@@ -14,9 +14,10 @@ use tinygpt_kernels::ops::attention::{
     AttnDropout, AttnShape, DecodeShape, attend, attention_backward, attention_forward,
 };
 use tinygpt_kernels::ops::dropout::{dropout, dropout_add, dropout_f16};
-use tinygpt_kernels::ops::gelu::{gelu, gelu_backward, gelu_backward_f16, gelu_f16};
+use tinygpt_kernels::ops::gelu::{gelu, gelu_backward};
 use tinygpt_kernels::ops::matmul::{
-    Gemm, Weights, matmul, matmul_f16_a, matmul_f16_a_to_pairs, packed_len,
+    Gemm, Weights, matmul, matmul_f16_a, matmul_f16_a_dropout_add, matmul_f16_a_gelu,
+    matmul_f16_a_gelu_backward, matmul_f16_a_to_pairs, packed_len,
 };
 use tinygpt_kernels::ops::norm::{
     NormKind, NormShape, norm_backward, norm_forward, norm_forward_f16,
@@ -57,6 +58,32 @@ impl<'a> Params<'a> {
         g: &Gemm,
     ) -> Result<()> {
         product(be, self.paths, x, self.matrix(w), y.into(), g)
+    }
+
+    /// `out` = `residual` + dropout(x · Wᵀ) with `drop`'s probability and seed: a projection's branch
+    /// joining the residual stream. With x as f16 pairs one product ends with the dropout and the
+    /// sum (`matmul_f16_a_dropout_add`); else the product into `tmp`, then `dropout_add`.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_join(
+        &self,
+        be: &Backend,
+        x: Act<'_>,
+        w: usize,
+        residual: TRef<'_>,
+        out: TMut<'_>,
+        g: &Gemm,
+        drop: (f32, u32),
+        tmp: &mut Tensor,
+    ) -> Result<()> {
+        match x {
+            Act::F16(x) => {
+                matmul_f16_a_dropout_add(be, self.paths, x, self.matrix(w), residual, out, g, drop)
+            }
+            Act::F32(_) => {
+                self.linear_of(be, x, w, tmp.at_mut(0), g)?;
+                dropout_add(be, residual, tmp.at(0), out, g.m * g.n, drop.0, drop.1)
+            }
+        }
     }
 }
 
@@ -345,21 +372,15 @@ pub(crate) fn block_forward(
             attend(be, q, k, v, a.atty.at_mut(0), shape)?;
         }
     }
-    w.linear_of(
+    w.linear_join(
         be,
         Act::of(&a.atty, a.atty_pairs),
         o.attn_proj,
-        tmp.at_mut(0),
-        &Gemm::nt(n, c, c),
-    )?;
-    dropout_add(
-        be,
         x,
-        tmp.at(0),
         a.xmid.at_mut(0),
-        n * c,
-        drop.p,
-        drop.attn_seed,
+        &Gemm::nt(n, c, c),
+        (drop.p, drop.attn_seed),
+        tmp,
     )?;
     // MLP branch.
     let xmid = a.xmid.at(0);
@@ -373,19 +394,26 @@ pub(crate) fn block_forward(
         d.norm(),
     )?;
     let fc = Gemm::nt(n, 4 * c, c);
-    w.linear_of(be, a.input(&a.ln2), o.c_fc, a.fc.at_mut(0), &fc)?;
-    let gelu = if a.f16 { gelu_f16 } else { gelu };
-    gelu(be, a.fc.at(0), a.act.at_mut(0), n * 4 * c)?;
+    if a.f16 {
+        // The activation as f16 pairs, written by c_fc's product (`matmul_f16_a_gelu`).
+        let (pre, act) = (a.fc.at_mut(0), a.act.at_mut(0));
+        let wfc = w.matrix(o.c_fc);
+        matmul_f16_a_gelu(be, w.paths, a.ln2.at(0), wfc, pre, act, &fc)?;
+    } else {
+        w.linear_of(be, a.input(&a.ln2), o.c_fc, a.fc.at_mut(0), &fc)?;
+        gelu(be, a.fc.at(0), a.act.at_mut(0), n * 4 * c)?;
+    }
     let proj = Gemm::nt(n, c, 4 * c);
-    w.linear_of(be, a.input(&a.act), o.mlp_proj, tmp.at_mut(0), &proj)?;
-    dropout_add(
+    let join = (drop.p, drop.mlp_seed);
+    w.linear_join(
         be,
+        a.input(&a.act),
+        o.mlp_proj,
         a.xmid.at(0),
-        tmp.at(0),
         out,
-        n * c,
-        drop.p,
-        drop.mlp_seed,
+        &proj,
+        join,
+        tmp,
     )
 }
 
@@ -409,7 +437,9 @@ pub(crate) struct BackScratch {
     pub dln: Tensor,
     pub datty: Tensor, // f16 pairs where `dprobs_pairs` is kept
     pub dqkv: Tensor,  // f16 pairs where `dprobs_pairs` is kept
-    pub d4a: Tensor,
+    /// The gradient at GELU's output [rows, 4C], f32; none with `f16` (mlp_proj's dX product then
+    /// writes `d4b` itself, `matmul_f16_a_gelu_backward`).
+    pub d4a: Option<Tensor>,
     pub d4b: Tensor, // gradient at c_fc's output [rows, 4C]
     pub dprobs: Tensor,
     /// The scores' gradient as f16 pairs, where the forward kept its probabilities as pairs.
@@ -434,7 +464,7 @@ impl BackScratch {
             dln: z(rows * c, c)?,
             datty: Act::zeros(be, rows * c, seq * c, pairs)?,
             dqkv: Act::zeros(be, rows * 3 * c, seq * 3 * c, pairs)?,
-            d4a: z(rows * 4 * c, 4 * c)?,
+            d4a: (!f16).then(|| z(rows * 4 * c, 4 * c)).transpose()?,
             d4b: grad(4 * c, 4 * c)?,
             dprobs: z(probs, probs_unit)?,
             dprobs_pairs: match pairs {
@@ -479,25 +509,42 @@ pub(crate) fn block_backward(
     let (w, ln, paths) = (params.f32, NormKind::Layer, params.paths);
     // MLP branch: back through its dropout, mlp_proj, GELU, c_fc and ln_2 (into the residual's gradient).
     s.dropout_into_dy(be, dresid.at(0), n * c, drop.p, drop.mlp_seed)?;
-    let (dmlp, dw) = (s.d4a.at_mut(0), grads.at_mut(o.mlp_proj));
-    linear_backward(
-        be,
-        paths,
-        Act::of(&s.dy, s.f16),
-        a.input(&a.act),
-        params.matrix(o.mlp_proj),
-        dw,
-        dmlp,
-        n,
-        c,
-        4 * c,
-    )?;
-    let gelu_backward = if s.f16 {
-        gelu_backward_f16
+    let (wproj, dw) = (params.matrix(o.mlp_proj), grads.at_mut(o.mlp_proj));
+    if s.f16 {
+        // dW, then the gradient at c_fc's output as f16 pairs straight from the dX product
+        // (`matmul_f16_a_gelu_backward`).
+        let dy = Act::F16(s.dy.at(0));
+        product(
+            be,
+            paths,
+            dy,
+            a.input(&a.act),
+            Out::F32(dw),
+            &Gemm::tn(c, 4 * c, n),
+        )?;
+        let (pre, d4b) = (a.fc.at(0), s.d4b.at_mut(0));
+        let g = Gemm::nn(n, 4 * c, c);
+        matmul_f16_a_gelu_backward(be, paths, s.dy.at(0), wproj, pre, d4b, &g)?;
     } else {
-        gelu_backward
-    };
-    gelu_backward(be, a.fc.at(0), s.d4a.at(0), s.d4b.at_mut(0), n * 4 * c)?;
+        let d4a = s.d4a.as_mut().ok_or_else(|| Error::Shape {
+            op: "block_backward",
+            msg: "the f32 backward pass needs its GELU gradient scratch".into(),
+        })?;
+        let dmlp = d4a.at_mut(0);
+        linear_backward(
+            be,
+            paths,
+            s.dy.at(0),
+            a.act.at(0),
+            wproj,
+            dw,
+            dmlp,
+            n,
+            c,
+            4 * c,
+        )?;
+        gelu_backward(be, a.fc.at(0), d4a.at(0), s.d4b.at_mut(0), n * 4 * c)?;
+    }
     let (dln, dw) = (s.dln.at_mut(0), grads.at_mut(o.c_fc));
     linear_backward(
         be,

@@ -57,6 +57,12 @@ pub(crate) fn threshold(p: f32) -> u32 {
     (p as f64 * 4_294_967_296.0).min(u32::MAX as f64) as u32
 }
 
+/// Dropout's threshold, seed and scale (its bits) with probability `p` under `seed`, as dropout.wgsl
+/// takes them: for kernels that draw the same mask (the tensor-core training product's epilogue).
+pub(crate) fn mask_params(p: f32, seed: u32) -> [u32; 3] {
+    [threshold(p), seed, (1.0 / (1.0 - p)).to_bits()]
+}
+
 /// y = dropout(x) over `n` elements with drop probability `p` (also the backward pass: dx =
 /// dropout(dy) with the same seed). `seed` should differ per layer, site and step.
 pub fn dropout(be: &Backend, x: TRef<'_>, y: TMut<'_>, n: usize, p: f32, seed: u32) -> Result<()> {
@@ -95,7 +101,7 @@ pub fn dropout_f16(
                 Operand::whole(tx, x.offset(), n),
                 Operand::whole(ty, y.offset(), packed_len(n)),
             ];
-            let extra = [threshold(p), seed, (1.0 / (1.0 - p)).to_bits()];
+            let extra = mask_params(p, seed);
             let grid = Grid::Threads(FOUR_A_THREAD);
             return run(g, OP, &pipe, n / 4, &ops, &extra, grid);
         }

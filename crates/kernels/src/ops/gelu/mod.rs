@@ -30,6 +30,12 @@ pub fn gelu_grad_scalar(x: f32) -> f32 {
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * S2PI * (1.0 + 3.0 * K * x * x)
 }
 
+/// gelu_fns.wgsl's GELU and its derivative on `ty` (`f32`, `vec2<f32>`, ...): the one source of the
+/// expressions for [`gelu`], [`gelu_f16`] and the tensor-core training product's GELU epilogues.
+pub(crate) fn wgsl_fns(ty: &str) -> String {
+    format!("alias GeluV = {ty};\n{}", include_str!("gelu_fns.wgsl"))
+}
+
 /// y = gelu(x) over `n` elements.
 pub fn gelu(be: &Backend, x: TRef<'_>, y: TMut<'_>, n: usize) -> Result<()> {
     launch(be, x, None, y, n)
@@ -78,7 +84,8 @@ fn launch_f16(
                 &[Access::Read, Access::Read, Access::ReadWrite],
                 || {
                     format!(
-                        "{PRELUDE}\n{}{FOUR_A_THREAD_MAIN}",
+                        "{PRELUDE}\n{}{}{FOUR_A_THREAD_MAIN}",
+                        wgsl_fns("vec4<f32>"),
                         include_str!("gelu_f16.wgsl")
                     )
                 },
@@ -188,7 +195,8 @@ fn gpu_launch(
         &[Access::Read, Access::Read, Access::ReadWrite],
         || {
             format!(
-                "{PRELUDE}\nalias V = {v};\nconst LANES: u32 = {lanes}u;\n{}{FOUR_A_THREAD_MAIN}",
+                "{PRELUDE}\nalias V = {v};\nconst LANES: u32 = {lanes}u;\n{}{}{FOUR_A_THREAD_MAIN}",
+                wgsl_fns(v),
                 include_str!("gelu.wgsl")
             )
         },

@@ -414,6 +414,68 @@ impl Operands {
     }
 }
 
+/// What the tensor-core training kernel does with C's values on their way out, beside storing them:
+/// an element-wise step fused into the product (one pass over C instead of a kernel that reads it
+/// back), through a fourth operand E laid out as C (C's leading dimension, from E's own offset).
+/// Each lane takes two neighbouring columns, so n, ldc and both offsets are even, beta is 0 and the
+/// product is unbatched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Epilogue {
+    /// C alone.
+    None,
+    /// C (f32) holds the pre-activations, and E receives GELU of them as f16 pairs (gelu_fns.wgsl,
+    /// rounded as [`super::pack_f16`] rounds): the MLP's c_fc product and its activation.
+    Gelu,
+    /// E holds the pre-activations (f32, read), and C (f16 pairs) receives the product times GELU's
+    /// derivative at them: the gradient at c_fc's output from mlp_proj's dX product.
+    GeluGrad,
+    /// C (f32) = E + dropout(product), E the residual stream (f32, read): a projection's branch
+    /// joining the residual, with dropout's mask of C's element index (dropout.wgsl's, as
+    /// [`crate::ops::dropout::dropout_add`] draws it over C's m · n elements; C dense).
+    DropoutAdd,
+}
+
+/// An epilogue with its operand: E's tensor, E's offset counted as the kernel indexes it (f16 values
+/// where E holds pairs), and for [`Epilogue::DropoutAdd`] dropout's threshold, seed and scale (its
+/// bits); zeros elsewhere.
+#[derive(Clone, Copy)]
+pub(super) struct EpilogueArgs<'a> {
+    pub epi: Epilogue,
+    pub e: &'a GpuTensor,
+    pub offset: usize,
+    pub dropout: [u32; 3],
+}
+
+impl Epilogue {
+    /// The pipeline key's suffix.
+    fn key(&self) -> &'static str {
+        match self {
+            Epilogue::None => "",
+            Epilogue::Gelu => "_gelu",
+            Epilogue::GeluGrad => "_gelugrad",
+            Epilogue::DropoutAdd => "_dropadd",
+        }
+    }
+
+    /// How C is stored with this epilogue (None: either).
+    pub(super) fn c_storage(&self) -> Option<Storage> {
+        match self {
+            Epilogue::None => None,
+            Epilogue::Gelu | Epilogue::DropoutAdd => Some(Storage::F32),
+            Epilogue::GeluGrad => Some(Storage::F16),
+        }
+    }
+
+    /// Whether the epilogue can take `g`'s layout (see [`Epilogue`]).
+    pub(super) fn suits(&self, g: &Gemm) -> bool {
+        *self == Epilogue::None
+            || (g.batches() == 1
+                && g.beta == 0.0
+                && g.n.is_multiple_of(2)
+                && g.ldc.is_multiple_of(2))
+    }
+}
+
 /// Whether the mixed-precision tensor-core kernel can take a product: f32 operands in one buffer each,
 /// any layout, batched.
 pub(super) fn mixed_suits(g: &Gemm) -> bool {
@@ -437,6 +499,7 @@ pub(super) fn mixed_source(
     trans_b: bool,
     causal: Causal,
     operands: Operands,
+    epi: Epilogue,
     fault: Option<Fault>,
 ) -> String {
     let MixedTile {
@@ -461,7 +524,29 @@ pub(super) fn mixed_source(
         "f32"
     };
     let c_pairs = operands.c == Storage::F16;
-    let direct = cfg.direct_store && acc == "f32" && !c_pairs;
+    let direct = cfg.direct_store && acc == "f32" && !c_pairs && epi == Epilogue::None;
+    // How a lane of the two-columns-a-lane store (C as pairs, or an epilogue) stores `v`, the values
+    // at C's elements ci and ci + 1 (E's at ei and ei + 1).
+    let pair_store = match epi {
+        Epilogue::None => "mat_c[ci / 2u] = pack2x16float(v);".to_string(),
+        Epilogue::Gelu => {
+            "mat_c[ci] = v.x;\n      mat_c[ci + 1u] = v.y;\n      mat_e[ei / 2u] = pack2x16float(gelu_of(v));"
+                .to_string()
+        }
+        Epilogue::GeluGrad => {
+            "mat_c[ci / 2u] = pack2x16float(gelu_grad_of(vec2<f32>(mat_e[ei], mat_e[ei + 1u]), v));"
+                .to_string()
+        }
+        // dropout.wgsl's expressions, the element index r · n + c of a dense C.
+        Epilogue::DropoutAdd => "let hs = hash(p.d_seed);
+      let i0 = r * p.n + c;
+      let keep0 = hash(i0 ^ hs) >= p.d_threshold;
+      let keep1 = hash((i0 + 1u) ^ hs) >= p.d_threshold;
+      mat_c[ci] = select(0.0, v.x * p.d_scale, keep0) + mat_e[ei];
+      mat_c[ci + 1u] = select(0.0, v.y * p.d_scale, keep1) + mat_e[ei + 1u];"
+            .to_string(),
+    };
+    let two_columns = c_pairs || epi != Epilogue::None;
     // Staging of one operand's values per thread: `v` names their row of op(A) (`r`) or column
     // of op(B) (`c`) within the tile. With k contiguous in memory (op(A) = A stored M x K, op(B) = Bᵀ
     // stored N x K) consecutive threads take consecutive pairs of k and the tile is stored in rows of
@@ -660,7 +745,13 @@ pub(super) fn mixed_source(
     for fi in 0..nfa {
         for fj in 0..nfb {
             decl.push_str(&format!("  var c{fi}_{fj} = coop_mat16x16<{acc}, C>();\n"));
-            // C as f16 pairs: two neighbouring columns a lane (n, ldc, c_base even; beta 0).
+            // C as f16 pairs, or an epilogue: two neighbouring columns a lane (n, ldc, c_base
+            // even; beta 0).
+            let ei = if epi == Epilogue::None {
+                ""
+            } else {
+                "\n      let ei = p.e_off + r * p.ldc + c;"
+            };
             let pairs_loop = format!(
                 "  coopStoreT(c{fi}_{fj}, &Cs[cbase], s16);
   workgroupBarrier();
@@ -669,8 +760,9 @@ pub(super) fn mixed_source(
     let r = row0 + fm + {}u + e / 16u;
     let c = col0 + fn0 + {}u + e % 16u;
     if (r < p.m && c < p.n) {{
-      let ci = c_base + r * p.ldc + c;
-      mat_c[ci / 2u] = pack2x16float(vec2<f32>(p.alpha * f32(Cs[cbase + e]), p.alpha * f32(Cs[cbase + e + 1u])));
+      let ci = c_base + r * p.ldc + c;{ei}
+      let v = vec2<f32>(p.alpha * f32(Cs[cbase + e]), p.alpha * f32(Cs[cbase + e + 1u]));
+      {pair_store}
     }}
   }}
   workgroupBarrier();
@@ -678,7 +770,7 @@ pub(super) fn mixed_source(
                 16 * fi,
                 16 * fj
             );
-            if c_pairs {
+            if two_columns {
                 staged.push_str(&pairs_loop);
                 continue;
             }
@@ -785,13 +877,43 @@ pub(super) fn mixed_source(
   }}"
         )
     };
+    // An epilogue's operand E (binding 4), E's offset after the products' parameters, and its
+    // element-wise functions.
+    let (params, e_binding) = match epi {
+        Epilogue::None => (PARAMS.to_string(), String::new()),
+        _ => {
+            let with_e = PARAMS.replace(
+                "alpha: f32, beta: f32,",
+                "alpha: f32, beta: f32,\n  e_off: u32, d_threshold: u32, d_seed: u32, d_scale: f32,",
+            );
+            debug_assert_ne!(with_e, PARAMS);
+            let (e, fns) = match epi {
+                Epilogue::Gelu => (
+                    "read_write> mat_e: array<u32>",
+                    crate::ops::gelu::wgsl_fns("vec2<f32>"),
+                ),
+                Epilogue::GeluGrad => (
+                    "read> mat_e: array<f32>",
+                    crate::ops::gelu::wgsl_fns("vec2<f32>"),
+                ),
+                _ => (
+                    "read> mat_e: array<f32>",
+                    crate::ops::dropout::HASH_WGSL.to_string(),
+                ),
+            };
+            (
+                with_e,
+                format!("@group(0) @binding(4) var<storage, {e};\n{fns}"),
+            )
+        }
+    };
     format!(
         "enable f16;
 enable wgpu_cooperative_matrix;
-{PARAMS}@group(0) @binding(1) var<storage, read> mat_a: array<{elem_a}>;
+{params}@group(0) @binding(1) var<storage, read> mat_a: array<{elem_a}>;
 @group(0) @binding(2) var<storage, read> mat_b: array<{elem_b}>;
 @group(0) @binding(3) var<storage, read_write> mat_c: array<{elem_c}>;
-
+{e_binding}
 var<workgroup> As: array<vec{RUN}<f16>, {shared_a}>;
 var<workgroup> Bs: array<vec{RUN}<f16>, {shared_b}>;
 var<workgroup> Cs: array<{acc}, {cs}>; // one 16x16 fragment per subgroup
@@ -860,14 +982,47 @@ pub(super) fn f16_b_suits(g: &Gemm) -> bool {
 #[allow(clippy::too_many_arguments)]
 pub(super) fn matmul_coop_mixed(
     gb: &GpuBackend,
-    (ta, oa): (&GpuTensor, usize),
-    (tb, ob): (&GpuTensor, usize),
-    (tc, oc): (&GpuTensor, usize),
+    a: (&GpuTensor, usize),
+    b: (&GpuTensor, usize),
+    c: (&GpuTensor, usize),
     g: &Gemm,
     tile: MixedTile,
     operands: Operands,
     fault: Option<Fault>,
 ) -> Result<()> {
+    matmul_coop_epilogue(gb, a, b, c, None, g, tile, operands, fault)
+}
+
+/// [`matmul_coop_mixed`] with an [`Epilogue`] on its operand E; `None`: C alone.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn matmul_coop_epilogue(
+    gb: &GpuBackend,
+    (ta, oa): (&GpuTensor, usize),
+    (tb, ob): (&GpuTensor, usize),
+    (tc, oc): (&GpuTensor, usize),
+    e: Option<EpilogueArgs<'_>>,
+    g: &Gemm,
+    tile: MixedTile,
+    operands: Operands,
+    fault: Option<Fault>,
+) -> Result<()> {
+    let epi = e.map_or(Epilogue::None, |e| e.epi);
+    let e_fits = e.is_none_or(|e| {
+        e.e.num_chunks() == 1
+            && e.offset.is_multiple_of(2)
+            && oc.is_multiple_of(2)
+            && e.epi.suits(g)
+            && e.epi.c_storage() == Some(operands.c)
+    });
+    if !e_fits {
+        return Err(Error::Shape {
+            op: "matmul_coop_mixed",
+            msg:
+                "an epilogue takes an unbatched product with beta 0, even n, ldc and offsets, E in \
+                  one buffer, and C stored as the epilogue writes it"
+                    .into(),
+        });
+    }
     if ta.num_chunks() != 1 || tb.num_chunks() != 1 || tc.num_chunks() != 1 {
         return Err(Error::Shape {
             op: "matmul_coop_mixed",
@@ -891,25 +1046,34 @@ pub(super) fn matmul_coop_mixed(
     let (trans_a, trans_b) = (g.trans_a, g.trans_b);
     let causal = g.causal;
     let key = format!(
-        "gemm_coop_mixed_{}{}_{}{}{}{}",
+        "gemm_coop_mixed_{}{}_{}{}{}{}{}",
         if trans_a { 't' } else { 'n' },
         if trans_b { 't' } else { 'n' },
         tile.key(),
         causal_key(causal),
         operands.key(),
+        epi.key(),
         fault.map_or(String::new(), |f| format!("_fault{f:?}"))
     );
-    let pipe = gb.pipeline(
-        &key,
-        &[Access::Read, Access::Read, Access::ReadWrite],
-        || mixed_source(tile, trans_a, trans_b, causal, operands, fault),
-    )?;
-    let p = super::params(g, [oa, ob, oc], g.m, g.n, g.k, g.beta);
-    let bufs = [
+    let mut access = vec![Access::Read, Access::Read, Access::ReadWrite];
+    let mut p = super::params(g, [oa, ob, oc], g.m, g.n, g.k, g.beta);
+    let mut bufs = vec![
         &ta.chunks[0].buffer,
         &tb.chunks[0].buffer,
         &tc.chunks[0].buffer,
     ];
+    if let Some(e) = e {
+        access.push(match e.epi {
+            Epilogue::Gelu => Access::ReadWrite,
+            _ => Access::Read,
+        });
+        p.push(e.offset as u32);
+        p.extend(e.dropout);
+        bufs.push(&e.e.chunks[0].buffer);
+    }
+    let pipe = gb.pipeline(&key, &access, || {
+        mixed_source(tile, trans_a, trans_b, causal, operands, epi, fault)
+    })?;
     gb.dispatch(
         &pipe,
         &p,
@@ -948,8 +1112,11 @@ mod tests {
                 every_storage().into_iter().flat_map(move |o| {
                     [Storage::F32, Storage::F16].into_iter().flat_map(move |c| {
                         let o = Operands { c, ..o };
-                        [(false, false), (false, true), (true, false), (true, true)]
-                            .map(|(ta, tb)| mixed_source(tile, ta, tb, Causal::None, o, f))
+                        [(false, false), (false, true), (true, false), (true, true)].map(
+                            |(ta, tb)| {
+                                mixed_source(tile, ta, tb, Causal::None, o, Epilogue::None, f)
+                            },
+                        )
                     })
                 })
             })
@@ -964,15 +1131,34 @@ mod tests {
                 [(false, false), (true, false)]
                     .into_iter()
                     .flat_map(move |(ta, tb)| {
-                        [Operands::F32, pairs_out]
-                            .map(|o| mixed_source(MixedTile::SMALL, ta, tb, c, o, None))
+                        [Operands::F32, pairs_out].map(|o| {
+                            mixed_source(MixedTile::SMALL, ta, tb, c, o, Epilogue::None, None)
+                        })
                     })
             });
+        // The epilogues, on the training path's tiles and both products they end (x·Wᵀ with
+        // f16 weights, dY·W), with and without the faults a gate plants.
+        let epilogues = mixed_tiles_of_any_adapter().into_iter().flat_map(|tile| {
+            faults.into_iter().flat_map(move |f| {
+                [
+                    (Epilogue::Gelu, Storage::F32),
+                    (Epilogue::GeluGrad, Storage::F16),
+                    (Epilogue::DropoutAdd, Storage::F32),
+                ]
+                .into_iter()
+                .flat_map(move |(epi, c)| {
+                    let o = Operands { c, ..Operands::F16 };
+                    [(false, true), (false, false)]
+                        .map(|(ta, tb)| mixed_source(tile, ta, tb, Causal::None, o, epi, f))
+                })
+            })
+        });
         for src in faults[..3]
             .iter()
             .map(|&f| source(f))
             .chain(mixed)
             .chain(causal)
+            .chain(epilogues)
         {
             let module = naga::front::wgsl::parse_str(&src)
                 .unwrap_or_else(|e| panic!("{}", e.emit_to_string(&src)));
@@ -984,6 +1170,11 @@ mod tests {
         }
     }
 
+    /// The tiles [`mixed_tile`] chooses from on one adapter or another.
+    fn mixed_tiles_of_any_adapter() -> [MixedTile; 3] {
+        [MixedTile::LARGE, MixedTile::LARGE_K32, MixedTile::SMALL]
+    }
+
     /// Every tile shape declares no more workgroup memory than `shared_bytes` says (what the choice
     /// of tile checks against the adapter's limit), and LARGE fits the 48 KiB most desktop GPUs give.
     #[test]
@@ -991,7 +1182,7 @@ mod tests {
         for tile in MixedTile::CANDIDATES {
             for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
                 for o in every_storage() {
-                    let src = mixed_source(tile, ta, tb, Causal::None, o, None);
+                    let src = mixed_source(tile, ta, tb, Causal::None, o, Epilogue::None, None);
                     let module = naga::front::wgsl::parse_str(&src).unwrap();
                     let declared: u32 = module
                         .global_variables

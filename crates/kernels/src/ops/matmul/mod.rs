@@ -33,8 +33,9 @@ use crate::backend::{Backend, TMut, TRef, Tensor};
 use crate::error::{self, Error, Result};
 use crate::gpu::{Access, GpuBackend, GpuTensor};
 use crate::path::{Fault, PathId, PathSet};
+use coop::EpilogueArgs;
 pub(crate) use coop::mixed_tiles;
-pub use coop::{MixedTile, Operands, Storage, f16_operands_suit};
+pub use coop::{Epilogue, MixedTile, Operands, Storage, f16_operands_suit};
 pub use cpu::gemm_reference;
 pub use f16::{pack_f16, packed_len, unpack_f16, unpack_f16_to};
 pub(crate) use f16::{pack_f16_of, pairs_in_one_pass};
@@ -550,7 +551,7 @@ pub fn matmul_f16_a<'a>(
 ) -> Result<()> {
     g.validate()?;
     let b = b.into();
-    if coop_f16_a(be, paths, a, b, &c, g, Storage::F32)? {
+    if coop_f16_a(be, paths, a, b, &c, g, Storage::F32, None)? {
         return Ok(());
     }
     let ea = g.extents()[0];
@@ -577,7 +578,7 @@ pub fn matmul_f16_a_to_pairs<'a>(
 ) -> Result<()> {
     g.validate()?;
     let b = b.into();
-    if coop_f16_a(be, paths, a, b, &c, g, Storage::F16)? {
+    if coop_f16_a(be, paths, a, b, &c, g, Storage::F16, None)? {
         return Ok(());
     }
     let ec = g.extents()[2];
@@ -587,10 +588,129 @@ pub fn matmul_f16_a_to_pairs<'a>(
     pack_f16(be, (&wide).into(), c, ec)
 }
 
+/// The MLP's c_fc product and its GELU in one, for the tensor-core training path: `pre` = A · op(B)
+/// (f32, the values [`matmul_f16_a`] writes) and `act` = GELU(pre) as f16 pairs (the values
+/// [`gelu_f16`](crate::ops::gelu::gelu_f16) writes from them), A stored as f16 pairs. C is dense
+/// (ldc = n) and unbatched; `act` holds pairs laid out as `pre`. On the tensor cores one product
+/// writes both ([`Epilogue::Gelu`]: `pre` is not read back), where the path is held, the adapter has
+/// cooperative matrices and the layout suits the kernel; elsewhere the product, then the GELU.
+pub fn matmul_f16_a_gelu<'a>(
+    be: &Backend,
+    paths: PathSet,
+    a: TRef<'_>,
+    b: impl Into<Weights<'a>>,
+    mut pre: TMut<'_>,
+    act: TMut<'_>,
+    g: &Gemm,
+) -> Result<()> {
+    let n = dense_extent(g, "matmul_f16_a_gelu")?;
+    let b = b.into();
+    let e = match be {
+        Backend::Gpu(_) => Some(EpilogueArgs {
+            epi: Epilogue::Gelu,
+            e: act.gpu("matmul", "E", packed_len(n))?,
+            offset: 2 * act.offset(),
+            dropout: [0; 3],
+        }),
+        Backend::Cpu(_) => None,
+    };
+    if coop_f16_a(be, paths, a, b, &pre, g, Storage::F32, e)? {
+        return Ok(());
+    }
+    matmul_f16_a(be, paths, a, b, pre.reborrow(), g)?;
+    crate::ops::gelu::gelu_f16(be, pre.as_ref(), act, n)
+}
+
+/// The gradient at c_fc's output from mlp_proj's dX product, for the tensor-core training path:
+/// `dpre` = (A · op(B)) · GELU'(`pre`) as f16 pairs, the values
+/// [`gelu_backward_f16`](crate::ops::gelu::gelu_backward_f16) writes from the f32 product
+/// [`matmul_f16_a`] writes, A stored as f16 pairs. C is dense (ldc = n) and unbatched; `pre` (f32)
+/// and `dpre` (pairs) are laid out as C. On the tensor cores one product ([`Epilogue::GeluGrad`]);
+/// elsewhere the product into scratch, then the GELU's backward.
+pub fn matmul_f16_a_gelu_backward<'a>(
+    be: &Backend,
+    paths: PathSet,
+    a: TRef<'_>,
+    b: impl Into<Weights<'a>>,
+    pre: TRef<'_>,
+    dpre: TMut<'_>,
+    g: &Gemm,
+) -> Result<()> {
+    let n = dense_extent(g, "matmul_f16_a_gelu_backward")?;
+    let b = b.into();
+    let e = match be {
+        Backend::Gpu(_) => Some(EpilogueArgs {
+            epi: Epilogue::GeluGrad,
+            e: pre.gpu("matmul", "E", n)?,
+            offset: pre.offset(),
+            dropout: [0; 3],
+        }),
+        Backend::Cpu(_) => None,
+    };
+    if coop_f16_a(be, paths, a, b, &dpre, g, Storage::F16, e)? {
+        return Ok(());
+    }
+    let mut wide = be.scratch("matmul_gelu", n, 1)?;
+    matmul_f16_a(be, paths, a, b, (&mut wide).into(), g)?;
+    crate::ops::gelu::gelu_backward_f16(be, pre, (&wide).into(), dpre, n)
+}
+
+/// A projection's branch joining the residual stream, for the tensor-core training path: `out` =
+/// `residual` + dropout(A · op(B)) with drop probability `p` under `seed` (the values
+/// [`dropout_add`](crate::ops::dropout::dropout_add) writes from the f32 product [`matmul_f16_a`]
+/// writes, its mask drawn over C's m · n elements), A stored as f16 pairs. C is dense (ldc = n) and
+/// unbatched; `residual` is laid out as C. On the tensor cores one product
+/// ([`Epilogue::DropoutAdd`]); elsewhere the product into scratch, then the dropout and the sum.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_f16_a_dropout_add<'a>(
+    be: &Backend,
+    paths: PathSet,
+    a: TRef<'_>,
+    b: impl Into<Weights<'a>>,
+    residual: TRef<'_>,
+    out: TMut<'_>,
+    g: &Gemm,
+    (p, seed): (f32, u32),
+) -> Result<()> {
+    let n = dense_extent(g, "matmul_f16_a_dropout_add")?;
+    crate::ops::dropout::check_probability("matmul_f16_a_dropout_add", p)?;
+    let b = b.into();
+    let e = match be {
+        Backend::Gpu(_) => Some(EpilogueArgs {
+            epi: Epilogue::DropoutAdd,
+            e: residual.gpu("matmul", "E", n)?,
+            offset: residual.offset(),
+            dropout: crate::ops::dropout::mask_params(p, seed),
+        }),
+        Backend::Cpu(_) => None,
+    };
+    if coop_f16_a(be, paths, a, b, &out, g, Storage::F32, e)? {
+        return Ok(());
+    }
+    let mut wide = be.scratch("matmul_dropout", n, 1)?;
+    matmul_f16_a(be, paths, a, b, (&mut wide).into(), g)?;
+    crate::ops::dropout::dropout_add(be, residual, (&wide).into(), out, n, p, seed)
+}
+
+/// The elements of `g`'s C where it is dense (ldc = n) and unbatched, as the fused products'
+/// element-wise halves take it (validated).
+fn dense_extent(g: &Gemm, op: &'static str) -> Result<usize> {
+    g.validate()?;
+    if g.ldc != g.n || g.batches() != 1 {
+        return Err(Error::Shape {
+            op,
+            msg: "the product's C must be dense (ldc = n) and unbatched".into(),
+        });
+    }
+    Ok(g.m * g.n)
+}
+
 /// [`matmul_f16_a`]'s and [`matmul_f16_a_to_pairs`]'s product on the tensor-core training kernel (C
 /// stored as `c_store`), where the path is held, the adapter has cooperative matrices and the layout
 /// suits the kernel: long-K products with an f32 C split over slices of K as [`matmul`] splits them.
-/// `Ok(false)`: not run here (the caller's fallback runs it).
+/// With `e` the product ends with its [`Epilogue`], in one product. `Ok(false)`: not run here (the
+/// caller's fallback runs it).
+#[allow(clippy::too_many_arguments)]
 fn coop_f16_a(
     be: &Backend,
     paths: PathSet,
@@ -599,6 +719,7 @@ fn coop_f16_a(
     c: &TMut<'_>,
     g: &Gemm,
     c_store: Storage,
+    e: Option<EpilogueArgs<'_>>,
 ) -> Result<bool> {
     let (Backend::Gpu(gb), Weights::F32(bv) | Weights::F16(bv)) = (be, b) else {
         return Ok(false);
@@ -610,10 +731,17 @@ fn coop_f16_a(
         ..Operands::of(Storage::F16, Storage::of(b_f16))
     };
     let c_f16 = c_store == Storage::F16;
+    let epi_fits = e.is_none_or(|e| {
+        e.epi.suits(g)
+            && e.e.num_chunks() == 1
+            && e.offset.is_multiple_of(2)
+            && c.offset().is_multiple_of(2)
+    });
     let coop = paths.has(PathId::MixedTraining)
         && gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
         && coop::mixed_suits(g)
-        && operands.suit(g);
+        && operands.suit(g)
+        && epi_fits;
     let ta = a.gpu("matmul", "A", packed_len(ea))?;
     let tb = bv.gpu("matmul", "B", if b_f16 { packed_len(eb) } else { eb })?;
     let tc = c.gpu("matmul", "C", if c_f16 { packed_len(ec) } else { ec })?;
@@ -624,12 +752,14 @@ fn coop_f16_a(
     let oc = if c_f16 { 2 * c.offset() } else { c.offset() };
     let (a, b, c) = ((ta, 2 * a.offset()), (tb, ob), (tc, oc));
     let fault = product_fault(paths.fault(), g);
-    // Slices of K sum in f32 scratch, so a C of pairs takes the whole of K in one product.
-    if let (false, Some(splits)) = (c_f16, training_splits(gb, g, operands)) {
+    // Slices of K sum in f32 scratch, so a C of pairs, or an epilogue, takes the whole of K in one
+    // product.
+    let whole_k = c_f16 || e.is_some();
+    if let (false, Some(splits)) = (whole_k, training_splits(gb, g, operands)) {
         gpu_split_k(gb, a, b, c, g, splits, true, operands, fault)?;
     } else {
         let tile = coop::mixed_tile(gb, g);
-        coop::matmul_coop_mixed(gb, a, b, c, g, tile, operands, fault)?;
+        coop::matmul_coop_epilogue(gb, a, b, c, e, g, tile, operands, fault)?;
     }
     Ok(true)
 }

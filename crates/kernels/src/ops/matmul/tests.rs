@@ -816,3 +816,158 @@ fn split_k_takes_f16_b() {
         }
     }
 }
+
+/// The GELU epilogues: c_fc's product with its activation (`matmul_f16_a_gelu`) and mlp_proj's dX
+/// product with GELU's backward (`matmul_f16_a_gelu_backward`), A and B as f16 pairs, give the bits
+/// of the product followed by the element-wise op, on every backend: on an adapter with cooperative
+/// matrices one tensor-core product writes both (views at word offsets inside their tensors); where
+/// the layout does not suit the epilogue (an f32 C at an odd offset) the two ops run one after the
+/// other. The words around each view are left alone.
+#[test]
+fn gelu_epilogues_give_the_bits_of_the_ops_one_by_one() {
+    use crate::ops::gelu::{gelu_backward_f16, gelu_f16};
+    let mut rng = SeedRng::new(16);
+    let mixed = PathSet::of(&[PathId::MixedTraining]);
+    let mut backends = vec![cpu_backend()];
+    backends.extend(gpu_backend(None));
+    let bits = |be: &Backend, t: &Tensor| -> Vec<u32> {
+        be.to_vec(t).unwrap().iter().map(|v| v.to_bits()).collect()
+    };
+    for (m, n, k) in [(130, 68, 34), (256, 384, 128), (64, 16, 48)] {
+        // c_fc's x·Wᵀ and mlp_proj's dY·W, W as the trainer's f16 copy.
+        for g in [Gemm::nt(m, n, k), Gemm::nn(m, n, k)] {
+            let [ea, eb, ec] = g.extents();
+            let a = rng.vec(ea, -1.0, 1.0);
+            let b = rng.vec(eb, -1.0, 1.0);
+            let pre0 = rng.vec(ec, -5.0, 5.0);
+            for be in &backends {
+                let packed = |v: &[f32]| {
+                    let t = be.from_f32(v, 1).unwrap();
+                    let mut p = be.zeros(packed_len(v.len()), 1).unwrap();
+                    super::pack_f16(be, (&t).into(), (&mut p).into(), v.len()).unwrap();
+                    p
+                };
+                let (pa, pb) = (packed(&a), packed(&b));
+                let w = || Weights::F16((&pb).into());
+                let pairs = || be.zeros(packed_len(ec) + 4, 1).unwrap();
+                for pre_at in [2, 1] {
+                    let what = format!("{} {g:?} C at {pre_at}", be.kind());
+                    // Forward: the product and its GELU.
+                    let mut pre = be.zeros(ec + 4, 1).unwrap();
+                    let mut act = pairs();
+                    super::matmul_f16_a_gelu(
+                        be,
+                        mixed,
+                        (&pa).into(),
+                        w(),
+                        pre.at_mut(pre_at),
+                        act.at_mut(2),
+                        &g,
+                    )
+                    .unwrap();
+                    let mut pre1 = be.zeros(ec + 4, 1).unwrap();
+                    let mut act1 = pairs();
+                    super::matmul_f16_a(be, mixed, (&pa).into(), w(), pre1.at_mut(pre_at), &g)
+                        .unwrap();
+                    gelu_f16(be, pre1.at(pre_at), act1.at_mut(2), ec).unwrap();
+                    assert_eq!(bits(be, &pre), bits(be, &pre1), "pre-activations, {what}");
+                    assert_eq!(bits(be, &act), bits(be, &act1), "activations, {what}");
+                    // Backward: the product times GELU's derivative at pre0.
+                    let tpre = be
+                        .from_f32(&[vec![3.0; 4], pre0.clone()].concat(), 1)
+                        .unwrap();
+                    let mut dpre = pairs();
+                    super::matmul_f16_a_gelu_backward(
+                        be,
+                        mixed,
+                        (&pa).into(),
+                        w(),
+                        tpre.at(pre_at),
+                        dpre.at_mut(2),
+                        &g,
+                    )
+                    .unwrap();
+                    let mut wide = be.zeros(ec, 1).unwrap();
+                    super::matmul_f16_a(be, mixed, (&pa).into(), w(), wide.at_mut(0), &g).unwrap();
+                    let mut dpre1 = pairs();
+                    gelu_backward_f16(be, tpre.at(pre_at), wide.at(0), dpre1.at_mut(2), ec)
+                        .unwrap();
+                    assert_eq!(bits(be, &dpre), bits(be, &dpre1), "gradients, {what}");
+                }
+            }
+        }
+    }
+    // A product the fused forms do not take: C with a row stride of its own.
+    let be = cpu_backend();
+    let g = Gemm {
+        ldc: 20,
+        ..Gemm::nt(8, 16, 8)
+    };
+    let t = be.zeros(256, 1).unwrap();
+    let mut c = be.zeros(256, 1).unwrap();
+    let mut e = be.zeros(256, 1).unwrap();
+    let r = super::matmul_f16_a_gelu(&be, mixed, t.at(0), t.at(0), c.at_mut(0), e.at_mut(0), &g);
+    assert!(r.is_err());
+}
+
+/// The dropout epilogue (a projection's branch joining the residual stream,
+/// `matmul_f16_a_dropout_add`): with and without dropout, the bits of the product followed by
+/// `dropout_add` (the same mask), on every backend; on an adapter with cooperative matrices one
+/// tensor-core product, where the layout suits it (an output at an odd offset: the two ops).
+#[test]
+fn dropout_epilogue_gives_the_bits_of_the_ops_one_by_one() {
+    use crate::ops::dropout::dropout_add;
+    let mut rng = SeedRng::new(17);
+    let mixed = PathSet::of(&[PathId::MixedTraining]);
+    let mut backends = vec![cpu_backend()];
+    backends.extend(gpu_backend(None));
+    let bits = |be: &Backend, t: &Tensor| -> Vec<u32> {
+        be.to_vec(t).unwrap().iter().map(|v| v.to_bits()).collect()
+    };
+    for (m, n, k) in [(130, 68, 34), (256, 384, 128)] {
+        let g = Gemm::nt(m, n, k);
+        let [ea, eb, ec] = g.extents();
+        let a = rng.vec(ea, -1.0, 1.0);
+        let b = rng.vec(eb, -1.0, 1.0);
+        let residual = rng.vec(ec + 4, -1.0, 1.0);
+        for be in &backends {
+            let packed = |v: &[f32]| {
+                let t = be.from_f32(v, 1).unwrap();
+                let mut p = be.zeros(packed_len(v.len()), 1).unwrap();
+                super::pack_f16(be, (&t).into(), (&mut p).into(), v.len()).unwrap();
+                p
+            };
+            let (pa, pb) = (packed(&a), packed(&b));
+            let w = || Weights::F16((&pb).into());
+            let tr = be.from_f32(&residual, 1).unwrap();
+            for ((p, seed), at) in [((0.2, 7u32), 2), ((0.0, 0), 2), ((0.1, 9), 1)] {
+                let what = format!("{} {g:?} p {p} out at {at}", be.kind());
+                let mut out = be.zeros(ec + 4, 1).unwrap();
+                super::matmul_f16_a_dropout_add(
+                    be,
+                    mixed,
+                    (&pa).into(),
+                    w(),
+                    tr.at(4 - at),
+                    out.at_mut(at),
+                    &g,
+                    (p, seed),
+                )
+                .unwrap();
+                let mut wide = be.zeros(ec, 1).unwrap();
+                super::matmul_f16_a(be, mixed, (&pa).into(), w(), wide.at_mut(0), &g).unwrap();
+                let mut out1 = be.zeros(ec + 4, 1).unwrap();
+                dropout_add(be, tr.at(4 - at), wide.at(0), out1.at_mut(at), ec, p, seed).unwrap();
+                assert_eq!(bits(be, &out), bits(be, &out1), "{what}");
+                if p > 0.0 {
+                    let dropped = be.to_vec(&out).unwrap()[at..at + ec]
+                        .iter()
+                        .zip(&residual[4 - at..])
+                        .filter(|(o, r)| o == r)
+                        .count();
+                    assert!(dropped > 0, "{what}: no element dropped");
+                }
+            }
+        }
+    }
+}
