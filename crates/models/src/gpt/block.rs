@@ -514,14 +514,7 @@ pub(crate) fn block_backward(
         // dW, then the gradient at c_fc's output as f16 pairs straight from the dX product
         // (`matmul_f16_a_gelu_backward`).
         let dy = Act::F16(s.dy.at(0));
-        product(
-            be,
-            paths,
-            dy,
-            a.input(&a.act),
-            Out::F32(dw),
-            &Gemm::tn(c, 4 * c, n),
-        )?;
+        weight_grad(be, paths, dy, a.input(&a.act), dw, n, c, 4 * c)?;
         let (pre, d4b) = (a.fc.at(0), s.d4b.at_mut(0));
         let g = Gemm::nn(n, 4 * c, c);
         matmul_f16_a_gelu_backward(be, paths, s.dy.at(0), wproj, pre, d4b, &g)?;
@@ -647,8 +640,23 @@ pub(crate) fn linear_backward<'a, 'o>(
     out: usize,
     inp: usize,
 ) -> Result<()> {
-    let (dwg, dxg) = (Gemm::tn(out, inp, rows), Gemm::nn(rows, inp, out));
     let dy = dy.into();
-    product(be, paths, dy, x, Out::F32(dw), &dwg)?;
-    product(be, paths, dy, w, dx.into(), &dxg)
+    weight_grad(be, paths, dy, x, dw, rows, out, inp)?;
+    product(be, paths, dy, w, dx.into(), &Gemm::nn(rows, inp, out))
+}
+
+/// dW = dyᵀ · x for y = x · Wᵀ over `rows` rows (W is `out` x `inp`): [`linear_backward`]'s first
+/// half, for a caller whose dX product ends otherwise.
+#[allow(clippy::too_many_arguments)]
+fn weight_grad<'a>(
+    be: &Backend,
+    paths: PathSet,
+    dy: Act<'_>,
+    x: impl Into<Weights<'a>>,
+    dw: TMut<'_>,
+    rows: usize,
+    out: usize,
+    inp: usize,
+) -> Result<()> {
+    product(be, paths, dy, x, Out::F32(dw), &Gemm::tn(out, inp, rows))
 }

@@ -458,7 +458,7 @@ impl Epilogue {
     }
 
     /// How C is stored with this epilogue (None: either).
-    pub(super) fn c_storage(&self) -> Option<Storage> {
+    fn c_storage(&self) -> Option<Storage> {
         match self {
             Epilogue::None => None,
             Epilogue::Gelu | Epilogue::DropoutAdd => Some(Storage::F32),
@@ -466,13 +466,25 @@ impl Epilogue {
         }
     }
 
-    /// Whether the epilogue can take `g`'s layout (see [`Epilogue`]).
-    pub(super) fn suits(&self, g: &Gemm) -> bool {
-        *self == Epilogue::None
-            || (g.batches() == 1
-                && g.beta == 0.0
-                && g.n.is_multiple_of(2)
-                && g.ldc.is_multiple_of(2))
+    /// Whether E holds f16 pairs (else f32).
+    pub(super) fn e_pairs(&self) -> bool {
+        *self == Epilogue::Gelu
+    }
+}
+
+impl EpilogueArgs<'_> {
+    /// Whether the kernel takes this epilogue on `g` with C stored as `c` from element `oc` (see
+    /// [`Epilogue`]): unbatched, beta 0, even n, ldc and offsets, E in one buffer, and C stored as
+    /// the epilogue writes it.
+    pub(super) fn fits(&self, g: &Gemm, oc: usize, c: Storage) -> bool {
+        g.batches() == 1
+            && g.beta == 0.0
+            && g.n.is_multiple_of(2)
+            && g.ldc.is_multiple_of(2)
+            && self.e.num_chunks() == 1
+            && self.offset.is_multiple_of(2)
+            && oc.is_multiple_of(2)
+            && self.epi.c_storage() == Some(c)
     }
 }
 
@@ -1057,14 +1069,7 @@ pub(super) fn matmul_coop_epilogue(
     fault: Option<Fault>,
 ) -> Result<()> {
     let epi = e.map_or(Epilogue::None, |e| e.epi);
-    let e_fits = e.is_none_or(|e| {
-        e.e.num_chunks() == 1
-            && e.offset.is_multiple_of(2)
-            && oc.is_multiple_of(2)
-            && e.epi.suits(g)
-            && e.epi.c_storage() == Some(operands.c)
-    });
-    if !e_fits {
+    if !e.is_none_or(|e| e.fits(g, oc, operands.c)) {
         return Err(Error::Shape {
             op: "matmul_coop_mixed",
             msg:

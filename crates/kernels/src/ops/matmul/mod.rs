@@ -605,15 +605,7 @@ pub fn matmul_f16_a_gelu<'a>(
 ) -> Result<()> {
     let n = dense_extent(g, "matmul_f16_a_gelu")?;
     let b = b.into();
-    let e = match be {
-        Backend::Gpu(_) => Some(EpilogueArgs {
-            epi: Epilogue::Gelu,
-            e: act.gpu("matmul", "E", packed_len(n))?,
-            offset: 2 * act.offset(),
-            dropout: [0; 3],
-        }),
-        Backend::Cpu(_) => None,
-    };
+    let e = epilogue_args(be, Epilogue::Gelu, act.as_ref(), n, [0; 3])?;
     if coop_f16_a(be, paths, a, b, &pre, g, Storage::F32, e)? {
         return Ok(());
     }
@@ -638,15 +630,7 @@ pub fn matmul_f16_a_gelu_backward<'a>(
 ) -> Result<()> {
     let n = dense_extent(g, "matmul_f16_a_gelu_backward")?;
     let b = b.into();
-    let e = match be {
-        Backend::Gpu(_) => Some(EpilogueArgs {
-            epi: Epilogue::GeluGrad,
-            e: pre.gpu("matmul", "E", n)?,
-            offset: pre.offset(),
-            dropout: [0; 3],
-        }),
-        Backend::Cpu(_) => None,
-    };
+    let e = epilogue_args(be, Epilogue::GeluGrad, pre, n, [0; 3])?;
     if coop_f16_a(be, paths, a, b, &dpre, g, Storage::F16, e)? {
         return Ok(());
     }
@@ -675,21 +659,44 @@ pub fn matmul_f16_a_dropout_add<'a>(
     let n = dense_extent(g, "matmul_f16_a_dropout_add")?;
     crate::ops::dropout::check_probability("matmul_f16_a_dropout_add", p)?;
     let b = b.into();
-    let e = match be {
-        Backend::Gpu(_) => Some(EpilogueArgs {
-            epi: Epilogue::DropoutAdd,
-            e: residual.gpu("matmul", "E", n)?,
-            offset: residual.offset(),
-            dropout: crate::ops::dropout::mask_params(p, seed),
-        }),
-        Backend::Cpu(_) => None,
-    };
+    let e = epilogue_args(
+        be,
+        Epilogue::DropoutAdd,
+        residual,
+        n,
+        crate::ops::dropout::mask_params(p, seed),
+    )?;
     if coop_f16_a(be, paths, a, b, &out, g, Storage::F32, e)? {
         return Ok(());
     }
     let mut wide = be.scratch("matmul_dropout", n, 1)?;
     matmul_f16_a(be, paths, a, b, (&mut wide).into(), g)?;
     crate::ops::dropout::dropout_add(be, residual, (&wide).into(), out, n, p, seed)
+}
+
+/// The epilogue `epi` on E (`n` values as stored: f16 pairs or f32, [`Epilogue::e_pairs`]) on a GPU
+/// backend; `None` elsewhere, where the fused ops' fallback runs. `dropout`: the dropout epilogue's
+/// mask parameters (zeros for the others).
+fn epilogue_args<'t>(
+    be: &Backend,
+    epi: Epilogue,
+    e: TRef<'t>,
+    n: usize,
+    dropout: [u32; 3],
+) -> Result<Option<EpilogueArgs<'t>>> {
+    let Backend::Gpu(_) = be else {
+        return Ok(None);
+    };
+    let (len, offset) = match epi.e_pairs() {
+        true => (packed_len(n), 2 * e.offset()),
+        false => (n, e.offset()),
+    };
+    Ok(Some(EpilogueArgs {
+        epi,
+        e: e.gpu("matmul", "E", len)?,
+        offset,
+        dropout,
+    }))
 }
 
 /// The elements of `g`'s C where it is dense (ldc = n) and unbatched, as the fused products'
@@ -731,12 +738,8 @@ fn coop_f16_a(
         ..Operands::of(Storage::F16, Storage::of(b_f16))
     };
     let c_f16 = c_store == Storage::F16;
-    let epi_fits = e.is_none_or(|e| {
-        e.epi.suits(g)
-            && e.e.num_chunks() == 1
-            && e.offset.is_multiple_of(2)
-            && c.offset().is_multiple_of(2)
-    });
+    let oc = if c_f16 { 2 * c.offset() } else { c.offset() };
+    let epi_fits = e.is_none_or(|e| e.fits(g, oc, c_store));
     let coop = paths.has(PathId::MixedTraining)
         && gb.has_feature(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
         && coop::mixed_suits(g)
@@ -749,7 +752,6 @@ fn coop_f16_a(
         return Ok(false);
     }
     let ob = if b_f16 { 2 * bv.offset() } else { bv.offset() };
-    let oc = if c_f16 { 2 * c.offset() } else { c.offset() };
     let (a, b, c) = ((ta, 2 * a.offset()), (tb, ob), (tc, oc));
     let fault = product_fault(paths.fault(), g);
     // Slices of K sum in f32 scratch, so a C of pairs, or an epilogue, takes the whole of K in one

@@ -817,6 +817,19 @@ fn split_k_takes_f16_b() {
     }
 }
 
+/// A tensor's words, for comparing bits (f16 pairs among them).
+fn bits(be: &Backend, t: &Tensor) -> Vec<u32> {
+    be.to_vec(t).unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+/// `v` packed into f16 pairs on `be`.
+fn pairs_of(be: &Backend, v: &[f32]) -> Tensor {
+    let t = be.from_f32(v, 1).unwrap();
+    let mut p = be.zeros(packed_len(v.len()), 1).unwrap();
+    super::pack_f16(be, (&t).into(), (&mut p).into(), v.len()).unwrap();
+    p
+}
+
 /// The GELU epilogues: c_fc's product with its activation (`matmul_f16_a_gelu`) and mlp_proj's dX
 /// product with GELU's backward (`matmul_f16_a_gelu_backward`), A and B as f16 pairs, give the bits
 /// of the product followed by the element-wise op, on every backend: on an adapter with cooperative
@@ -830,9 +843,6 @@ fn gelu_epilogues_give_the_bits_of_the_ops_one_by_one() {
     let mixed = PathSet::of(&[PathId::MixedTraining]);
     let mut backends = vec![cpu_backend()];
     backends.extend(gpu_backend(None));
-    let bits = |be: &Backend, t: &Tensor| -> Vec<u32> {
-        be.to_vec(t).unwrap().iter().map(|v| v.to_bits()).collect()
-    };
     for (m, n, k) in [(130, 68, 34), (256, 384, 128), (64, 16, 48)] {
         // c_fc's x·Wᵀ and mlp_proj's dY·W, W as the trainer's f16 copy.
         for g in [Gemm::nt(m, n, k), Gemm::nn(m, n, k)] {
@@ -841,13 +851,7 @@ fn gelu_epilogues_give_the_bits_of_the_ops_one_by_one() {
             let b = rng.vec(eb, -1.0, 1.0);
             let pre0 = rng.vec(ec, -5.0, 5.0);
             for be in &backends {
-                let packed = |v: &[f32]| {
-                    let t = be.from_f32(v, 1).unwrap();
-                    let mut p = be.zeros(packed_len(v.len()), 1).unwrap();
-                    super::pack_f16(be, (&t).into(), (&mut p).into(), v.len()).unwrap();
-                    p
-                };
-                let (pa, pb) = (packed(&a), packed(&b));
+                let (pa, pb) = (pairs_of(be, &a), pairs_of(be, &b));
                 let w = || Weights::F16((&pb).into());
                 let pairs = || be.zeros(packed_len(ec) + 4, 1).unwrap();
                 for pre_at in [2, 1] {
@@ -921,9 +925,6 @@ fn dropout_epilogue_gives_the_bits_of_the_ops_one_by_one() {
     let mixed = PathSet::of(&[PathId::MixedTraining]);
     let mut backends = vec![cpu_backend()];
     backends.extend(gpu_backend(None));
-    let bits = |be: &Backend, t: &Tensor| -> Vec<u32> {
-        be.to_vec(t).unwrap().iter().map(|v| v.to_bits()).collect()
-    };
     for (m, n, k) in [(130, 68, 34), (256, 384, 128)] {
         let g = Gemm::nt(m, n, k);
         let [ea, eb, ec] = g.extents();
@@ -931,13 +932,7 @@ fn dropout_epilogue_gives_the_bits_of_the_ops_one_by_one() {
         let b = rng.vec(eb, -1.0, 1.0);
         let residual = rng.vec(ec + 4, -1.0, 1.0);
         for be in &backends {
-            let packed = |v: &[f32]| {
-                let t = be.from_f32(v, 1).unwrap();
-                let mut p = be.zeros(packed_len(v.len()), 1).unwrap();
-                super::pack_f16(be, (&t).into(), (&mut p).into(), v.len()).unwrap();
-                p
-            };
-            let (pa, pb) = (packed(&a), packed(&b));
+            let (pa, pb) = (pairs_of(be, &a), pairs_of(be, &b));
             let w = || Weights::F16((&pb).into());
             let tr = be.from_f32(&residual, 1).unwrap();
             for ((p, seed), at) in [((0.2, 7u32), 2), ((0.0, 0), 2), ((0.1, 9), 1)] {
